@@ -1,0 +1,148 @@
+"""Tiny pure mask factories (attention-gym style). Each returns a MaskSpec.
+
+Index conventions: `q_idx` is a query token position. `kv_idx` is a key token position, except
+for `compressed_causal`, whose kv index is a compressed block i covering tokens
+[i*d, i*d + l - 1]. Every mask is strictly causal: no key after the query is ever visible.
+"""
+
+import torch
+from torch import Tensor
+
+from .core import MaskSpec
+
+
+def causal() -> MaskSpec:
+    def mask_mod(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+
+    def interval(q):
+        return torch.zeros_like(q).unsqueeze(0), q.unsqueeze(0)
+
+    return MaskSpec(mask_mod, interval=interval, name="causal")
+
+
+def sliding_window(window: int) -> MaskSpec:
+    """Query t sees keys t - window + 1 .. t."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
+
+    def interval(q):
+        return (q - window + 1).unsqueeze(0), q.unsqueeze(0)
+
+    return MaskSpec(mask_mod, interval=interval, name=f"sliding_window({window})")
+
+
+def compressed_causal(l: int, d: int) -> MaskSpec:
+    """Query t sees compressed block i only when the block ends at or before t: i*d + l - 1 <= t."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return kv_idx * d + l - 1 <= q_idx
+
+    def interval(q):
+        # largest i with i*d + l - 1 <= t is floor((t - l + 1) / d); negative: none
+        hi = torch.div(q - l + 1, d, rounding_mode="floor")
+        return torch.zeros_like(q).unsqueeze(0), hi.unsqueeze(0)
+
+    return MaskSpec(mask_mod, interval=interval, name=f"compressed_causal({l},{d})")
+
+
+def document(doc_ids: Tensor, kv_stride: int = 1, kv_span: int = 1) -> MaskSpec:
+    """Keys only from the query's own document (packed sequences).
+
+    doc_ids: [B, T], non-decreasing along T (documents are contiguous). A kv index k covers tokens
+    [k*kv_stride, k*kv_stride + kv_span - 1] (1, 1 for token keys; d, l for compressed blocks); it
+    is visible only when its whole span lies in the query's document. With causality the span's
+    end is <= t, so it is enough that its first token is in the query's document."""
+    doc_ids = doc_ids.long()
+    T = doc_ids.shape[1]
+    starts = doc_start(doc_ids)  # [B, T]: first token of each position's document
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        first = (kv_idx * kv_stride).clamp_max(T - 1)
+        last = (kv_idx * kv_stride + kv_span - 1).clamp_max(T - 1)
+        dq = doc_ids[b, q_idx]
+        return (doc_ids[b, first] == dq) & (doc_ids[b, last] == dq)
+
+    def interval(q):
+        lo = torch.div(starts[:, q] + kv_stride - 1, kv_stride, rounding_mode="floor")
+        return lo, torch.full_like(lo, torch.iinfo(torch.long).max // 4)
+
+    return MaskSpec(mask_mod, interval=interval, name="document")
+
+
+def doc_start(doc_ids: Tensor) -> Tensor:
+    """[B, T] -> first position of each token's document (doc_ids non-decreasing along T)."""
+    B, T = doc_ids.shape
+    pos = torch.arange(T, device=doc_ids.device).expand(B, T)
+    new = torch.ones_like(doc_ids, dtype=torch.bool)
+    new[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    return torch.cummax(torch.where(new, pos, 0), dim=1).values
+
+
+def selection(sel_idx: Tensor, l_sel: int) -> MaskSpec:
+    """Query t of group h sees key s <= t when s's block s // l_sel is among sel_idx[b, h, t, :].
+
+    sel_idx: [B, H_groups, T, n] block indices, -1 for unused slots. The mask is per GQA group
+    (paper Eq. 10): every query head of a group shares it. Its block lists come straight from
+    sel_idx (no dense [T, T] evaluation) when l_sel is a multiple of the kv block size."""
+    B, H, T, n = sel_idx.shape
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        blk = kv_idx // l_sel
+        hit = sel_idx[b, h, q_idx, 0] == blk
+        for i in range(1, n):
+            hit = hit | (sel_idx[b, h, q_idx, i] == blk)
+        return hit & (kv_idx <= q_idx)
+
+    def kv_blocks(Bq, Q_LEN, KV_LEN, block_size, q_pack, device, lo, hi):
+        return selection_block_flags(sel_idx, l_sel, Q_LEN, KV_LEN, block_size, q_pack, lo, hi)
+
+    return MaskSpec(mask_mod, heads=H, kv_blocks=kv_blocks, name=f"selection(n={n},l'={l_sel})",
+                    kv_block=l_sel)
+
+
+def selection_block_flags(sel_idx, l_sel, Q_LEN, KV_LEN, block_size, q_pack, lo=None, hi=None):
+    """[B, H, NQB, NKB] (any, full) flags of the selection mask in the q-packed layout."""
+    QB, KB = block_size
+    if l_sel % KB:
+        raise ValueError(f"selection block l_sel={l_sel} must be a multiple of the kv block size {KB}")
+    if QB % q_pack:
+        raise ValueError(f"q block size {QB} must be a multiple of the packing {q_pack}")
+    B, H, T, n = sel_idx.shape
+    dev = sel_idx.device
+    P = QB // q_pack  # token positions per q block
+    nqb = -(-Q_LEN // P)
+    nkb = -(-KV_LEN // KB)
+    r = l_sel // KB  # kv blocks per selection block
+    t = torch.arange(T, device=dev)
+    if lo is None:
+        lo = torch.zeros(1, T, dtype=torch.long, device=dev)
+        hi = torch.full((1, T), torch.iinfo(torch.long).max // 4, dtype=torch.long, device=dev)
+    hi = torch.minimum(hi, t.unsqueeze(0))  # causal
+    lo, hi = lo.unsqueeze(1).unsqueeze(-1), hi.unsqueeze(1).unsqueeze(-1)  # [B|1, 1, T, 1]
+    # each selected block expands to r kv blocks: [B, H, T, n*r]
+    kvb = (sel_idx.unsqueeze(-1) * r + torch.arange(r, device=dev)).flatten(-2)
+    valid = (sel_idx >= 0).repeat_interleave(r, dim=-1)
+    k0 = kvb * KB
+    k1 = k0 + KB - 1
+    any_tok = valid & (k0 <= hi) & (k1 >= lo) & (k0 < KV_LEN)
+    full_tok = valid & (k0 >= lo) & (k1 <= hi) & (k1 < KV_LEN)
+    col = torch.where(valid, kvb, nkb).clamp(0, nkb)  # unused slots go to a dummy column
+    pad = nqb * P - T
+    if pad:
+        any_tok = torch.cat([any_tok, any_tok.new_zeros(B, H, pad, n * r)], 2)
+        full_tok = torch.cat([full_tok, full_tok.new_zeros(B, H, pad, n * r)], 2)
+        col = torch.cat([col, col.new_full((B, H, pad, n * r), nkb)], 2)
+    qb = (torch.arange(nqb * P, device=dev) // P).view(1, 1, -1, 1)
+    flat = (qb * (nkb + 1) + col).reshape(B, H, -1)
+    cnt_any = torch.zeros(B, H, nqb * (nkb + 1), dtype=torch.int32, device=dev)
+    cnt_full = torch.zeros_like(cnt_any)
+    cnt_any.scatter_add_(2, flat, any_tok.reshape(B, H, -1).to(torch.int32))
+    cnt_full.scatter_add_(2, flat, full_tok.reshape(B, H, -1).to(torch.int32))
+    cnt_any = cnt_any.view(B, H, nqb, nkb + 1)[..., :nkb]
+    cnt_full = cnt_full.view(B, H, nqb, nkb + 1)[..., :nkb]
+    # full: every one of the P positions of the q block sees the whole kv block
+    q_rows = (torch.arange(nqb, device=dev) * P).view(1, 1, -1, 1)
+    complete = (q_rows + P <= Q_LEN)
+    return cnt_any > 0, (cnt_full == P) & complete

@@ -1,0 +1,199 @@
+"""The one mask type both backends consume, and how it turns into a BlockMask or a dense mask.
+
+A `MaskSpec` is built by a tiny pure factory (see `masks/builders.py`). It always carries a
+`mask_mod(b, h, q_idx, kv_idx) -> bool` that describes the *whole* mask (eager FlexAttention
+evaluates only the mask_mod and ignores block lists, so a mask held only in block lists would be
+silently wrong there). Two optional descriptions let us build BlockMasks without evaluating the
+mask_mod over a dense [Q, KV] grid:
+
+- `interval`: the mask is a band. For query tokens `q` (a 1-D LongTensor) it returns inclusive
+  `(lo, hi)` kv bounds of shape [B or 1, len(q)]: kv is visible iff lo <= kv <= hi (hi < lo: the
+  row sees nothing). Causal, sliding-window, compressed-causal and document masks are bands.
+- `kv_blocks`: the mask's own block lists (the selection mask): a function
+  `(B, Q_LEN, KV_LEN, block_size, q_pack, device, lo, hi) -> (any, full)` of [B, H, NQB, NKB]
+  bool block flags, where (lo, hi) is an extra band restriction from `and_masks` (or None).
+
+`q_pack` is the group-centric packing used by the flex backend for per-group masks: query row
+`r` of the packed layout is token `r // q_pack` (one row per head of a GQA group).
+"""
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
+
+MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+Interval = Callable[[Tensor], tuple[Tensor, Tensor]]
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    mask_mod: MaskMod
+    # number of heads the mask depends on: 1 (head-agnostic) or the number of KV groups
+    # (per-group, e.g. the selection mask: all heads of a GQA group share it, paper Eq. 10)
+    heads: int = 1
+    interval: Interval | None = None
+    kv_blocks: Callable | None = None
+    name: str = "mask"
+    # kv block size the block lists are made for (the selection mask: its block length l')
+    kv_block: int | None = None
+
+    @property
+    def per_group(self) -> bool:
+        return self.kv_blocks is not None or self.heads > 1
+
+    # ------------------------------------------------------------------ dense
+    def dense(self, B: int, Q_LEN: int, KV_LEN: int, device=None) -> Tensor:
+        """Dense boolean mask [B, heads, Q_LEN, KV_LEN], evaluated element-wise from mask_mod."""
+        b = torch.arange(B, device=device).view(B, 1, 1, 1)
+        h = torch.arange(self.heads, device=device).view(1, self.heads, 1, 1)
+        q = torch.arange(Q_LEN, device=device).view(1, 1, Q_LEN, 1)
+        kv = torch.arange(KV_LEN, device=device).view(1, 1, 1, KV_LEN)
+        m = self.mask_mod(b, h, q, kv)
+        return m.expand(B, self.heads, Q_LEN, KV_LEN)
+
+    # ------------------------------------------------------------------ block mask
+    def block_flags(self, B: int, Q_LEN: int, KV_LEN: int, block_size: tuple[int, int],
+                    q_pack: int = 1, device=None) -> tuple[Tensor, Tensor]:
+        """(any, full) block flags [B', H', NQB, NKB] of the (packed) layout."""
+        if self.kv_blocks is not None:
+            return self.kv_blocks(B, Q_LEN, KV_LEN, block_size, q_pack, device, None, None)
+        if self.interval is None:
+            raise ValueError(f"mask {self.name!r} has neither an interval nor block lists; "
+                             "use create_block_mask on its mask_mod")
+        lo, hi = self.interval(torch.arange(Q_LEN, device=device))
+        return band_block_flags(lo, hi, Q_LEN, KV_LEN, block_size, q_pack)
+
+    def block_mask(self, B: int, Q_LEN: int, KV_LEN: int, device=None,
+                   block_size: int | tuple[int, int] = 128, q_pack: int = 1) -> BlockMask:
+        """BlockMask over `Q_LEN * q_pack` (packed) query rows and KV_LEN keys.
+
+        Head dim of the result: 1 for head-agnostic masks, `heads` for per-group masks (in the
+        packed layout those are the query heads, as FlexAttention requires)."""
+        bs = (block_size, block_size) if isinstance(block_size, int) else tuple(block_size)
+        mod = self.mask_mod
+        if self.interval is None and self.kv_blocks is None:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            return create_block_mask(packed_mask_mod(mod, q_pack), B, self.heads, Q_LEN * q_pack,
+                                     KV_LEN, device=device, BLOCK_SIZE=bs)
+        any_, full = self.block_flags(B, Q_LEN, KV_LEN, bs, q_pack, device)
+        return block_mask_from_flags(any_, full, bs, packed_mask_mod(mod, q_pack),
+                                     (Q_LEN * q_pack, KV_LEN))
+
+
+def packed_mask_mod(mask_mod: MaskMod, q_pack: int) -> MaskMod:
+    if q_pack == 1:
+        return mask_mod
+
+    def packed(b, h, q_idx, kv_idx):
+        return mask_mod(b, h, q_idx // q_pack, kv_idx)
+
+    return packed
+
+
+def band_block_flags(lo: Tensor, hi: Tensor, Q_LEN: int, KV_LEN: int,
+                     block_size: tuple[int, int], q_pack: int = 1) -> tuple[Tensor, Tensor]:
+    """Block flags of a band mask given per-token inclusive kv bounds lo, hi [B, Q_LEN].
+
+    A kv block is listed ("any") when some row of the q block sees some key in it, and "full"
+    when every row of the q block sees every key of it (and both lie wholly inside the lengths).
+    Flags are [B, 1, NQB, NKB]; cost is O(NQB * NKB), never O(Q_LEN * KV_LEN).
+    """
+    QB, KB = block_size
+    rows = Q_LEN * q_pack
+    if q_pack > 1:
+        lo = lo.repeat_interleave(q_pack, dim=-1)
+        hi = hi.repeat_interleave(q_pack, dim=-1)
+    nqb = -(-rows // QB)
+    nkb = max(1, -(-KV_LEN // KB))
+    pad = nqb * QB - rows
+    Bm = lo.shape[0]
+    lo = lo.clamp_min(0)
+    hi = hi.clamp_max(KV_LEN - 1)
+    empty = hi < lo
+    big = torch.iinfo(torch.long).max // 4
+    lo_any = torch.where(empty, big, lo)
+    hi_any = torch.where(empty, -1, hi)
+    # for "full": padded or empty rows make the block not full
+    lo_full = torch.where(empty, big, lo)
+    hi_full = torch.where(empty, -1, hi)
+    if pad:
+        fill = lambda t, v: torch.cat([t, t.new_full((Bm, pad), v)], dim=-1)
+        lo_any, hi_any = fill(lo_any, big), fill(hi_any, -1)
+        lo_full, hi_full = fill(lo_full, big), fill(hi_full, -1)
+    a0 = lo_any.view(Bm, nqb, QB).amin(-1)
+    a1 = hi_any.view(Bm, nqb, QB).amax(-1)
+    f0 = lo_full.view(Bm, nqb, QB).amax(-1)
+    f1 = hi_full.view(Bm, nqb, QB).amin(-1)
+    kb = torch.arange(nkb, device=lo.device).view(1, 1, nkb)
+    k_start = kb * KB
+    k_end = k_start + KB - 1  # inclusive
+    any_ = (k_start <= a1.unsqueeze(-1)) & (k_end >= a0.unsqueeze(-1))
+    full = (k_start >= f0.unsqueeze(-1)) & (k_end <= f1.unsqueeze(-1)) & (k_end < KV_LEN)
+    return any_.unsqueeze(1), full.unsqueeze(1)
+
+
+def block_mask_from_flags(any_: Tensor, full: Tensor, block_size: tuple[int, int],
+                          mask_mod: MaskMod, seq_lengths: tuple[int, int]) -> BlockMask:
+    """BlockMask from [B, H, NQB, NKB] flags: full blocks skip mask_mod, the rest are partial.
+
+    Index tensors are padded to the full KV-block width, so the shapes (and the compiled kernels)
+    stay the same from step to step while the selection changes."""
+    partial = any_ & ~full
+    kv_num, kv_idx = _flags_to_indices(partial)
+    full_num, full_idx = _flags_to_indices(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size,
+                                    mask_mod=mask_mod, seq_lengths=seq_lengths)
+
+
+def _flags_to_indices(flags: Tensor) -> tuple[Tensor, Tensor]:
+    num = flags.sum(-1, dtype=torch.int32)
+    # stable sort of ~flags puts the listed blocks first, in increasing block order
+    idx = torch.sort((~flags).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
+    return num, idx.contiguous()
+
+
+def and_masks(*specs: MaskSpec, name: str | None = None) -> MaskSpec:
+    """Intersection of masks (like flex_attention.and_masks, for MaskSpecs).
+
+    Bands intersect as bands; one block-list mask combines with any number of bands."""
+    specs = tuple(s for s in specs if s is not None)
+    if len(specs) == 1:
+        return specs[0]
+    mods = [s.mask_mod for s in specs]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        m = mods[0](b, h, q_idx, kv_idx)
+        for f in mods[1:]:
+            m = m & f(b, h, q_idx, kv_idx)
+        return m
+
+    heads = max(s.heads for s in specs)
+    bands = [s.interval for s in specs if s.interval is not None]
+    lists = [s.kv_blocks for s in specs if s.kv_blocks is not None]
+    interval = kv_blocks = None
+
+    def band(q):
+        lo, hi = bands[0](q)
+        for f in bands[1:]:
+            l2, h2 = f(q)
+            lo, hi = torch.maximum(lo, l2), torch.minimum(hi, h2)
+        return lo, hi
+
+    if len(lists) == 0 and len(bands) == len(specs):
+        interval = band
+    elif len(lists) == 1 and len(bands) == len(specs) - 1:
+        inner = lists[0]
+
+        def kv_blocks(B, Q_LEN, KV_LEN, block_size, q_pack, device, lo, hi):
+            l2, h2 = band(torch.arange(Q_LEN, device=device))
+            if lo is not None:
+                l2, h2 = torch.maximum(lo, l2), torch.minimum(hi, h2)
+            return inner(B, Q_LEN, KV_LEN, block_size, q_pack, device, l2, h2)
+
+    kv_block = next((s.kv_block for s in specs if s.kv_block is not None), None)
+    return MaskSpec(mask_mod, heads=heads, interval=interval, kv_blocks=kv_blocks,
+                    name=name or "&".join(s.name for s in specs), kv_block=kv_block)

@@ -1,0 +1,173 @@
+"""Branch mask builders by name, and presets of one builder per NSA branch.
+
+Contract of a branch mask builder (register your own with `register_mask_builder`):
+
+    builder(ctx: MaskContext) -> MaskSpec | None      # None switches the branch off
+
+`ctx` holds the layer's config and this step's inputs (sequence length, document ids and, for
+selection builders, `ctx.topn()`, the scorer's top-n block indices [B, n_kv_heads, T, n_sel]).
+A builder is called every step, so it may depend on the data. It must be strictly causal and,
+for the selection branch, give every head of a GQA group the same mask (heads = n_kv_heads).
+`kind` says which branch accepts it: "compressed" (kv index = compressed block), "selection"
+(per-group token mask), or "token" (token mask; accepted by the selection and window branches).
+"""
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from .builders import causal, compressed_causal, doc_start, document, selection, sliding_window
+from .core import MaskSpec, and_masks
+
+
+@dataclass
+class MaskContext:
+    cfg: object  # NSAConfig
+    batch: int
+    seq_len: int
+    device: torch.device
+    doc_ids: Tensor | None = None
+    topn: Callable[[], Tensor] | None = None  # scorer -> [B, n_kv_heads, T, n_sel]
+    step: Tensor | int = 0  # varies the random_selection draw from call to call
+
+    def with_docs(self, spec: MaskSpec, kv_stride: int = 1, kv_span: int = 1) -> MaskSpec:
+        if self.doc_ids is None:
+            return spec
+        return and_masks(spec, document(self.doc_ids, kv_stride, kv_span))
+
+    def doc_start(self) -> Tensor:
+        if self.doc_ids is None:
+            return torch.zeros(1, self.seq_len, dtype=torch.long, device=self.device)
+        return doc_start(self.doc_ids.long())
+
+
+_REGISTRY: dict[str, tuple[str, Callable[[MaskContext], MaskSpec | None]]] = {}
+
+
+def register_mask_builder(name: str, kind: str, fn: Callable[[MaskContext], MaskSpec | None]):
+    if kind not in ("compressed", "selection", "token"):
+        raise ValueError(f"kind={kind!r}: allowed values are 'compressed', 'selection', 'token'")
+    if name in _REGISTRY:
+        raise ValueError(f"mask builder {name!r} is already registered")
+    _REGISTRY[name] = (kind, fn)
+    return fn
+
+
+def get_mask_builder(name: str) -> Callable[[MaskContext], MaskSpec | None]:
+    if name not in _REGISTRY:
+        raise KeyError(f"unknown mask builder {name!r}; registered: {sorted(_REGISTRY)}")
+    return _REGISTRY[name][1]
+
+
+def list_mask_builders(branch: str | None = None) -> list[str]:
+    """Builder names a branch accepts: "compressed", "selection" (selection + token builders),
+    "token" (window branch), or all."""
+    ok = {None: ("compressed", "selection", "token"), "compressed": ("compressed",),
+          "selection": ("selection", "token"), "token": ("token",)}[branch]
+    return sorted(n for n, (k, _) in _REGISTRY.items() if k in ok or n == "none")
+
+
+# ---------------------------------------------------------------------- built-in builders
+def _none(ctx):
+    return None
+
+
+def _causal(ctx):
+    return ctx.with_docs(causal())
+
+
+def _sliding(ctx):
+    return ctx.with_docs(sliding_window(ctx.cfg.window))
+
+
+def _compressed(ctx):
+    c = ctx.cfg
+    return ctx.with_docs(compressed_causal(c.l, c.d), kv_stride=c.d, kv_span=c.l)
+
+
+def _topn(ctx):
+    return ctx.with_docs(selection(ctx.topn(), ctx.cfg.l_sel))
+
+
+def forced_and_valid(cfg, T: int, starts: Tensor, device, t0: int = 0, t1: int | None = None
+                     ) -> tuple[Tensor, Tensor]:
+    """[B|1, t1-t0, Ns] masks of the blocks queries t0..t1-1 may select (start <= t, not wholly
+    before the query's document) and the forced ones (the document's first block, the n_local
+    most recent blocks). starts [B|1, T]: first token of each position's document."""
+    t1 = T if t1 is None else t1
+    ns = -(-T // cfg.l_sel)
+    t = torch.arange(t0, t1, device=device).view(1, -1, 1)
+    j = torch.arange(ns, device=device).view(1, 1, ns)
+    s = starts[:, t0:t1].unsqueeze(-1)
+    valid = (j * cfg.l_sel <= t) & ((j + 1) * cfg.l_sel - 1 >= s)
+    cur = t // cfg.l_sel
+    forced = (j > cur - cfg.n_local) & (j <= cur) if cfg.n_local > 0 else torch.zeros_like(valid)
+    if cfg.n_init:
+        forced = forced | (j == s // cfg.l_sel)
+    return valid, forced & valid
+
+
+def pick_blocks(scores: Tensor, valid: Tensor, forced: Tensor, n: int) -> Tensor:
+    """Top-n blocks per row: forced first, then by score, ties to the lower index; -1 pads.
+
+    scores [..., Ns] -> indices [..., n]. Deterministic (stable sort)."""
+    s = scores.masked_fill(~valid, float("-inf")).masked_fill(forced, float("inf"))
+    ns = s.shape[-1]
+    if ns < n:
+        s = torch.cat([s, s.new_full((*s.shape[:-1], n - ns), float("-inf"))], -1)
+    order = torch.sort(s, dim=-1, descending=True, stable=True)
+    idx = order.indices[..., :n]
+    return torch.where(order.values[..., :n] == float("-inf"), -1, idx)
+
+
+def hash_uniform(B: int, H: int, T: int, N: int, step, device) -> Tensor:
+    """Reproducible uniform [0, 1) numbers [B, H, T, N] from a counter hash of (index, step):
+    tensor ops only, so it traces into a compiled graph (no generator state)."""
+    i = torch.arange(B * H * T * N, device=device, dtype=torch.long).view(B, H, T, N)
+    x = (i + 1) * 0x9E3779B1 + torch.as_tensor(step, device=device) * 0x85EBCA77
+    for _ in range(2):
+        x = (x ^ (x >> 15)) * 0x2C1B3C6D % (1 << 32)
+        x = (x ^ (x >> 12)) * 0x297A2D39 % (1 << 32)
+    return (x % (1 << 24)).float() / float(1 << 24)
+
+
+def _random(ctx):
+    c = ctx.cfg
+    T = ctx.seq_len
+    valid, forced = forced_and_valid(c, T, ctx.doc_start(), ctx.device)
+    ns = valid.shape[-1]
+    scores = hash_uniform(ctx.batch, c.n_kv_heads, T, ns, ctx.step, ctx.device)
+    idx = pick_blocks(scores, valid.unsqueeze(1), forced.unsqueeze(1), c.n_sel)
+    return ctx.with_docs(selection(idx, c.l_sel))
+
+
+def _local(ctx):
+    c = ctx.cfg
+    T = ctx.seq_len
+    valid, forced = forced_and_valid(c, T, ctx.doc_start(), ctx.device)
+    ns = valid.shape[-1]
+    recency = torch.arange(ns, device=ctx.device, dtype=torch.float32).expand(valid.shape)
+    idx = pick_blocks(recency, valid, forced, c.n_sel).unsqueeze(1)
+    idx = idx.expand(ctx.batch, c.n_kv_heads, T, c.n_sel)
+    return ctx.with_docs(selection(idx, c.l_sel))
+
+
+register_mask_builder("none", "token", _none)
+register_mask_builder("causal", "token", _causal)
+register_mask_builder("sliding_window", "token", _sliding)
+register_mask_builder("compressed_causal", "compressed", _compressed)
+register_mask_builder("topn", "selection", _topn)
+register_mask_builder("random_selection", "selection", _random)
+register_mask_builder("local_selection", "selection", _local)
+
+# preset name -> (compressed branch, selection branch, window branch) builder names
+PRESETS: dict[str, tuple[str, str, str]] = {
+    "nsa": ("compressed_causal", "topn", "sliding_window"),
+    "full_causal": ("none", "causal", "none"),
+    "sliding_only": ("none", "none", "sliding_window"),
+    "random_selection": ("compressed_causal", "random_selection", "sliding_window"),
+    "local_selection": ("compressed_causal", "local_selection", "sliding_window"),
+    "no_compressed": ("none", "topn", "sliding_window"),
+}

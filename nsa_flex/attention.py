@@ -1,0 +1,109 @@
+"""Attention backends. Both take the same MaskSpec and compute the same function.
+
+- `reference`: dense masked attention from `spec.dense(...)`; runs anywhere, with autograd
+  (CPU training and CPU gradient tests use it). Rows that see no key give 0 and lse = -inf.
+- `flex`: FlexAttention driven by `spec.block_mask(...)`, compiled. Per-group masks (the
+  selection branch) use group-centric packing: q [B, Hq, T, D] -> [B, Hkv, T*G, D] with row
+  t*G + g, so one q block holds one position's G heads (NSA's own kernel tile) and every selected
+  kv block is a *full* block; only the query's own block runs the mask_mod.
+
+Shapes: q [B, Hq, T, Dk], k [B, Hkv, S, Dk], v [B, Hkv, S, Dv] -> out [B, Hq, T, Dv],
+lse [B, Hq, T] (fp32, natural log; None from compiled CPU flex, which cannot return it: the
+scorer then computes it itself).
+"""
+
+import math
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import flex_attention
+
+from masks import MaskSpec
+
+from .kernel_options import flex_kernel_options, packed_block_size
+
+_compiled_flex = None
+
+
+def _flex(*args, **kwargs):
+    global _compiled_flex
+    if torch.compiler.is_compiling():
+        return flex_attention(*args, **kwargs)
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex(*args, **kwargs)
+
+
+def _flex_lse(q, k, v, block_mask, scale, enable_gqa, kernel_options):
+    if q.device.type == "cpu":  # compiled CPU flex supports neither lse nor backward
+        out = _flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+        return out, None
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+
+        out, aux = _flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
+                         kernel_options=kernel_options, return_aux=AuxRequest(lse=True))
+        return out, aux.lse
+    except ImportError:  # older torch
+        return _flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
+                     kernel_options=kernel_options, return_lse=True)
+
+
+def empty_attention(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """No keys at all (e.g. T < l for the compressed branch): output 0, lse = -inf."""
+    B, H, T, _ = q.shape
+    out = q.new_zeros(B, H, T, v.shape[-1]) + 0 * q.sum() + 0 * v.sum()  # keep the graph
+    return out, q.new_full((B, H, T), float("-inf"), dtype=torch.float32)
+
+
+def attend_reference(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec,
+                     scale: float | None = None) -> tuple[Tensor, Tensor]:
+    B, Hq, T, Dk = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    if S == 0:
+        return empty_attention(q, v)
+    G = Hq // Hkv
+    scale = scale if scale is not None else 1.0 / math.sqrt(Dk)
+    mask = spec.dense(B, T, S, device=q.device)
+    # [Bm, Hm, T, S] with Hm in {1, Hkv} -> [Bm, Hm, 1, T, S] broadcasts over the group's heads
+    mask = mask.unsqueeze(2)
+    qg = q.view(B, Hkv, G, T, Dk)
+    s = torch.einsum("bhgtd,bhsd->bhgts", qg, k).float() * scale
+    s = s.masked_fill(~mask, float("-inf"))
+    mx = s.amax(-1, keepdim=True)
+    mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx)).detach()
+    e = torch.exp(s - mx)
+    den = e.sum(-1, keepdim=True)
+    p = e / den.clamp_min(torch.finfo(torch.float32).tiny)
+    out = torch.einsum("bhgts,bhsd->bhgtd", p.to(v.dtype), v)
+    lse = (torch.log(den) + mx).squeeze(-1)
+    return out.reshape(B, Hq, T, -1), lse.reshape(B, Hq, T)
+
+
+def attend_flex(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec,
+                scale: float | None = None) -> tuple[Tensor, Tensor]:
+    B, Hq, T, Dk = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    if S == 0:
+        return empty_attention(q, v)
+    G = Hq // Hkv
+    scale = scale if scale is not None else 1.0 / math.sqrt(Dk)
+    if spec.per_group:
+        # group-centric packing: [B, Hkv, G, T, D] -> [B, Hkv, T*G, D], row = t*G + g
+        bs = packed_block_size(G, spec)
+        qp = q.view(B, Hkv, G, T, Dk).transpose(2, 3).reshape(B, Hkv, T * G, Dk)
+        bm = spec.block_mask(B, T, S, device=q.device, block_size=bs, q_pack=G)
+        out, lse = _flex_lse(qp, k, v, bm, scale, False, flex_kernel_options(q, bs))
+        out = out.view(B, Hkv, T, G, -1).transpose(2, 3).reshape(B, Hq, T, -1)
+        if lse is not None:
+            lse = lse.view(B, Hkv, T, G).transpose(2, 3).reshape(B, Hq, T)
+        return out, lse
+    bm = spec.block_mask(B, T, S, device=q.device, block_size=128)
+    return _flex_lse(q, k, v, bm, scale, Hq != Hkv, None)
+
+
+BACKENDS = {"reference": attend_reference, "flex": attend_flex}
+
+
+def attend(q, k, v, spec: MaskSpec, backend: str, scale: float | None = None):
+    return BACKENDS[backend](q, k, v, spec, scale)

@@ -1,0 +1,133 @@
+"""NSAConfig: every knob of one NSA attention layer, with paper defaults and validation.
+
+Paper (arXiv 2502.11089) defaults: compression block l=32, stride d=16, selection block l'=64,
+n=16 selected blocks (1 initial + 2 local always included), window w=512, 64 query heads in 4 GQA
+groups, d_k=192, d_v=128, hidden size 2560.
+"""
+
+from dataclasses import asdict, dataclass, fields
+
+PHI_CHOICES = ("avg", "mlp")
+BACKEND_CHOICES = ("flex", "reference")
+
+
+class NSAConfigError(ValueError):
+    """Raised for an invalid NSAConfig; lists every violated rule, each naming its field."""
+
+
+@dataclass
+class NSAConfig:
+    dim: int = 2560
+    n_heads: int = 64
+    n_kv_heads: int = 4
+    d_qk: int = 192
+    d_v: int = 128
+    # compression: block length l, stride d
+    l: int = 32
+    d: int = 16
+    # selection: block length l', number of selected blocks n, forced initial / local blocks
+    l_sel: int = 64
+    n_sel: int = 16
+    n_init: int = 1
+    n_local: int = 2
+    # sliding window
+    window: int = 512
+    # compression function phi: "avg" (mean pooling) or "mlp" (learned, with intra-block positions)
+    phi: str = "avg"
+    # attention backend: "flex" (compiled FlexAttention) or "reference" (dense, autograd anywhere)
+    backend: str = "flex"
+    # mask builders: a preset name (see masks.PRESETS) and optional per-branch overrides
+    # (names from masks.list_mask_builders(); "none" switches a branch off)
+    masks: str = "nsa"
+    cmp_mask: str | None = None
+    sel_mask: str | None = None
+    win_mask: str | None = None
+    rope_theta: float = 10000.0
+    # queries per chunk in the selection scorer (memory bound: B*H*chunk*num_cmp floats)
+    score_chunk: int = 1024
+    # seed for the random_selection ablation (a fresh draw per step, reproducible per seed)
+    seed: int = 0
+
+    def __post_init__(self):
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        errs: list[str] = []
+        positive = ("dim", "n_heads", "n_kv_heads", "d_qk", "d_v", "l", "d", "l_sel", "n_sel",
+                    "window", "score_chunk")
+        for name in positive:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                errs.append(f"{name}={v!r}: must be a positive integer (>= 1)")
+        for name in ("n_init", "n_local"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                errs.append(f"{name}={v!r}: must be a non-negative integer (>= 0)")
+        if self.n_init > 1 if isinstance(self.n_init, int) else False:
+            errs.append(f"n_init={self.n_init}: allowed values are 0 or 1 (the first block)")
+        if not errs:
+            if self.n_heads % self.n_kv_heads:
+                errs.append(f"n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}: n_heads must be "
+                            "a multiple of n_kv_heads (GQA groups)")
+            if self.l % self.d:
+                errs.append(f"l={self.l}, d={self.d}: the stride d must divide the compression block l")
+            if self.l_sel % self.d:
+                errs.append(f"l_sel={self.l_sel}, d={self.d}: the stride d must divide the selection "
+                            "block l_sel")
+            if self.n_sel < self.n_init + self.n_local:
+                errs.append(f"n_sel={self.n_sel}: must be >= n_init + n_local = "
+                            f"{self.n_init + self.n_local} (the forced blocks)")
+            if self.d_qk % 2:
+                errs.append(f"d_qk={self.d_qk}: must be even (RoPE rotates pairs)")
+        if self.phi not in PHI_CHOICES:
+            errs.append(f"phi={self.phi!r}: allowed values are {PHI_CHOICES}")
+        if self.backend not in BACKEND_CHOICES:
+            errs.append(f"backend={self.backend!r}: allowed values are {BACKEND_CHOICES}")
+        if not isinstance(self.rope_theta, (int, float)) or self.rope_theta <= 0:
+            errs.append(f"rope_theta={self.rope_theta!r}: must be a positive number")
+        # mask names are checked against the registry (imported lazily: masks imports nothing here)
+        from masks import PRESETS, list_mask_builders
+
+        if self.masks not in PRESETS:
+            errs.append(f"masks={self.masks!r}: allowed presets are {sorted(PRESETS)}")
+        kinds = {"cmp_mask": "compressed", "sel_mask": "selection", "win_mask": "token"}
+        for name, kind in kinds.items():
+            v = getattr(self, name)
+            if v is not None and v not in list_mask_builders(kind):
+                errs.append(f"{name}={v!r}: allowed values are {list_mask_builders(kind)}")
+        if errs:
+            raise NSAConfigError("invalid NSAConfig:\n  - " + "\n  - ".join(errs))
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def group_size(self) -> int:
+        return self.n_heads // self.n_kv_heads
+
+    def branch_masks(self) -> dict[str, str]:
+        """The mask builder name of each branch: preset, then per-branch overrides."""
+        from masks import PRESETS
+
+        cmp, sel, win = PRESETS[self.masks]
+        return {"cmp": self.cmp_mask or cmp, "sel": self.sel_mask or sel, "win": self.win_mask or win}
+
+    def num_cmp(self, seq_len: int) -> int:
+        """Number of compressed blocks over seq_len tokens: 0 if S < l else (S - l) // d + 1."""
+        return 0 if seq_len < self.l else (seq_len - self.l) // self.d + 1
+
+    def decode_reads(self, seq_len: int) -> int:
+        """Key tokens read by one decode step at context length S (paper §5: num_cmp + n*l' + w)."""
+        n_blocks = -(-seq_len // self.l_sel)
+        sel = min(self.n_sel, n_blocks) * self.l_sel if seq_len >= self.n_sel * self.l_sel else seq_len
+        return self.num_cmp(seq_len) + sel + min(self.window, seq_len)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "NSAConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise NSAConfigError(f"unknown NSAConfig field(s) {unknown}; known fields: {sorted(known)}")
+        return cls(**d)

@@ -1,0 +1,18 @@
+"""Rotary position embedding (rotate-half form), computed from positions on the fly."""
+
+import torch
+from torch import Tensor
+
+
+def rope_cos_sin(positions: Tensor, dim: int, theta: float, dtype=torch.float32):
+    """positions [T] -> cos, sin [T, dim] (fp32 math, cast to dtype)."""
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim))
+    ang = positions.to(torch.float32).unsqueeze(-1) * inv  # [T, dim/2]
+    ang = torch.cat([ang, ang], dim=-1)
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, H, T, D] rotated by position: x*cos + rotate_half(x)*sin."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
