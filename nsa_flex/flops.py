@@ -28,8 +28,6 @@ def nsa_attention_flops(cfg: NSAConfig, seq_len: int) -> int:
     per_pair = 2 * cfg.n_heads * (cfg.d_qk + cfg.d_v)
     total = per_pair * (keys["cmp"] + keys["sel"] + keys["win"])
     total += 2 * cfg.n_heads * cfg.d_qk * keys["scorer"]  # the scorer's q.K_cmp recomputation
-    if keys["scorer"]:  # Eq. 9 block mapping: a [Nc] x [Nc, Ns] product per query and group
-        total += 2 * cfg.n_kv_heads * keys["scorer"] * -(-seq_len // cfg.l_sel)
     return int(total)
 
 

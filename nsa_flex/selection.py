@@ -5,8 +5,9 @@ Eq. 8  p_cmp = softmax(q . K_cmp^T) over the compressed blocks visible to the qu
        the compressed branch's log-sum-exp: p = exp(s - lse), no second softmax pass.
 Eq. 9  p_slc[j] = sum_i w[i, j] p_cmp[i], with w[i, j] = |cmp block i ∩ sel block j| / d, the
        overlap in tokens of compressed block i = [i*d, i*d+l) and selection block j =
-       [j*l', (j+1)*l') counted in strides. For l=32, d=16, l'=64 this is the paper's
-       (1, 2, 2, 2, 1) pattern; for general l, d, l' the weights are fractional overlaps.
+       [j*l', (j+1)*l') counted in strides of d. For l=32, d=16, l'=64 this is the paper's
+       (1, 2, 2, 2, 1) pattern; other l, d, l' get their own overlap counts (a compressed block
+       straddling two selection blocks shares its score between them in proportion).
 Eq. 10 summed over the heads of each GQA group, so a group shares one selection.
 Top-n: block 0 (of the query's document) and the n_local most recent blocks always; ties to the
 lower index; never a block that starts after the query; -1 pads rows with fewer valid blocks.
@@ -21,18 +22,32 @@ from torch import Tensor
 from masks import forced_and_valid, pick_blocks
 
 
-def overlap_weights(n_cmp: int, n_sel: int, l: int, d: int, l_sel: int, device=None) -> Tensor:
-    """w [n_cmp, n_sel]: tokens shared by compressed block i and selection block j, over d."""
-    i = torch.arange(n_cmp, device=device, dtype=torch.float32).view(-1, 1)
-    j = torch.arange(n_sel, device=device, dtype=torch.float32).view(1, -1)
-    lo = torch.maximum(i * d, j * l_sel)
-    hi = torch.minimum(i * d + l, (j + 1) * l_sel)
-    return (hi - lo).clamp_min(0) / d
+def overlap_kernel(l: int, d: int, l_sel: int, device=None) -> Tensor:
+    """Eq. 9 weights as a strided 1-D kernel. With d | l and d | l' (validated), in units of d
+    compressed block i covers [i, i + l/d) and selection block j covers [j r, j r + r), r = l'/d,
+    so w[i, j] depends only on m = i - j r, for m in [-(l/d - 1), r - 1]:
+    c[m] = |[m, m + l/d) ∩ [0, r)|. Returns c (float32, length r + l/d - 1)."""
+    r, qn = l_sel // d, l // d
+    m = torch.arange(-(qn - 1), r, device=device)
+    return (torch.minimum(m + qn, torch.tensor(r, device=device)) - m.clamp_min(0)).float()
+
+
+def map_to_selection_blocks(p: Tensor, n_sel_blocks: int, l: int, d: int, l_sel: int) -> Tensor:
+    """Eq. 9: p_cmp [..., Nc] -> p_slc [..., Ns], p_slc[j] = sum_m c[m] p_cmp[j*r + m].
+
+    A strided window sum (unfold view + one small product), O(Ns * (r + l/d)) per row."""
+    c = overlap_kernel(l, d, l_sel, p.device)
+    r, M = l_sel // d, c.numel()
+    left = l // d - 1
+    need = (n_sel_blocks - 1) * r + M  # padded length the last window reaches
+    right = max(0, need - left - p.shape[-1])
+    pp = torch.nn.functional.pad(p, (left, right))
+    return pp.unfold(-1, M, r)[..., :n_sel_blocks, :] @ c
 
 
 @torch.no_grad()
 def block_scores(q: Tensor, k_cmp: Tensor, lse: Tensor | None, cfg, doc_starts: Tensor | None,
-                 t0: int, t1: int, w: Tensor) -> Tensor:
+                 t0: int, t1: int) -> Tensor:
     """Group importance p_slc [B, Hkv, t1-t0, Ns] of the selection blocks for queries t0..t1-1.
 
     q [B, Hq, T, Dk] (after RoPE), k_cmp [B, Hkv, Nc, Dk], lse [B, Hq, T] (natural log) of the
@@ -40,7 +55,7 @@ def block_scores(q: Tensor, k_cmp: Tensor, lse: Tensor | None, cfg, doc_starts: 
     B, Hq, T, Dk = q.shape
     Hkv, Nc = k_cmp.shape[1], k_cmp.shape[2]
     G = Hq // Hkv
-    ns = w.shape[1]
+    ns = -(-T // cfg.l_sel)
     C = t1 - t0
     if Nc == 0:
         return q.new_zeros(B, Hkv, C, ns, dtype=torch.float32)
@@ -59,7 +74,7 @@ def block_scores(q: Tensor, k_cmp: Tensor, lse: Tensor | None, cfg, doc_starts: 
     # rows that see no block have lse = -inf: exp(s - lse) would be inf, masked to 0 here
     p = torch.where(vis, torch.exp(s - torch.where(torch.isfinite(l_), l_, 0.0)), 0.0)
     p = p.sum(2)  # Eq. 10: sum over the heads of each group -> [B, Hkv, C, Nc]
-    return p @ w  # Eq. 9
+    return map_to_selection_blocks(p, ns, cfg.l, cfg.d, cfg.l_sel)  # Eq. 9
 
 
 @torch.no_grad()
@@ -68,15 +83,13 @@ def select_topn(q: Tensor, k_cmp: Tensor, lse: Tensor | None, cfg, doc_starts: T
     """Top-n selection block indices [B, Hkv, T, n_sel] (int64, -1 for unused slots)."""
     B, Hq, T, _ = q.shape
     Hkv, Nc = k_cmp.shape[1], k_cmp.shape[2]
-    ns = -(-T // cfg.l_sel)
-    w = overlap_weights(Nc, ns, cfg.l, cfg.d, cfg.l_sel, q.device)
     starts = doc_starts if doc_starts is not None else torch.zeros(1, T, dtype=torch.long,
                                                                    device=q.device)
     chunk = chunk or cfg.score_chunk
     out = []
     for t0 in range(0, T, chunk):
         t1 = min(T, t0 + chunk)
-        p = block_scores(q, k_cmp, lse, cfg, doc_starts, t0, t1, w)
+        p = block_scores(q, k_cmp, lse, cfg, doc_starts, t0, t1)
         valid, forced = forced_and_valid(cfg, T, starts, q.device, t0, t1)
         out.append(pick_blocks(p, valid.unsqueeze(1), forced.unsqueeze(1), cfg.n_sel))
     return torch.cat(out, dim=2)

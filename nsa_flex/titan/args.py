@@ -1,0 +1,155 @@
+"""NSAModelArgs: the torchtitan model arguments of the NSA decoder, and its flavors."""
+
+import copy
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from torchtitan.protocols.model import BaseModelArgs
+from torchtitan.tools.logging import logger
+
+from nsa_flex.config import NSAConfig
+
+# NSAConfig fields that come from the model args' own dims (not from the [nsa] section)
+_MODEL_DIMS = ("dim", "n_heads", "n_kv_heads")
+# [nsa] section fields that override model args (None = keep the flavor's value)
+NSA_SECTION_FIELDS = tuple(f.name for f in dataclasses.fields(NSAConfig) if f.name not in _MODEL_DIMS) + (
+    "doc_masking",
+)
+
+
+@dataclass
+class NSAModelArgs(BaseModelArgs):
+    # decoder
+    dim: int = 768
+    n_layers: int = 12
+    n_heads: int = 16
+    n_kv_heads: int = 2
+    vocab_size: int = 50304
+    vocab_multiple_of: int = 64  # the tokenizer's vocab is padded up to a multiple of this
+    multiple_of: int = 256  # SwiGLU hidden size multiple
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    max_seq_len: int = 8192
+    depth_init: bool = True
+    # NSA attention (nsa_flex.config.NSAConfig fields; see there)
+    d_qk: int = 64
+    d_v: int = 64
+    l: int = 32
+    d: int = 16
+    l_sel: int = 64
+    n_sel: int = 16
+    n_init: int = 1
+    n_local: int = 2
+    window: int = 512
+    phi: str = "avg"
+    backend: str = "flex"
+    masks: str = "nsa"
+    cmp_mask: str | None = None
+    sel_mask: str | None = None
+    win_mask: str | None = None
+    rope_theta: float = 10000.0
+    score_chunk: int = 1024
+    seed: int = 0
+    # attention restricted to the current document (split at eos_id); eos_id set from the tokenizer
+    doc_masking: bool = False
+    eos_id: int = -1
+
+    def nsa_config(self) -> NSAConfig:
+        """The NSAConfig of every attention layer (validates; NSAConfigError names bad fields)."""
+        kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(NSAConfig)}
+        return NSAConfig(**kw)
+
+    def update_from_config(self, job_config, **kwargs) -> None:
+        """Vocab size (and EOS) from the tokenizer, seq len from [training], NSA knobs from [nsa]."""
+        from .tokenizer import build_tokenizer
+
+        training = job_config.training
+        self.max_seq_len = training.seq_len
+        tok = build_tokenizer(job_config)
+        m = max(1, self.vocab_multiple_of)
+        self.vocab_size = -(-tok.get_vocab_size() // m) * m
+        self.eos_id = tok.eos_id if tok.eos_id is not None else -1
+
+        nsa = getattr(job_config, "nsa", None)
+        if nsa is not None:
+            for name in NSA_SECTION_FIELDS:
+                v = getattr(nsa, name, None)
+                if v is not None:
+                    setattr(self, name, v)
+
+        if self.backend == "flex" and not torch.cuda.is_available():
+            logger.warning(
+                "nsa backend 'flex' needs a GPU for training (compiled CPU flex has no backward): "
+                "no CUDA device here, switching to backend 'reference'"
+            )
+            self.backend = "reference"
+
+        par = job_config.parallelism
+        if par.tensor_parallel_degree > 1 or par.context_parallel_degree > 1:
+            raise NotImplementedError(
+                "nsa_flex supports data parallelism (FSDP2 / HSDP / DDP) only: set "
+                "parallelism.tensor_parallel_degree = 1 and context_parallel_degree = 1"
+            )
+        if self.doc_masking and self.eos_id < 0:
+            raise ValueError("nsa.doc_masking needs a tokenizer with an EOS token")
+        self.nsa_config()  # validate now, naming the offending [nsa] fields
+
+    def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
+        """(parameters, training FLOPs per token): 6 x non-embedding params for the matmuls, plus
+        3 x NSA's real forward attention-core FLOPs (forward + 2x backward), not full attention's."""
+        from nsa_flex.flops import nsa_attention_flops  # TODO(core): provided by nsa_flex/flops.py
+
+        nparams = sum(p.numel() for p in model.parameters())
+        nparams_embedding = sum(
+            sum(p.numel() for p in m.parameters()) for m in model.children() if isinstance(m, nn.Embedding)
+        )
+        attn_fwd_per_token = nsa_attention_flops(self.nsa_config(), seq_len) / seq_len
+        flops = 6 * (nparams - nparams_embedding) + 3 * self.n_layers * attn_fwd_per_token
+        return nparams, int(flops)
+
+
+class Flavors(Mapping):
+    """Flavor name -> NSAModelArgs. Each lookup returns a fresh copy (update_from_config mutates it),
+    and an unknown flavor raises a KeyError that lists the choices."""
+
+    def __init__(self, table: dict[str, NSAModelArgs]):
+        self._table = table
+
+    def __getitem__(self, name: str) -> NSAModelArgs:
+        if name not in self._table:
+            raise KeyError(f"unknown nsa_flex flavor {name!r}; choices: {sorted(self._table)}")
+        return copy.deepcopy(self._table[name])
+
+    def __iter__(self):
+        return iter(self._table)
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+
+nsa_flex_args = Flavors(
+    {
+        # tiny: trains on CPU in seconds
+        "debugmodel": NSAModelArgs(
+            dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=32, d_qk=16, d_v=16,
+            l=8, d=4, l_sel=16, n_sel=4, window=32, max_seq_len=256,
+        ),
+        # GPT-3-small sized (85M non-embedding + 2 x 38.6M untied embedding/output with gpt2)
+        "125M": NSAModelArgs(
+            dim=768, n_layers=12, n_heads=16, n_kv_heads=2, d_qk=64, d_v=64,
+            l=32, d=16, l_sel=64, n_sel=16, window=512, max_seq_len=8192,
+        ),
+        "350M": NSAModelArgs(
+            dim=1024, n_layers=24, n_heads=16, n_kv_heads=2, d_qk=64, d_v=64,
+            l=32, d=16, l_sel=64, n_sel=16, window=512, max_seq_len=32768,
+        ),
+        "1B": NSAModelArgs(
+            dim=2048, n_layers=16, n_heads=32, n_kv_heads=2, d_qk=64, d_v=64, ffn_dim_multiplier=1.5,
+            multiple_of=256, l=32, d=16, l_sel=64, n_sel=16, window=512, max_seq_len=32768,
+        ),
+    }
+)

@@ -1,0 +1,415 @@
+"""Datasets for nsa_flex training: ``passkey`` (generated), ``fineweb_edu`` (HF streaming) and local files.
+
+Chosen by ``[training] dataset`` / ``dataset_path`` (and ``[validation]`` likewise):
+
+  * ``passkey`` (default, built in, no files): a deterministic long-context retrieval corpus. Document i
+    (seeded by ``dataset_seed`` and i) is exactly ``seq_len + 1`` tokens: [BOS] intro, filler text with a
+    needle "The pass key is 12345. Remember it. 12345 is the pass key." at a random depth, then
+    "What is the pass key? The pass key is 12345." and EOS; so every training sample is one document,
+    for any sequence length and tokenizer. :func:`passkey_document` returns one with its answer span.
+  * ``fineweb_edu``: HuggingFaceFW/fineweb-edu, streaming, config ``[training] dataset_config``
+    (default sample-10BT). With ``dataset_path`` set, that local file / folder / glob (or hub id) is
+    read instead -- the offline way, e.g. ``--training.dataset_path ../shared/data/fineweb_sample_2800.parquet``.
+  * ``local``: ``dataset_path`` is required: a ``.parquet`` / ``.jsonl`` / ``.json`` / ``.txt`` file, a folder
+    of such files, or a glob; read with ``datasets`` (streaming). Column ``[training] dataset_text_column``
+    (default ``text``); ``.txt`` files yield one document per paragraph.
+
+Documents are tokenized with EOS (and BOS where the tokenizer has one) and packed into samples of
+``seq_len + 1`` tokens (input = first seq_len, labels = last seq_len), as torchtitan does.
+
+Data-parallel sharding is per packed sequence: every rank reads and tokenizes the same stream and
+keeps sequences ``k`` with ``k % dp_world_size == dp_rank``. So one global batch holds the same
+sequences whatever the DP degree (a 2-GPU run sees the same data per step as a 1-GPU run with twice
+the local batch).
+
+The dataset is ``Stateful``: the token buffer, the sequence counter and the source position (HF
+``IterableDataset.state_dict`` or the passkey document index) go into torchtitan's checkpoint, so a
+resumed run continues the stream where it stopped, without repeats.
+"""
+
+import glob
+import json
+import os
+import random
+from dataclasses import asdict
+from typing import Any, Iterator
+
+import torch
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.utils.data import IterableDataset, get_worker_info
+
+from torchtitan.components.dataloader import ParallelAwareDataloader
+from torchtitan.components.tokenizer import BaseTokenizer
+from torchtitan.tools.logging import logger
+
+DATASET_CHOICES = ("passkey", "fineweb_edu", "local")
+FINEWEB_EDU_REPO = "HuggingFaceFW/fineweb-edu"
+LOCAL_FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".txt": "text"}
+
+
+class DatasetError(ValueError):
+    """Unknown dataset name, missing path, unreadable or corrupt data file (named in the message)."""
+
+
+# ----------------------------------------------------------------------------- passkey corpus
+PASSKEY_INTRO = (
+    "There is an important info hidden inside a lot of irrelevant text. "
+    "Find it and memorize it. I will quiz you about the important information there.\n"
+)
+PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+PASSKEY_NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key. "
+PASSKEY_QUESTION = "\nWhat is the pass key? The pass key is "
+PASSKEY_ANSWER = "{key}."
+
+
+class PasskeyCorpus:
+    """Deterministic passkey documents of exactly ``length`` tokens (``length = seq_len + 1``)."""
+
+    def __init__(self, tokenizer: BaseTokenizer, length: int, seed: int = 0, split: str = "train"):
+        self.tok = tokenizer
+        self.length = length
+        self.seed = seed
+        self.split = split
+        self._intro = tokenizer.encode(PASSKEY_INTRO)
+        self._question = tokenizer.encode(PASSKEY_QUESTION)
+        reps = 1
+        self._filler = tokenizer.encode(PASSKEY_FILLER)
+        while len(self._filler) < length:
+            reps *= 2
+            self._filler = tokenizer.encode(PASSKEY_FILLER * reps)
+        self._bos = [tokenizer.bos_id] if getattr(tokenizer, "bos_id", None) is not None else []
+        self._eos = [tokenizer.eos_id]
+        # the longest needle/answer (5-digit keys) must fit, with at least some filler
+        probe = self._parts(99999)
+        fixed = len(self._bos) + len(probe[0]) + len(probe[1]) + len(self._question) + len(self._eos)
+        if fixed + 8 > length:
+            raise DatasetError(
+                f"passkey: seq_len={length - 1} is too short for a passkey document "
+                f"(needs seq_len >= {fixed + 7} with this tokenizer)"
+            )
+
+    def _parts(self, key: int) -> tuple[list[int], list[int]]:
+        return (self.tok.encode(PASSKEY_NEEDLE.format(key=key)), self.tok.encode(PASSKEY_ANSWER.format(key=key)))
+
+    def document(self, index: int) -> tuple[list[int], int, int]:
+        """(tokens, answer_start, key) of document ``index``; tokens[answer_start:-1] is the answer."""
+        rng = random.Random(f"passkey:{self.split}:{self.seed}:{index}")
+        key = rng.randint(10000, 99999)
+        depth = rng.random()
+        needle, answer = self._parts(key)
+        head = self._bos + self._intro
+        tail = self._question + answer + self._eos
+        n_fill = self.length - len(head) - len(needle) - len(tail)
+        if n_fill < 8:  # drop the intro when the sequence is short
+            head = list(self._bos)
+            n_fill = self.length - len(head) - len(needle) - len(tail)
+        cut = int(depth * n_fill)
+        toks = head + self._filler[:cut] + needle + self._filler[cut:n_fill] + tail
+        assert len(toks) == self.length, (len(toks), self.length)
+        return toks, self.length - len(answer) - len(self._eos), key
+
+
+def passkey_document(tokenizer: BaseTokenizer, seq_len: int, index: int, seed: int = 0, split: str = "train"):
+    """Document ``index`` of the passkey corpus for ``seq_len``: (tokens [seq_len+1], answer_start, key)."""
+    return PasskeyCorpus(tokenizer, seq_len + 1, seed, split).document(index)
+
+
+class PasskeySource:
+    """Stateful stream of passkey documents (token lists); state = next document index."""
+
+    def __init__(self, corpus: PasskeyCorpus):
+        self.corpus = corpus
+        self.doc_idx = 0
+
+    def __iter__(self) -> Iterator[list[int]]:
+        while True:
+            toks, _, _ = self.corpus.document(self.doc_idx)
+            self.doc_idx += 1
+            yield toks
+
+    def next_epoch(self) -> None:  # infinite already
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"doc_idx": self.doc_idx}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.doc_idx = int(sd["doc_idx"])
+
+    def describe(self) -> str:
+        return f"passkey(seed={self.corpus.seed}, split={self.corpus.split})"
+
+
+# ----------------------------------------------------------------------------- local / HF text sources
+def _looks_local(path: str) -> bool:
+    return (
+        os.path.isabs(path)
+        or path.startswith((".", "~"))
+        or any(ch in path for ch in "*?[")
+        or os.path.splitext(path)[1].lower() in LOCAL_FORMATS
+        or os.path.exists(path)
+        or path.count("/") != 1  # a hub id is exactly "owner/name"
+    )
+
+
+def resolve_local_files(path: str) -> tuple[str, list[str]]:
+    """The ``datasets`` builder name and the sorted files of a local file, folder or glob."""
+    p = os.path.expanduser(path)
+    if any(ch in p for ch in "*?["):
+        files = sorted(f for f in glob.glob(p, recursive=True) if os.path.isfile(f))
+        if not files:
+            raise DatasetError(f"dataset_path {path!r}: the glob matches no file")
+    elif os.path.isdir(p):
+        files = sorted(
+            os.path.join(root, f)
+            for root, _, names in os.walk(p)
+            for f in names
+            if os.path.splitext(f)[1].lower() in LOCAL_FORMATS
+        )
+        if not files:
+            raise DatasetError(
+                f"dataset_path {path!r}: folder holds no {sorted(LOCAL_FORMATS)} file"
+            )
+    elif os.path.isfile(p):
+        files = [p]
+    else:
+        raise DatasetError(
+            f"dataset_path {path!r} does not exist. Give a local {sorted(LOCAL_FORMATS)} file, a folder "
+            f"or a glob of them (datasets: {list(DATASET_CHOICES)})"
+        )
+    kinds = {LOCAL_FORMATS.get(os.path.splitext(f)[1].lower()) for f in files}
+    if None in kinds:
+        bad = [f for f in files if os.path.splitext(f)[1].lower() not in LOCAL_FORMATS]
+        raise DatasetError(f"unsupported data file {bad[0]!r}: supported extensions {sorted(LOCAL_FORMATS)}")
+    if len(kinds) > 1:
+        raise DatasetError(f"dataset_path {path!r} mixes formats {sorted(kinds)}; use one format")
+    return kinds.pop(), files
+
+
+def check_local_file(builder: str, path: str, text_column: str) -> None:
+    """Cheap up-front check of one data file: the footer of a parquet file, the first record of a
+    jsonl file, the first bytes of a txt file. Raises DatasetError naming the file."""
+    try:
+        if builder == "parquet":
+            import pyarrow.parquet as pq
+
+            schema = pq.read_schema(path)
+            if text_column not in schema.names:
+                raise DatasetError(
+                    f"data file {path!r} has no column {text_column!r} (columns: {schema.names}); "
+                    "set [training] dataset_text_column"
+                )
+        elif builder == "json":
+            with open(path, "rb") as f:
+                for line in f:
+                    if line.strip():
+                        rec = json.loads(line)
+                        if not isinstance(rec, dict) or text_column not in rec:
+                            raise DatasetError(
+                                f"data file {path!r}: first record has no field {text_column!r}; "
+                                "set [training] dataset_text_column"
+                            )
+                        break
+        else:
+            with open(path, "rb") as f:
+                f.read(1 << 16).decode("utf-8", errors="strict")
+    except DatasetError:
+        raise
+    except UnicodeDecodeError as e:
+        # a multi-byte character cut at the 64 KiB boundary is fine
+        if e.start < (1 << 16) - 4:
+            raise DatasetError(f"corrupt or non-UTF-8 data file {path!r}: {e}") from e
+    except Exception as e:
+        raise DatasetError(f"corrupt or unreadable data file {path!r}: {type(e).__name__}: {e}") from e
+
+
+def _find_shard_idx(state: Any) -> int | None:
+    if isinstance(state, dict):
+        if "shard_idx" in state:
+            return state["shard_idx"]
+        for v in state.values():
+            r = _find_shard_idx(v)
+            if r is not None:
+                return r
+    return None
+
+
+class HFTextSource:
+    """Stateful stream of tokenized documents from a ``datasets`` IterableDataset (streaming)."""
+
+    def __init__(self, ds, tokenizer: BaseTokenizer, text_column: str, name: str, files: list[str] | None = None):
+        self._data = ds
+        self.tok = tokenizer
+        self.text_column = text_column
+        self.name = name
+        self.files = files
+
+    def __iter__(self) -> Iterator[list[int]]:
+        it = iter(self._data)
+        while True:
+            try:
+                sample = next(it)
+            except StopIteration:
+                return
+            except Exception as e:
+                raise DatasetError(f"error while reading {self._where()}: {type(e).__name__}: {e}") from e
+            text = sample.get(self.text_column)
+            if text is None:
+                raise DatasetError(f"{self._where()}: record without column {self.text_column!r}")
+            yield self.tok.encode(text, add_bos=True, add_eos=True)
+
+    def _where(self) -> str:
+        if not self.files:
+            return f"dataset {self.name}"
+        if len(self.files) == 1:
+            return f"data file {self.files[0]!r}"
+        try:
+            idx = _find_shard_idx(self._data.state_dict())
+            if idx is not None and 0 <= idx < len(self.files):
+                return f"data file {self.files[idx]!r}"
+        except Exception:
+            pass
+        return f"data files {self.files!r}"
+
+    def next_epoch(self) -> None:
+        # datasets re-applies a loaded state at the start of an iteration of the same epoch;
+        # bump the epoch so the next pass starts from the beginning
+        self._data.set_epoch(self._data.epoch + 1)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"data": self._data.state_dict()}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self._data.load_state_dict(sd["data"])
+
+    def describe(self) -> str:
+        return self.name
+
+
+def build_source(
+    name: str,
+    path: str | None,
+    tokenizer: BaseTokenizer,
+    seq_len: int,
+    *,
+    dataset_config: str = "sample-10BT",
+    text_column: str = "text",
+    seed: int = 0,
+    split: str = "train",
+):
+    """The document source of dataset ``name`` (see module docstring); validates name and path."""
+    name = name.lower()
+    if name not in DATASET_CHOICES:
+        raise DatasetError(f"unknown dataset {name!r}; choices: {list(DATASET_CHOICES)}")
+    if name == "passkey":
+        if path:
+            raise DatasetError("dataset 'passkey' is generated: leave dataset_path unset")
+        return PasskeySource(PasskeyCorpus(tokenizer, seq_len + 1, seed=seed, split=split))
+
+    from datasets import load_dataset
+
+    if name == "local" and not path:
+        raise DatasetError(
+            f"dataset 'local' needs dataset_path (a {sorted(LOCAL_FORMATS)} file, folder or glob); "
+            f"datasets: {list(DATASET_CHOICES)}"
+        )
+    if path and (name == "local" or _looks_local(path)):
+        builder, files = resolve_local_files(path)
+        for f in files:
+            check_local_file(builder, f, text_column)
+        kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
+        try:
+            ds = load_dataset(builder, data_files=files, split="train", streaming=True, **kwargs)
+        except Exception as e:
+            raise DatasetError(f"cannot read data files {files!r}: {type(e).__name__}: {e}") from e
+        logger.info(f"Dataset {name}: {len(files)} local {builder} file(s) from {path}")
+        return HFTextSource(ds, tokenizer, text_column, name=f"{name}:{path}", files=files)
+
+    repo = path or FINEWEB_EDU_REPO
+    try:
+        ds = load_dataset(repo, name=dataset_config, split="train", streaming=True)
+    except Exception as e:
+        raise DatasetError(
+            f"cannot open {repo!r} (config {dataset_config!r}) from the Hugging Face hub: "
+            f"{type(e).__name__}: {e}. Offline, point dataset_path at a local parquet/jsonl file, "
+            "e.g. --training.dataset_path ../shared/data/fineweb_sample_2800.parquet"
+        ) from e
+    logger.info(f"Dataset {name}: streaming {repo} ({dataset_config})")
+    return HFTextSource(ds, tokenizer, text_column, name=f"{repo}/{dataset_config}")
+
+
+# ----------------------------------------------------------------------------- packing
+class PackedTokenDataset(IterableDataset, Stateful):
+    """Packs a document source into samples of ``seq_len + 1`` tokens; shards per sequence."""
+
+    def __init__(self, source, seq_len: int, dp_rank: int = 0, dp_world_size: int = 1, infinite: bool = True):
+        self.source = source
+        self.seq_len = seq_len
+        self.dp_rank = dp_rank
+        self.dp_world_size = dp_world_size
+        self.infinite = infinite
+        self._token_buffer: list[int] = []
+        self._seq_idx = 0  # packed sequences produced so far (over all ranks)
+
+    def __iter__(self):
+        n = self.seq_len + 1
+        info = get_worker_info()
+        n_workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        stride = self.dp_world_size * n_workers
+        mine = self.dp_rank * n_workers + worker
+        while True:
+            for toks in self.source:
+                self._token_buffer.extend(toks)
+                while len(self._token_buffer) >= n:
+                    x = self._token_buffer[:n]
+                    self._token_buffer = self._token_buffer[n:]
+                    k = self._seq_idx
+                    self._seq_idx += 1
+                    if k % stride == mine:
+                        t = torch.tensor(x, dtype=torch.long)
+                        yield {"input": t[:-1]}, t[1:]
+            if not self.infinite:
+                logger.warning(f"Dataset {self.source.describe()} has run out of data")
+                return
+            logger.warning(f"Dataset {self.source.describe()} is being re-looped")
+            self.source.next_epoch()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"token_buffer": list(self._token_buffer), "seq_idx": self._seq_idx, "source": self.source.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._token_buffer = list(state_dict["token_buffer"])
+        self._seq_idx = int(state_dict["seq_idx"])
+        self.source.load_state_dict(state_dict["source"])
+
+
+def _build(section, job_config, dp_world_size, dp_rank, tokenizer, infinite, split):
+    training = job_config.training
+    source = build_source(
+        section.dataset,
+        section.dataset_path,
+        tokenizer,
+        section.seq_len,
+        dataset_config=getattr(training, "dataset_config", "sample-10BT"),
+        text_column=getattr(training, "dataset_text_column", "text"),
+        seed=getattr(training, "dataset_seed", 0),
+        split=split,
+    )
+    ds = PackedTokenDataset(source, section.seq_len, dp_rank, dp_world_size, infinite=infinite)
+    kwargs = {**asdict(section.dataloader), "batch_size": section.local_batch_size}
+    return ParallelAwareDataloader(ds, dp_rank=dp_rank, dp_world_size=dp_world_size, **kwargs)
+
+
+def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer: BaseTokenizer, job_config, infinite: bool = True):
+    """TrainSpec.build_dataloader_fn for ``[training]``."""
+    return _build(job_config.training, job_config, dp_world_size, dp_rank, tokenizer, infinite, "train")
+
+
+def build_validation_dataloader(
+    dp_world_size: int, dp_rank: int, tokenizer: BaseTokenizer, job_config, infinite: bool = False
+):
+    """Validation loader for ``[validation]`` (passkey validation documents use their own seed stream)."""
+    v = job_config.validation
+    if v.dataset.lower() == "passkey" and v.steps == -1:
+        raise DatasetError("validation on the endless 'passkey' corpus needs validation.steps > 0")
+    return _build(job_config.validation, job_config, dp_world_size, dp_rank, tokenizer, infinite, "validation")

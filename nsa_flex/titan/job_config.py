@@ -1,0 +1,112 @@
+"""torchtitan JobConfig extension for nsa-flex (``[job] custom_config_module = "nsa_flex.titan.job_config"``).
+
+torchtitan 0.2.2 merges the ``JobConfig`` dataclass exported here into its own: sections that exist in
+both are merged field by field (a field defined here overrides torchtitan's default), new sections are
+added. Every field can also be set on the command line (``--nsa.l 16``, ``--model.tokenizer gpt2``).
+
+NOTE: no ``from __future__ import annotations`` here: torchtitan's merge needs real types, not strings.
+
+Sections:
+  [nsa]       NSA attention settings. ``None`` (the default) keeps the value of the model flavor.
+  [model]     + ``tokenizer``; defaults name="nsa_flex", flavor="debugmodel".
+  [training]  + ``dataset_config``, ``dataset_text_column``, ``dataset_seed``; default dataset "passkey".
+  [validation] default dataset "passkey" (validation stream uses its own seed).
+  [metrics]   + ``jsonl_file``: per-step metrics (full-precision loss, grad norm, tps, memory) as JSONL.
+  [experimental] default custom_import = "nsa_flex.titan.train_spec".
+"""
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class NSA:
+    """[nsa] NSA attention knobs (see nsa_flex.config.NSAConfig). None keeps the flavor's value."""
+
+    d_qk: int | None = None
+    """query/key head dim"""
+    d_v: int | None = None
+    """value head dim"""
+    l: int | None = None
+    """compression block length l"""
+    d: int | None = None
+    """compression stride d (divides l and l_sel)"""
+    l_sel: int | None = None
+    """selection block length l'"""
+    n_sel: int | None = None
+    """number of selected blocks n (including the forced initial/local blocks)"""
+    n_init: int | None = None
+    """forced initial blocks (0 or 1)"""
+    n_local: int | None = None
+    """forced local blocks"""
+    window: int | None = None
+    """sliding-window size w"""
+    phi: str | None = None
+    """compression function: avg | mlp"""
+    backend: str | None = None
+    """flex | reference. On a machine without CUDA, flex is switched to reference (logged warning)."""
+    masks: str | None = None
+    """mask preset: nsa | full_causal | sliding_only | random_selection | local_selection | no_compressed"""
+    cmp_mask: str | None = None
+    """override of the compressed-branch mask builder ("none" switches the branch off)"""
+    sel_mask: str | None = None
+    """override of the selection-branch mask builder"""
+    win_mask: str | None = None
+    """override of the sliding-window-branch mask builder"""
+    rope_theta: float | None = None
+    """RoPE base"""
+    score_chunk: int | None = None
+    """queries per chunk in the selection scorer"""
+    seed: int | None = None
+    """seed of the random_selection ablation"""
+    doc_masking: bool | None = None
+    """restrict attention to the current document (documents split at the tokenizer's EOS)"""
+
+
+@dataclass
+class Model:
+    name: str = "nsa_flex"
+    flavor: str = "debugmodel"
+    hf_assets_path: str = "."
+    """unused by nsa_flex (its tokenizers need no HF assets); "." silences torchtitan's missing-path warning"""
+    tokenizer: str = "byte"
+    """byte (built in, no files) | gpt2 | r50k_base | cl100k_base | path/to/file.tiktoken.
+    tiktoken encodings load offline from TIKTOKEN_CACHE_DIR (nsa-train defaults it to
+    ../shared/data/tiktoken_cache when that folder exists)."""
+
+
+@dataclass
+class Training:
+    dataset: str = "passkey"
+    """passkey (built in, generated) | fineweb_edu (HF streaming, or dataset_path) | local (dataset_path)"""
+    dataset_config: str = "sample-10BT"
+    """HF config name of fineweb_edu (e.g. sample-10BT, sample-100BT, default)"""
+    dataset_text_column: str = "text"
+    """text column of parquet/jsonl files"""
+    dataset_seed: int = 0
+    """seed of the generated passkey corpus"""
+
+
+@dataclass
+class Validation:
+    dataset: str = "passkey"
+
+
+@dataclass
+class Metrics:
+    jsonl_file: str = "metrics.jsonl"
+    """per-step metrics file, relative to job.dump_folder ("" disables); written by rank 0, appended"""
+
+
+@dataclass
+class Experimental:
+    custom_import: str = "nsa_flex.titan.train_spec"
+
+
+@dataclass
+class JobConfig:
+    nsa: NSA = field(default_factory=NSA)
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    validation: Validation = field(default_factory=Validation)
+    metrics: Metrics = field(default_factory=Metrics)
+    experimental: Experimental = field(default_factory=Experimental)

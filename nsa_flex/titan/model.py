@@ -1,0 +1,102 @@
+"""NSATransformer: a Llama-style decoder (RMSNorm, SwiGLU, RoPE) whose attention is NSAAttention.
+
+Same module layout as torchtitan's llama3 ``Transformer`` (``tok_embeddings``, ``layers`` ModuleDict of
+blocks with ``attention`` / ``attention_norm`` / ``feed_forward`` / ``ffn_norm``, ``norm``, ``output``),
+so torchtitan's ``apply_ac`` / ``apply_compile`` / ``apply_fsdp`` work on it unchanged. RoPE is applied
+inside ``NSAAttention`` (positions 0..T-1); NSA's masks are rebuilt inside each layer every step.
+"""
+
+import torch
+from torch import nn
+
+from torchtitan.models.llama3.model.model import FeedForward
+from torchtitan.models.utils import trunc_normal_
+from torchtitan.protocols.model import ModelProtocol
+
+from nsa_flex.layer import NSAAttention
+
+from .args import NSAModelArgs
+
+
+def doc_ids_from_tokens(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Document index of every position: documents end at (and include) an EOS token."""
+    is_eos = (tokens == eos_id).to(torch.int32)
+    return (torch.cumsum(is_eos, dim=1) - is_eos).to(torch.long)
+
+
+class NSATransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, model_args: NSAModelArgs):
+        super().__init__()
+        self.dim = model_args.dim
+        self.attention = NSAAttention(model_args.nsa_config())
+        self.feed_forward = FeedForward(
+            dim=model_args.dim,
+            hidden_dim=4 * model_args.dim,
+            multiple_of=model_args.multiple_of,
+            ffn_dim_multiplier=model_args.ffn_dim_multiplier,
+        )
+        self.attention_norm = nn.RMSNorm(model_args.dim, eps=model_args.norm_eps)
+        self.ffn_norm = nn.RMSNorm(model_args.dim, eps=model_args.norm_eps)
+        if model_args.depth_init:
+            self.weight_init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
+        else:
+            self.weight_init_std = 0.02 / (2 * model_args.n_layers) ** 0.5
+
+    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), doc_ids)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def init_weights(self) -> None:
+        for norm in (self.attention_norm, self.ffn_norm):
+            norm.reset_parameters()
+        self.attention.init_weights(self.weight_init_std)
+        self.feed_forward.init_weights(self.weight_init_std)
+
+
+class NSATransformer(ModelProtocol):
+    def __init__(self, model_args: NSAModelArgs):
+        super().__init__(model_args)
+        self.model_args = model_args
+        self.vocab_size = model_args.vocab_size
+        self.n_layers = model_args.n_layers
+        self.tok_embeddings = nn.Embedding(model_args.vocab_size, model_args.dim)
+        self.layers = nn.ModuleDict(
+            {str(i): NSATransformerBlock(i, model_args) for i in range(model_args.n_layers)}
+        )
+        self.norm = nn.RMSNorm(model_args.dim, eps=model_args.norm_eps)
+        self.output = nn.Linear(model_args.dim, model_args.vocab_size, bias=False)
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """Initialize parameters (and buffers) in place; called after ``to_empty`` under no_grad."""
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight)
+        for layer in self.layers.values():
+            if layer is None:
+                continue
+            layer.init_weights()
+            # non-persistent buffers hold garbage after meta-init + to_empty: reset them here
+            calls = getattr(layer.attention, "calls", None)
+            if isinstance(calls, torch.Tensor):
+                calls.zero_()
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.output is not None:
+            std = self.model_args.dim**-0.5
+            trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+    def get_attention_masks(self, input_batch, tokenizer, extra_inputs=None):
+        # NSA builds its masks inside every layer (they depend on the layer's own scores).
+        # TypeError is what torchtitan's validator expects from models without external masks.
+        raise TypeError("nsa_flex builds its attention masks inside NSAAttention")
+
+    def forward(self, tokens: torch.Tensor, attention_masks=None, positions=None) -> torch.Tensor:
+        if positions is not None:
+            raise NotImplementedError("nsa_flex uses positions 0..T-1 (no position ids)")
+        doc_ids = None
+        if self.model_args.doc_masking and self.tok_embeddings is not None:
+            doc_ids = doc_ids_from_tokens(tokens, self.model_args.eos_id)
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h, doc_ids)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h

@@ -1,0 +1,69 @@
+"""parallelize_fn for the NSA decoder: activation checkpointing -> per-block torch.compile -> FSDP2 / DDP.
+
+Reuses torchtitan's llama3 helpers: ``apply_ac`` (modes full / selective layer / selective op /
+memory_budget, with llama3's op save list, which already saves flex_attention), ``apply_compile``
+(each block compiled with fullgraph=True), ``apply_fsdp`` (``fully_shard`` on the embedding, every block,
+norm+output, and the root; mixed precision from ``[training] mixed_precision_param/reduce``) and
+``apply_ddp``. Tensor / context / pipeline parallelism are not supported.
+
+Masks: NSA rebuilds its masks inside every block from that step's activations; they are traced as
+computation by torch.compile, never captured as constants. CUDA graphs (which would freeze them) are
+refused: compile backend "cudagraphs" is rejected and inductor's cudagraph trees are switched off.
+"""
+
+import torch
+from torch import nn
+
+from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list, apply_compile, apply_ddp, apply_fsdp
+from torchtitan.tools.logging import logger
+
+
+def parallelize_nsa(model: nn.Module, parallel_dims: ParallelDims, job_config) -> nn.Module:
+    if parallel_dims.tp_enabled or parallel_dims.cp_enabled:
+        raise NotImplementedError("nsa_flex supports data parallelism only (no TP / CP)")
+
+    compile_cfg = job_config.compile
+    model_compile_enabled = compile_cfg.enable and "model" in compile_cfg.components
+
+    if job_config.activation_checkpoint.mode != "none":
+        apply_ac(
+            model,
+            job_config.activation_checkpoint,
+            model_compile_enabled=model_compile_enabled,
+            op_sac_save_list=_op_sac_save_list,
+            base_folder=job_config.job.dump_folder,
+        )
+
+    if model_compile_enabled:
+        if "cudagraph" in compile_cfg.backend:
+            raise ValueError(
+                f"compile.backend={compile_cfg.backend!r}: CUDA graphs would capture NSA's per-step masks; "
+                "use inductor"
+            )
+        import torch._inductor.config as inductor_config
+
+        inductor_config.triton.cudagraphs = False
+        inductor_config.triton.cudagraph_trees = False
+        apply_compile(model, compile_cfg)  # per block, fullgraph=True
+
+    if parallel_dims.fsdp_enabled:
+        names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
+        apply_fsdp(
+            model,
+            parallel_dims.get_mesh(names),
+            param_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_param],
+            reduce_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_reduce],
+            pp_enabled=parallel_dims.pp_enabled,
+            cpu_offload=job_config.training.enable_cpu_offload,
+            reshard_after_forward_policy=job_config.parallelism.fsdp_reshard_after_forward,
+        )
+        logger.info("Applied %s to the model", "HSDP" if parallel_dims.dp_replicate_enabled else "FSDP")
+    elif parallel_dims.dp_replicate_enabled:
+        mesh = parallel_dims.get_mesh("dp_replicate")
+        if parallel_dims.world_size != mesh.size():
+            raise RuntimeError("DDP has not supported > 1D parallelism")
+        apply_ddp(model, mesh, enable_compile=model_compile_enabled)
+    return model

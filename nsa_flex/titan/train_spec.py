@@ -1,0 +1,52 @@
+"""The ``nsa_flex`` TrainSpec, registered with torchtitan on import.
+
+Import this module through torchtitan's own hook: ``[experimental] custom_import =
+"nsa_flex.titan.train_spec"`` (the default once ``[job] custom_config_module =
+"nsa_flex.titan.job_config"``). It registers the spec and, on a machine without CUDA, applies the CPU
+device shim (:mod:`nsa_flex.titan.cpu`).
+
+Starts from llama3's spec (optimizers, LR schedulers, cross-entropy loss) and swaps in the NSA model,
+its parallelize_fn, tokenizers, datasets, validator and metrics processor. No pipelining, no HF
+state-dict adapter.
+"""
+
+import dataclasses
+
+from torchtitan.models.llama3 import get_train_spec as llama3_train_spec
+from torchtitan.protocols.train_spec import TrainSpec, _extra_train_specs, register_train_spec
+
+from . import cpu
+from .args import nsa_flex_args
+from .data import build_dataloader
+from .metrics import build_metrics_processor
+from .model import NSATransformer
+from .parallelize import parallelize_nsa
+from .tokenizer import build_tokenizer
+from .validate import build_validator
+
+NAME = "nsa_flex"
+
+
+def get_train_spec() -> TrainSpec:
+    return dataclasses.replace(
+        llama3_train_spec(),
+        model_cls=NSATransformer,
+        model_args=nsa_flex_args,
+        parallelize_fn=parallelize_nsa,
+        pipelining_fn=None,
+        build_dataloader_fn=build_dataloader,
+        build_tokenizer_fn=build_tokenizer,
+        build_validator_fn=build_validator,
+        build_metrics_processor_fn=build_metrics_processor,
+        state_dict_adapter=None,
+    )
+
+
+def register() -> None:
+    """Register the spec as "nsa_flex" (idempotent: torchtitan raises on a second registration)."""
+    if NAME not in _extra_train_specs:
+        register_train_spec(NAME, get_train_spec())
+
+
+register()
+cpu.maybe_apply()
