@@ -3,8 +3,8 @@
 Selected by ``[model] tokenizer``:
   * ``byte`` (default, no files): UTF-8 bytes 0..255, BOS=256, EOS=257, vocab 258.
   * ``gpt2`` / ``r50k_base`` / ``cl100k_base``: tiktoken encodings. Offline through tiktoken's own cache:
-    ``TIKTOKEN_CACHE_DIR`` must point at a pre-filled cache (``nsa-train`` defaults it to
-    ``../shared/data/tiktoken_cache`` when that folder exists).
+    ``TIKTOKEN_CACHE_DIR`` must point at a pre-filled cache; when unset, it defaults to
+    ``../shared/data/tiktoken_cache`` (next to the project root or the working directory) if that exists.
   * a path to a ``.tiktoken`` BPE file (base64 token + rank per line); split pattern of cl100k_base,
     ``<|endoftext|>`` appended as the one special token.
 
@@ -113,12 +113,27 @@ def _load_tiktoken_file(path: str):
     return TiktokenTokenizer(enc, name=path)
 
 
+def default_tiktoken_cache() -> str | None:
+    """The project's pre-filled offline tiktoken cache, ``../shared/data/tiktoken_cache`` next to the
+    project root or the working directory, if it exists."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for base in (root, os.getcwd()):
+        cache = os.path.join(os.path.dirname(base), "shared", "data", "tiktoken_cache")
+        if os.path.isdir(cache):
+            return cache
+    return None
+
+
 def build_tokenizer_from_name(name: str) -> BaseTokenizer:
     """Build a tokenizer from its ``[model] tokenizer`` name (see module docstring)."""
     if name == "byte":
         return ByteTokenizer()
     if name in TIKTOKEN_ENCODINGS:
         import tiktoken
+
+        if "TIKTOKEN_CACHE_DIR" not in os.environ and default_tiktoken_cache():
+            # tiktoken reads its cache location from this variable only
+            os.environ["TIKTOKEN_CACHE_DIR"] = default_tiktoken_cache()
 
         try:
             enc = tiktoken.get_encoding(name)

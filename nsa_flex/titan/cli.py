@@ -1,0 +1,75 @@
+"""``nsa-train``: thin wrapper around torchtitan's stock trainer (``torchtitan.train``).
+
+    nsa-train --job.config_file titan_configs/debug_nsa.toml [--section.key value ...]
+
+Equivalent to ``torchrun --nproc_per_node=1 -m torchtitan.train ...`` plus environment setup:
+  * a single process without torchrun gets WORLD_SIZE=1, RANK=0, LOCAL_RANK=0, MASTER_ADDR=127.0.0.1 and
+    a free MASTER_PORT (under torchrun these are already set and left alone);
+  * TIKTOKEN_CACHE_DIR defaults to ``../shared/data/tiktoken_cache`` (relative to the project root or
+    the working directory) when that folder exists and the variable is unset;
+  * without ``--job.config_file``, the embedded default ``titan_configs/debug_nsa.toml`` is used if
+    present, else torchtitan's defaults merged with nsa_flex's JobConfig (byte tokenizer, passkey data,
+    debugmodel).
+Configuration itself comes only from the TOML file and command-line overrides.
+"""
+
+import os
+import socket
+import sys
+
+PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONFIG_MODULE = "nsa_flex.titan.job_config"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def setup_env() -> None:
+    if "LOCAL_RANK" not in os.environ:  # not under torchrun: one local process
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if "TIKTOKEN_CACHE_DIR" not in os.environ:
+        from .tokenizer import default_tiktoken_cache
+
+        cache = default_tiktoken_cache()
+        if cache:
+            os.environ["TIKTOKEN_CACHE_DIR"] = cache
+
+
+def _has_flag(args: list[str], *names: str) -> bool:
+    return any(a.split("=", 1)[0] in names for a in args)
+
+
+def build_args(argv: list[str]) -> list[str]:
+    args = list(argv)
+    if not _has_flag(args, "--job.config_file", "--job.config-file"):
+        default = os.path.join(PROJECT_ROOT, "titan_configs", "debug_nsa.toml")
+        if os.path.isfile(default):
+            args = ["--job.config_file", default] + args
+        elif not _has_flag(args, "--job.custom_config_module", "--job.custom-config-module"):
+            args = ["--job.custom_config_module", CONFIG_MODULE] + args
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_args(sys.argv[1:] if argv is None else argv)
+    setup_env()
+    sys.argv = [sys.argv[0]] + args
+    # ConfigManager.parse_args binds sys.argv[1:] as its default when torchtitan is first imported
+    from torchtitan.config import manager
+
+    manager.ConfigManager.parse_args.__defaults__ = (args,)
+    from torchtitan.train import Trainer, main as titan_main
+
+    titan_main(Trainer)
+
+
+if __name__ == "__main__":
+    main()
