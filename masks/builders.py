@@ -121,9 +121,13 @@ def selection_block_flags(sel_idx, l_sel, Q_LEN, KV_LEN, block_size, q_pack, lo=
         hi = torch.full((1, T), torch.iinfo(torch.long).max // 4, dtype=torch.long, device=dev)
     hi = torch.minimum(hi, t.unsqueeze(0))  # causal
     lo, hi = lo.unsqueeze(1).unsqueeze(-1), hi.unsqueeze(1).unsqueeze(-1)  # [B|1, 1, T, 1]
+    # a block listed twice in one row counts once (the "full" test counts positions per block)
+    sel_idx = sel_idx.sort(dim=-1).values
+    first = torch.ones_like(sel_idx, dtype=torch.bool)
+    first[..., 1:] = sel_idx[..., 1:] != sel_idx[..., :-1]
     # each selected block expands to r kv blocks: [B, H, T, n*r]
     kvb = (sel_idx.unsqueeze(-1) * r + torch.arange(r, device=dev)).flatten(-2)
-    valid = (sel_idx >= 0).repeat_interleave(r, dim=-1)
+    valid = ((sel_idx >= 0) & first).repeat_interleave(r, dim=-1)
     k0 = kvb * KB
     k1 = k0 + KB - 1
     any_tok = valid & (k0 <= hi) & (k1 >= lo) & (k0 < KV_LEN)

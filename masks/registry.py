@@ -112,14 +112,19 @@ def forced_and_valid(cfg, T: int, starts: Tensor, device, t0: int = 0, t1: int |
 def pick_blocks(scores: Tensor, valid: Tensor, forced: Tensor, n: int) -> Tensor:
     """Top-n blocks per row: forced first, then by score, ties to the lower index; -1 pads.
 
-    scores [..., Ns] -> indices [..., n]. Deterministic (stable sort)."""
-    s = scores.masked_fill(~valid, float("-inf")).masked_fill(forced, float("inf"))
-    ns = s.shape[-1]
+    scores [..., Ns] (>= 0) -> indices [..., n]. Exact and deterministic: each candidate is one
+    int64 key (float bits of the score << 32 | reversed index), so a plain top-k orders by score
+    and breaks ties toward the lower block, whatever the chunking or the device."""
+    ns = scores.shape[-1]
+    bits = scores.float().clamp_min(0).view(torch.int32).long()
+    bits = torch.where(forced, 0x7F800000, bits)  # +inf: forced blocks first
+    bits = torch.where(valid, bits, -1)  # never an invalid block (below every valid key)
+    j = torch.arange(ns, device=scores.device)
+    key = bits * (1 << 32) + (ns - 1 - j)
     if ns < n:
-        s = torch.cat([s, s.new_full((*s.shape[:-1], n - ns), float("-inf"))], -1)
-    order = torch.sort(s, dim=-1, descending=True, stable=True)
-    idx = order.indices[..., :n]
-    return torch.where(order.values[..., :n] == float("-inf"), -1, idx)
+        key = torch.cat([key, key.new_full((*key.shape[:-1], n - ns), -(1 << 62))], -1)
+    top = torch.topk(key, n, dim=-1, sorted=True).values
+    return torch.where(top < 0, -1, ns - 1 - (top & 0xFFFFFFFF))
 
 
 def hash_uniform(B: int, H: int, T: int, N: int, step, device) -> Tensor:

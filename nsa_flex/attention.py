@@ -91,7 +91,7 @@ def attend_flex(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec,
     if spec.per_group:
         # group-centric packing: [B, Hkv, G, T, D] -> [B, Hkv, T*G, D], row = t*G + g
         bs = packed_block_size(G, spec)
-        qp = q.view(B, Hkv, G, T, Dk).transpose(2, 3).reshape(B, Hkv, T * G, Dk)
+        qp = q.view(B, Hkv, G, T, Dk).transpose(2, 3).reshape(B, Hkv, T * G, Dk).contiguous()
         bm = spec.block_mask(B, T, S, device=q.device, block_size=bs, q_pack=G)
         out, lse = _flex_lse(qp, k, v, bm, scale, False, flex_kernel_options(q, bs))
         out = out.view(B, Hkv, T, G, -1).transpose(2, 3).reshape(B, Hq, T, -1)

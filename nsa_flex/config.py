@@ -54,32 +54,39 @@ class NSAConfig:
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         errs: list[str] = []
+        bad: set[str] = set()  # fields already reported: rules that use them are skipped
         positive = ("dim", "n_heads", "n_kv_heads", "d_qk", "d_v", "l", "d", "l_sel", "n_sel",
                     "window", "score_chunk")
         for name in positive:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 errs.append(f"{name}={v!r}: must be a positive integer (>= 1)")
+                bad.add(name)
         for name in ("n_init", "n_local"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 errs.append(f"{name}={v!r}: must be a non-negative integer (>= 0)")
-        if self.n_init > 1 if isinstance(self.n_init, int) else False:
+                bad.add(name)
+        if "n_init" not in bad and self.n_init > 1:
             errs.append(f"n_init={self.n_init}: allowed values are 0 or 1 (the first block)")
-        if not errs:
-            if self.n_heads % self.n_kv_heads:
-                errs.append(f"n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}: n_heads must be "
-                            "a multiple of n_kv_heads (GQA groups)")
-            if self.l % self.d:
-                errs.append(f"l={self.l}, d={self.d}: the stride d must divide the compression block l")
-            if self.l_sel % self.d:
-                errs.append(f"l_sel={self.l_sel}, d={self.d}: the stride d must divide the selection "
-                            "block l_sel")
-            if self.n_sel < self.n_init + self.n_local:
-                errs.append(f"n_sel={self.n_sel}: must be >= n_init + n_local = "
-                            f"{self.n_init + self.n_local} (the forced blocks)")
-            if self.d_qk % 2:
-                errs.append(f"d_qk={self.d_qk}: must be even (RoPE rotates pairs)")
+            bad.add("n_init")
+
+        def ok(*names):  # a relation is checked whenever all of its fields are valid on their own
+            return not bad.intersection(names)
+
+        if ok("n_heads", "n_kv_heads") and self.n_heads % self.n_kv_heads:
+            errs.append(f"n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}: n_heads must be "
+                        "a multiple of n_kv_heads (GQA groups)")
+        if ok("l", "d") and self.l % self.d:
+            errs.append(f"l={self.l}, d={self.d}: the stride d must divide the compression block l")
+        if ok("l_sel", "d") and self.l_sel % self.d:
+            errs.append(f"l_sel={self.l_sel}, d={self.d}: the stride d must divide the selection "
+                        "block l_sel")
+        if ok("n_sel", "n_init", "n_local") and self.n_sel < self.n_init + self.n_local:
+            errs.append(f"n_sel={self.n_sel}: must be >= n_init + n_local = "
+                        f"{self.n_init + self.n_local} (the forced blocks)")
+        if ok("d_qk") and self.d_qk % 2:
+            errs.append(f"d_qk={self.d_qk}: must be even (RoPE rotates pairs)")
         if self.phi not in PHI_CHOICES:
             errs.append(f"phi={self.phi!r}: allowed values are {PHI_CHOICES}")
         if self.backend not in BACKEND_CHOICES:

@@ -7,9 +7,10 @@ Group-centric packing makes the selection branch's q block small (one position's
 
 torch <= 2.13 filters the backward configs by the sparse block size *before* applying
 kernel_options (pytorch #176025), so a 16-row block finds no backward config on GPU.
-`install_small_block_bwd_configs()` adds, through inductor's documented choices hook
-(`V.set_choices_handler`), backward configs that divide 16-row blocks; they are appended after
-the defaults, so masks with large blocks keep the default choice.
+`install_small_block_bwd_configs()` appends backward configs that divide 16-row blocks to the
+candidates of `InductorChoices.get_flex_attention_bwd_configs` (the hook inductor documents for
+custom heuristics); they come after the defaults, so masks with large blocks keep the default
+choice. Newer torch (PR #184797) applies kernel_options first; the extra configs are harmless.
 """
 
 import math
@@ -48,23 +49,26 @@ _installed = False
 
 
 def install_small_block_bwd_configs():
+    """Append small-block backward configs to inductor's flex backward candidates (all threads:
+    the backward graph is compiled on autograd's thread, so a thread-local choices handler set
+    here would not be seen there; we wrap the method on InductorChoices itself, once)."""
     global _installed
     if _installed:
         return
     from torch._inductor.choices import InductorChoices
     from torch._inductor.template_heuristics.triton import FlexBwDConfig
-    from torch._inductor.virtualized import V
 
-    class NSAChoices(InductorChoices):
-        def get_flex_attention_bwd_configs(self, head_dim, dtype, device_type="cuda"):
-            confs = list(super().get_flex_attention_bwd_configs(head_dim, dtype, device_type))
-            stages = 1 if head_dim > 128 else 2
-            for extra in (FlexBwDConfig(16, 64, 16, 16, stages, 4),
-                          FlexBwDConfig(16, 32, 16, 16, stages, 4),
-                          FlexBwDConfig(16, 16, 16, 16, 1, 4)):
-                if extra not in confs:
-                    confs.append(extra)
-            return confs
+    original = InductorChoices.get_flex_attention_bwd_configs
 
-    V.set_choices_handler(NSAChoices())
+    def get_flex_attention_bwd_configs(self, head_dim, dtype, device_type="cuda"):
+        confs = list(original(self, head_dim, dtype, device_type))
+        stages = 1 if head_dim > 128 else 2
+        for extra in (FlexBwDConfig(16, 64, 16, 16, stages, 4),
+                      FlexBwDConfig(16, 32, 16, 16, stages, 4),
+                      FlexBwDConfig(16, 16, 16, 16, 1, 4)):
+            if extra not in confs:
+                confs.append(extra)
+        return confs
+
+    InductorChoices.get_flex_attention_bwd_configs = get_flex_attention_bwd_configs
     _installed = True

@@ -72,13 +72,13 @@ class NSAAttention(nn.Module):
         out = {}
 
         # compressed branch: compress -> attend (its lse feeds the scorer)
-        lse_cmp = None
+        topn = None
         if need_cmp:
             k, v = kv("cmp")
             k_cmp, v_cmp = self.phi_k(k), self.phi_v(v)
-            cmp_spec = get_mask_builder("compressed_causal")(ctx) if "cmp" not in enabled \
-                else self.builders["cmp"](ctx)
-            o, lse_cmp = attend(q, k_cmp, v_cmp, cmp_spec, cfg.backend)
+            cmp_builder = self.builders["cmp"] if "cmp" in enabled else \
+                get_mask_builder("compressed_causal")
+            o, lse_cmp = attend(q, k_cmp, v_cmp, cmp_builder(ctx), cfg.backend)
             if "cmp" in enabled:
                 out["cmp"] = o
 
@@ -87,12 +87,13 @@ class NSAAttention(nn.Module):
                 lse = None if lse_cmp is None else lse_cmp.detach()
                 return select_topn(q.detach(), k_cmp.detach(), lse, cfg, starts)
 
-            ctx.topn = topn
+        step = 0
+        if self.branch_names["sel"] == "random_selection":
+            step = self.calls + cfg.seed * 1_000_003
+            self.calls.add_(1)
+        ctx = MaskContext(cfg, B, T, x.device, doc_ids=doc_ids, topn=topn, step=step)
 
         if "sel" in enabled:
-            if self.branch_names["sel"] == "random_selection":
-                ctx.step = self.calls + cfg.seed * 1_000_003
-                self.calls.add_(1)
             k, v = kv("sel")
             out["sel"], _ = attend(q, k, v, self.builders["sel"](ctx), cfg.backend)
         if "win" in enabled:

@@ -36,7 +36,7 @@ def map_to_selection_blocks(p: Tensor, n_sel_blocks: int, l: int, d: int, l_sel:
     """Eq. 9: p_cmp [..., Nc] -> p_slc [..., Ns], p_slc[j] = sum_m c[m] p_cmp[j*r + m].
 
     A strided window sum (unfold view + one small product), O(Ns * (r + l/d)) per row."""
-    c = overlap_kernel(l, d, l_sel, p.device)
+    c = overlap_kernel(l, d, l_sel, p.device).to(p.dtype)
     r, M = l_sel // d, c.numel()
     left = l // d - 1
     need = (n_sel_blocks - 1) * r + M  # padded length the last window reaches
@@ -59,8 +59,9 @@ def block_scores(q: Tensor, k_cmp: Tensor, lse: Tensor | None, cfg, doc_starts: 
     C = t1 - t0
     if Nc == 0:
         return q.new_zeros(B, Hkv, C, ns, dtype=torch.float32)
-    qc = q[:, :, t0:t1].float().view(B, Hkv, G, C, Dk)
-    s = torch.einsum("bhgtd,bhnd->bhgtn", qc, k_cmp.float()) * (Dk ** -0.5)
+    # q.K_cmp in the inputs' dtype (bf16 tensor cores on GPU), fp32 from there on
+    qc = q[:, :, t0:t1].reshape(B, Hkv, G, C, Dk)
+    s = torch.einsum("bhgtd,bhnd->bhgtn", qc, k_cmp.to(q.dtype)).float() * (Dk ** -0.5)
     t = torch.arange(t0, t1, device=q.device).view(C, 1)
     i = torch.arange(Nc, device=q.device).view(1, Nc)
     vis = (i * cfg.d + cfg.l - 1 <= t)  # compressed causal

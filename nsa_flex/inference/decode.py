@@ -1,0 +1,304 @@
+"""Prefill and token-by-token decode of one NSAAttention layer with per-branch caches.
+
+prefill(layer, x, lengths, cache)  -> the layer's own full forward for the outputs (any backend),
+                                      plus the branch keys/values written into the caches
+decode_step(layer, x, cache)       -> one new token per row, gather + matmul-softmax per branch:
+  cmp  all compressed blocks of the stream, masked to the visible ones (i d + l <= S)
+  sel  the current token's compressed scores (Eq. 8), mapped to selection blocks (Eq. 9), summed
+       over each GQA group's heads (Eq. 10), top-n with the forced blocks (the document's first
+       block, the n_local most recent) and ties to the lower index: `masks.pick_blocks`, the
+       function `select_topn` uses; then a gather of the n selected blocks (n * l' tokens)
+  win  the rolling ring of the last `window` tokens
+Per-row positions (right padding, see cache.py). Decode math is the reference backend's
+(fp32 scores, -inf masking, rows with no key give 0), whatever `cfg.backend` is.
+"""
+
+import math
+
+import torch
+from torch import Tensor
+
+from masks import doc_start as doc_start_of, pick_blocks
+
+from ..rope import apply_rope, rope_cos_sin
+from ..selection import map_to_selection_blocks
+from .cache import NSACache
+
+BRANCHES = ("cmp", "sel", "win")
+SUPPORTED = {"cmp": ("compressed_causal", "none"),
+             "sel": ("topn", "local_selection", "causal", "none"),
+             "win": ("sliding_window", "none")}
+
+
+def branch_modes(layer) -> dict[str, str]:
+    names = dict(layer.branch_names)
+    for b, ok in SUPPORTED.items():
+        if names[b] not in ok:
+            raise NotImplementedError(f"decode supports {b} mask builders {ok}, not {names[b]!r}")
+    return names
+
+
+def cache_branches(modes: dict[str, str]) -> tuple[str, ...]:
+    out = []
+    if modes["cmp"] != "none" or modes["sel"] == "topn":
+        out.append("cmp")
+    if modes["sel"] != "none":
+        out.append("sel")
+    if modes["win"] != "none":
+        out.append("win")
+    return tuple(out)
+
+
+def new_cache(layer, batch: int, capacity: int, device=None, dtype=None,
+              lengths: Tensor | None = None) -> NSACache:
+    """An empty cache sized for `layer` (only the streams its mask builders need)."""
+    w = layer.wq.weight
+    return NSACache.empty(layer.cfg, batch, capacity, device or w.device, dtype or w.dtype,
+                          cache_branches(branch_modes(layer)), lengths=lengths)
+
+
+# ---------------------------------------------------------------------- attention helper
+def _attend(s: Tensor, mask: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """Masked softmax attention, the reference backend's math. s [B, Hkv, G, N] fp32 scores,
+    mask broadcastable to s, v [B, Hkv, N, Dv] -> out [B, Hkv, G, Dv], lse [B, Hkv, G]."""
+    s = s.masked_fill(~mask, float("-inf"))
+    mx = s.amax(-1, keepdim=True)
+    mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
+    e = torch.exp(s - mx)
+    den = e.sum(-1, keepdim=True)
+    p = e / den.clamp_min(torch.finfo(torch.float32).tiny)
+    out = torch.einsum("bhgn,bhnd->bhgd", p.to(v.dtype), v)
+    return out, (torch.log(den) + mx).squeeze(-1)
+
+
+def _num_cmp(cfg, S: Tensor) -> Tensor:
+    return torch.where(S >= cfg.l, torch.div(S - cfg.l, cfg.d, rounding_mode="floor") + 1, 0)
+
+
+def _write(buf: Tensor, slot: Tensor, val: Tensor) -> None:
+    """buf[b, :, slot[b]] = val[b, :, 0] for every row b (one scatter, no sync)."""
+    B, H, _, D = buf.shape
+    buf.scatter_(2, slot.view(B, 1, 1, 1).expand(B, H, 1, D), val)
+
+
+def select_blocks(cfg, mode: str, p: Tensor | None, pos: Tensor, start: Tensor, ns: int,
+                  Hkv: int) -> Tensor:
+    """Selection block indices [B, Hkv, n_sel] (-1 unused) for tokens at positions pos [B].
+    p [B, Hkv, ns] group importance (Eq. 9-10) for "topn"; recency for "local_selection"."""
+    dev = pos.device
+    j = torch.arange(ns, device=dev).view(1, ns)
+    t, s0 = pos.view(-1, 1), start.view(-1, 1)
+    valid = (j * cfg.l_sel <= t) & ((j + 1) * cfg.l_sel - 1 >= s0)
+    cur = torch.div(t, cfg.l_sel, rounding_mode="floor")
+    forced = (j > cur - cfg.n_local) & (j <= cur) if cfg.n_local > 0 else torch.zeros_like(valid)
+    if cfg.n_init:
+        forced = forced | (j == torch.div(s0, cfg.l_sel, rounding_mode="floor"))
+    forced = forced & valid
+    if mode == "local_selection":
+        p = torch.arange(ns, device=dev, dtype=torch.float32).expand(pos.shape[0], Hkv, ns)
+    return pick_blocks(p, valid.unsqueeze(1), forced.unsqueeze(1), cfg.n_sel)
+
+
+def decode_attention(cfg, modes: dict[str, str], q: Tensor, kv: dict, g: Tensor,
+                     cache: NSACache, phi_k, phi_v) -> Tensor:
+    """The attention core of one decode step (after projections and RoPE).
+
+    q [B, H, 1, Dk]; kv[branch] = (k [B, Hkv, 1, Dk], v [B, Hkv, 1, Dv]) of the new token;
+    g [B, H, 1, 3] sigmoid gates. Writes the new token into the caches (at cache.lengths, which
+    it does not advance) and sets cache.reads. Returns o [B, H, 1, Dv] (gated sum of branches)."""
+    B, H, _, Dk = q.shape
+    Hkv = cfg.n_kv_heads
+    G = H // Hkv
+    dev = q.device
+    pos, start = cache.lengths, cache.doc_start
+    S = pos + 1
+    bidx = torch.arange(B, device=dev)
+    qg = q.view(B, Hkv, G, Dk)
+    scale = 1.0 / math.sqrt(Dk)
+    out, reads = {}, {}
+    p_cmp = None
+
+    if "cmp" in kv:  # ---------------------------------------------------- compressed
+        k, v = kv["cmp"]
+        l, d = cfg.l, cfg.d
+        _write(cache.k_raw, pos % l, k)
+        _write(cache.v_raw, pos % l, v)
+        Nc = cache.n_cmp_slots
+        if Nc > 0:
+            # emit block i = (S - l) / d when S - l >= 0 is a multiple of d: tokens S-l .. S-1
+            order = (S.view(B, 1) - l + torch.arange(l, device=dev)) % l  # ring slots, in order
+            ok = (S >= l) & ((S - l) % d == 0)
+            dst = torch.where(ok, torch.div(S - l, d, rounding_mode="floor").clamp_min(0), Nc)
+            dst = dst.clamp_max(Nc)
+            for raw, buf, phi in ((cache.k_raw, cache.k_cmp, phi_k), (cache.v_raw, cache.v_cmp, phi_v)):
+                blk = raw.gather(2, order.view(B, 1, l, 1).expand(B, Hkv, l, raw.shape[-1]))
+                _write(buf, dst, phi(blk).to(buf.dtype))
+            kc, vc = cache.k_cmp[:, :, :Nc], cache.v_cmp[:, :, :Nc]
+            i = torch.arange(Nc, device=dev).view(1, Nc)
+            vis = (i < _num_cmp(cfg, S).view(B, 1)) & (i * d >= start.view(B, 1))  # [B, Nc]
+            s = torch.einsum("bhgd,bhnd->bhgn", qg.float(), kc.float()) * scale
+            o, lse = _attend(s, vis.view(B, 1, 1, Nc), vc)
+            reads["cmp"] = vis.sum(-1)
+            if modes["sel"] == "topn":
+                # Eq. 8 from the compressed attention's own lse, Eq. 10 sum over the group's heads
+                lse_ = torch.where(torch.isfinite(lse), lse, 0.0).unsqueeze(-1)
+                p_cmp = torch.where(vis.view(B, 1, 1, Nc), torch.exp(s - lse_), 0.0).sum(2)
+        else:
+            o = q.new_zeros(B, Hkv, G, cache.v_cmp.shape[-1])
+            reads["cmp"] = torch.zeros(B, dtype=torch.long, device=dev)
+            p_cmp = q.new_zeros(B, Hkv, 0, dtype=torch.float32)
+        if modes["cmp"] != "none":
+            out["cmp"] = o.view(B, H, 1, -1)
+
+    if modes["sel"] != "none":  # ---------------------------------------- selection
+        k, v = kv["sel"]
+        _write(cache.k_sel, pos, k)
+        _write(cache.v_sel, pos, v)
+        cap, ls = cache.capacity, cfg.l_sel
+        if modes["sel"] == "causal":  # full attention over the cache (full_causal preset)
+            ks, vs = cache.k_sel, cache.v_sel
+            tok = torch.arange(cap, device=dev).view(1, 1, cap)
+            ok = (tok <= pos.view(B, 1, 1)) & (tok >= start.view(B, 1, 1))  # [B, 1, cap]
+            reads["sel"] = ok.sum(-1).expand(B, Hkv)
+        else:
+            ns = cap // ls
+            p_slc = None
+            if modes["sel"] == "topn":
+                p_slc = map_to_selection_blocks(p_cmp, ns, cfg.l, cfg.d, ls)  # Eq. 9
+            idx = select_blocks(cfg, modes["sel"], p_slc, pos, start, ns, Hkv)  # [B, Hkv, n]
+            n = idx.shape[-1]
+            blk = idx.clamp_min(0)
+            hidx = torch.arange(Hkv, device=dev).view(1, Hkv, 1)
+            kb = cache.k_sel.view(B, Hkv, ns, ls, -1)
+            vb = cache.v_sel.view(B, Hkv, ns, ls, -1)
+            ks = kb[bidx.view(B, 1, 1), hidx, blk].reshape(B, Hkv, n * ls, -1)
+            vs = vb[bidx.view(B, 1, 1), hidx, blk].reshape(B, Hkv, n * ls, -1)
+            tok = (blk.unsqueeze(-1) * ls + torch.arange(ls, device=dev)).reshape(B, Hkv, n * ls)
+            ok = ((idx >= 0).repeat_interleave(ls, dim=-1) & (tok <= pos.view(B, 1, 1))
+                  & (tok >= start.view(B, 1, 1)))  # [B, Hkv, n*l']
+            reads["sel"] = ok.sum(-1)
+            cache.last_selection = idx
+        s = torch.einsum("bhgd,bhnd->bhgn", qg.float(), ks.float()) * scale
+        o, _ = _attend(s, ok.unsqueeze(2), vs)
+        out["sel"] = o.view(B, H, 1, -1)
+
+    if modes["win"] != "none":  # ---------------------------------------- sliding window
+        k, v = kv["win"]
+        W = cache.k_win.shape[2]
+        _write(cache.k_win, pos % W, k)
+        _write(cache.v_win, pos % W, v)
+        # position held by slot j: the latest p <= pos with p = j (mod W)
+        spos = pos.view(B, 1) - (pos.view(B, 1) - torch.arange(W, device=dev)) % W
+        ok = (spos >= 0) & (spos >= start.view(B, 1))  # [B, W]
+        s = torch.einsum("bhgd,bhnd->bhgn", qg.float(), cache.k_win.float()) * scale
+        o, _ = _attend(s, ok.view(B, 1, 1, W), cache.v_win)
+        out["win"] = o.view(B, H, 1, -1)
+        reads["win"] = ok.sum(-1)
+
+    cache.reads = reads
+    # gate (Eq. 5), same order and summation as NSAAttention.forward
+    return sum(g[..., i : i + 1] * out[b] for i, b in enumerate(BRANCHES) if b in out)
+
+
+# ---------------------------------------------------------------------- layer level
+def _project(layer, x: Tensor, positions: Tensor, branches) -> tuple[Tensor, dict]:
+    """q [B, H, T, Dk] and {branch: (k, v)} with RoPE at `positions` ([T] shared or [B] per row
+    for T = 1)."""
+    cfg = layer.cfg
+    B, T, _ = x.shape
+    H, Hkv, dk, dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_qk, cfg.d_v
+    cos, sin = rope_cos_sin(positions, dk, cfg.rope_theta, x.dtype)
+    if positions.dim() == 1 and positions.shape[0] == B and T == 1:
+        cos, sin = cos.view(B, 1, 1, dk), sin.view(B, 1, 1, dk)
+    q = apply_rope(layer.wq(x).view(B, T, H, dk).transpose(1, 2), cos, sin)
+    kv = {}
+    for b in branches:
+        k = layer.wk[b](x).view(B, T, Hkv, dk).transpose(1, 2)
+        v = layer.wv[b](x).view(B, T, Hkv, dv).transpose(1, 2)
+        kv[b] = (apply_rope(k, cos, sin), v)
+    return q, kv
+
+
+@torch.no_grad()
+def decode_step(layer, x: Tensor, cache: NSACache, doc_start: Tensor | None = None,
+                commit: bool = True) -> Tensor:
+    """One token per row: x [B, 1, dim] at positions cache.lengths -> out [B, 1, dim].
+
+    doc_start [B] (optional): first position of each new token's document (document masking);
+    kept in the cache. commit=False leaves cache.lengths as it is (the model-level cache
+    advances a length tensor shared by all layers once per step; benchmarks repeat one step)."""
+    cfg = layer.cfg
+    modes = branch_modes(layer)
+    B = x.shape[0]
+    if x.shape[1] != 1:
+        raise ValueError(f"decode_step takes one token per row, got x of shape {tuple(x.shape)}")
+    cache.check_room(1)
+    if doc_start is not None:
+        cache.doc_start.copy_(doc_start)
+    q, kv = _project(layer, x, cache.lengths, cache_branches(modes))
+    g = torch.sigmoid(layer.gate(x)).view(B, 1, cfg.n_heads, 3).permute(0, 2, 1, 3)
+    o = decode_attention(cfg, modes, q, kv, g, cache, layer.phi_k, layer.phi_v)
+    o = o.transpose(1, 2).reshape(B, 1, cfg.n_heads * cfg.d_v)
+    if commit:
+        advance(cache)
+    return layer.wo(o.to(x.dtype))
+
+
+def advance(cache: NSACache, n: int = 1) -> None:
+    cache.lengths.add_(n)
+    cache.host_max_len += n
+
+
+@torch.no_grad()
+def prefill(layer, x: Tensor, cache: NSACache, lengths: Tensor | list[int] | None = None,
+            doc_ids: Tensor | None = None) -> Tensor:
+    """Right-padded prompts x [B, T, dim] with per-row lengths (default: all T) -> the layer's
+    outputs [B, T, dim] (positions >= lengths[b] are padding: ignore them) and filled caches.
+
+    The outputs are the layer's own forward (every mask is causal, so padding after a row's last
+    token changes nothing before it). doc_ids [B, T]: document masking as in the forward; the
+    cache's doc_start is set to the document of each row's last prompt token (the caller moves
+    it on when that token ends a document: see the model-level cache)."""
+    cfg = layer.cfg
+    modes = branch_modes(layer)
+    B, T, _ = x.shape
+    dev = x.device
+    if lengths is None:
+        lengths = torch.full((B,), T, dtype=torch.long, device=dev)
+    lengths = torch.as_tensor(lengths, dtype=torch.long, device=dev)
+    if T > cache.capacity:
+        raise RuntimeError(f"prompt of {T} tokens > cache capacity {cache.capacity}")
+    out = layer(x, doc_ids)
+    _, kv = _project(layer, x, torch.arange(T, device=dev), cache_branches(modes))
+
+    def ring_fill(buf, src, size):
+        # the last `size` positions before each row's length, position p into slot p % size
+        p = lengths.view(B, 1) - size + torch.arange(size, device=dev)  # [B, size]
+        H, D = src.shape[1], src.shape[-1]
+        vals = src.gather(2, p.clamp(0, T - 1).view(B, 1, size, 1).expand(B, H, size, D))
+        buf.scatter_(2, (p % size).view(B, 1, size, 1).expand(B, H, size, D), vals.to(buf.dtype))
+
+    if "cmp" in kv:
+        k, v = kv["cmp"]
+        ring_fill(cache.k_raw, k, cfg.l)
+        ring_fill(cache.v_raw, v, cfg.l)
+        kc, vc = layer.phi_k(k), layer.phi_v(v)  # blocks past a row's length: masked, overwritten
+        n = min(kc.shape[2], cache.n_cmp_slots)
+        cache.k_cmp[:, :, :n] = kc[:, :, :n].to(cache.k_cmp.dtype)
+        cache.v_cmp[:, :, :n] = vc[:, :, :n].to(cache.v_cmp.dtype)
+    if "sel" in kv:
+        k, v = kv["sel"]
+        cache.k_sel[:, :, :T] = k.to(cache.k_sel.dtype)
+        cache.v_sel[:, :, :T] = v.to(cache.v_sel.dtype)
+    if "win" in kv:
+        k, v = kv["win"]
+        ring_fill(cache.k_win, k, cache.k_win.shape[2])
+        ring_fill(cache.v_win, v, cache.v_win.shape[2])
+    cache.lengths.copy_(lengths)
+    cache.host_max_len = T
+    if doc_ids is not None:
+        last = (lengths - 1).clamp_min(0).view(B, 1)
+        cache.doc_start.copy_(doc_start_of(doc_ids.long()).gather(1, last).view(B))
+    else:
+        cache.doc_start.zero_()
+    return out
