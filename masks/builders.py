@@ -98,8 +98,88 @@ def selection(sel_idx: Tensor, l_sel: int) -> MaskSpec:
     def kv_blocks(Bq, Q_LEN, KV_LEN, block_size, q_pack, device, lo, hi):
         return selection_block_flags(sel_idx, l_sel, Q_LEN, KV_LEN, block_size, q_pack, lo, hi)
 
+    def compact(Q_LEN, KV_LEN, block_size, q_pack, device, lo, hi, mod):
+        return selection_block_mask_compact(sel_idx, l_sel, Q_LEN, KV_LEN, block_size, q_pack,
+                                            mod, lo, hi)
+
     return MaskSpec(mask_mod, heads=H, kv_blocks=kv_blocks, name=f"selection(n={n},l'={l_sel})",
-                    kv_block=l_sel)
+                    kv_block=l_sel, compact=compact)
+
+
+def _slot_classes(sel_idx, l_sel, KB, KV_LEN, lo, hi):
+    """Per (token, selected kv block) slot: (kv block index, listed?, full?), [B, H, T, n*r]."""
+    B, H, T, n = sel_idx.shape
+    dev = sel_idx.device
+    r = l_sel // KB  # kv blocks per selection block
+    t = torch.arange(T, device=dev)
+    if lo is None:
+        lo = torch.zeros(1, T, dtype=torch.long, device=dev)
+        hi = torch.full((1, T), torch.iinfo(torch.long).max // 4, dtype=torch.long, device=dev)
+    hi = torch.minimum(hi, t.unsqueeze(0))  # causal
+    lo, hi = lo.unsqueeze(1).unsqueeze(-1), hi.unsqueeze(1).unsqueeze(-1)  # [B|1, 1, T, 1]
+    kvb = (sel_idx.unsqueeze(-1) * r + torch.arange(r, device=dev)).flatten(-2)
+    valid = (sel_idx >= 0).repeat_interleave(r, dim=-1)
+    k0 = kvb * KB
+    k1 = k0 + KB - 1
+    any_tok = valid & (k0 <= hi) & (k1 >= lo) & (k0 < KV_LEN)
+    full_tok = valid & (k0 >= lo) & (k1 <= hi) & (k1 < KV_LEN)
+    return kvb, any_tok, full_tok
+
+
+def _compact_lists(kvb, listed):
+    """Row-wise lists of the listed kv blocks, ascending, fixed width (= slots): (num, idx)."""
+    big = torch.iinfo(torch.int32).max
+    key = torch.where(listed, kvb, big).sort(-1).values
+    num = listed.sum(-1, dtype=torch.int32)
+    return num, torch.where(key == big, 0, key).to(torch.int32)
+
+
+def _transpose_lists(num, idx, nkb):
+    """kv-major lists from q-major lists, without a dense [NQB, NKB] table.
+
+    num [B, H, NQB], idx [B, H, NQB, W] -> q_num [B, H, NKB], q_idx [B, H, NKB, NQB]. Static
+    shapes only (sort + scatter), so it traces into a compiled graph."""
+    B, H, nqb, W = idx.shape
+    dev = idx.device
+    listed = torch.arange(W, device=dev) < num.unsqueeze(-1)
+    j = torch.where(listed, idx.long(), nkb)  # unlisted slots -> dummy row nkb
+    qb = torch.arange(nqb, device=dev).view(1, 1, nqb, 1).expand(B, H, nqb, W)
+    key = (j * nqb + qb).reshape(B, H, -1)
+    key = key.sort(-1).values  # kv-major, then ascending q block
+    row = key // nqb
+    col = (key % nqb).to(torch.int32)
+    counts = torch.zeros(B, H, nkb + 1, dtype=torch.long, device=dev)
+    counts.scatter_add_(2, row, torch.ones_like(row))
+    starts = torch.cumsum(counts, -1) - counts
+    rank = torch.arange(key.shape[-1], device=dev).expand_as(key) - starts.gather(2, row)
+    rank = torch.where(row == nkb, 0, rank).clamp_max(nqb - 1)  # dummy row: discarded
+    q_idx = torch.zeros(B, H, (nkb + 1) * nqb, dtype=torch.int32, device=dev)
+    q_idx.scatter_(2, row * nqb + rank, col)
+    q_idx = q_idx.view(B, H, nkb + 1, nqb)[:, :, :nkb]
+    return counts[..., :nkb].to(torch.int32), q_idx.contiguous()
+
+
+def selection_block_mask_compact(sel_idx, l_sel, Q_LEN, KV_LEN, block_size, q_pack, mask_mod,
+                                 lo=None, hi=None):
+    """BlockMask of the selection mask in the packed layout with one position per q block
+    (q block = q_pack rows): kv lists straight from sel_idx (width n * l'/KB), kv-major lists by
+    a sort. Never builds the dense [NQB, NKB] table that from_kv_blocks would."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    QB, KB = block_size
+    if QB != q_pack or l_sel % KB:
+        raise ValueError("compact selection masks need q block = q_pack and KB | l_sel")
+    nkb = -(-KV_LEN // KB)
+    kvb, any_tok, full_tok = _slot_classes(sel_idx, l_sel, KB, KV_LEN, lo, hi)
+    kv_num, kv_idx = _compact_lists(kvb, any_tok & ~full_tok)
+    f_num, f_idx = _compact_lists(kvb, full_tok)
+    q_num, q_idx = _transpose_lists(kv_num, kv_idx, nkb)
+    fq_num, fq_idx = _transpose_lists(f_num, f_idx, nkb)
+    packed = (lambda b, h, q, kv: mask_mod(b, h, q // q_pack, kv)) if q_pack > 1 else mask_mod
+    return BlockMask(seq_lengths=(Q_LEN * q_pack, KV_LEN), kv_num_blocks=kv_num,
+                     kv_indices=kv_idx, full_kv_num_blocks=f_num, full_kv_indices=f_idx,
+                     q_num_blocks=q_num, q_indices=q_idx, full_q_num_blocks=fq_num,
+                     full_q_indices=fq_idx, BLOCK_SIZE=(QB, KB), mask_mod=packed)
 
 
 def selection_block_flags(sel_idx, l_sel, Q_LEN, KV_LEN, block_size, q_pack, lo=None, hi=None):
@@ -114,24 +194,9 @@ def selection_block_flags(sel_idx, l_sel, Q_LEN, KV_LEN, block_size, q_pack, lo=
     P = QB // q_pack  # token positions per q block
     nqb = -(-Q_LEN // P)
     nkb = -(-KV_LEN // KB)
-    r = l_sel // KB  # kv blocks per selection block
-    t = torch.arange(T, device=dev)
-    if lo is None:
-        lo = torch.zeros(1, T, dtype=torch.long, device=dev)
-        hi = torch.full((1, T), torch.iinfo(torch.long).max // 4, dtype=torch.long, device=dev)
-    hi = torch.minimum(hi, t.unsqueeze(0))  # causal
-    lo, hi = lo.unsqueeze(1).unsqueeze(-1), hi.unsqueeze(1).unsqueeze(-1)  # [B|1, 1, T, 1]
-    # a block listed twice in one row counts once (the "full" test counts positions per block)
-    sel_idx = sel_idx.sort(dim=-1).values
-    first = torch.ones_like(sel_idx, dtype=torch.bool)
-    first[..., 1:] = sel_idx[..., 1:] != sel_idx[..., :-1]
-    # each selected block expands to r kv blocks: [B, H, T, n*r]
-    kvb = (sel_idx.unsqueeze(-1) * r + torch.arange(r, device=dev)).flatten(-2)
-    valid = ((sel_idx >= 0) & first).repeat_interleave(r, dim=-1)
-    k0 = kvb * KB
-    k1 = k0 + KB - 1
-    any_tok = valid & (k0 <= hi) & (k1 >= lo) & (k0 < KV_LEN)
-    full_tok = valid & (k0 >= lo) & (k1 <= hi) & (k1 < KV_LEN)
+    r = l_sel // KB
+    kvb, any_tok, full_tok = _slot_classes(sel_idx, l_sel, KB, KV_LEN, lo, hi)
+    valid = (sel_idx >= 0).repeat_interleave(r, dim=-1)
     col = torch.where(valid, kvb, nkb).clamp(0, nkb)  # unused slots go to a dummy column
     pad = nqb * P - T
     if pad:

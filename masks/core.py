@@ -39,6 +39,9 @@ class MaskSpec:
     name: str = "mask"
     # kv block size the block lists are made for (the selection mask: its block length l')
     kv_block: int | None = None
+    # optional direct BlockMask builder for one position per q block (GPU: compact index width):
+    # (Q_LEN, KV_LEN, block_size, q_pack, device, lo, hi, mask_mod) -> BlockMask
+    compact: Callable | None = None
 
     @property
     def per_group(self) -> bool:
@@ -79,6 +82,9 @@ class MaskSpec:
 
             return create_block_mask(packed_mask_mod(mod, q_pack), B, self.heads, Q_LEN * q_pack,
                                      KV_LEN, device=device, BLOCK_SIZE=bs)
+        if self.compact is not None and bs[0] == q_pack and device is not None \
+                and torch.device(device).type == "cuda":
+            return self.compact(Q_LEN, KV_LEN, bs, q_pack, device, None, None, self.mask_mod)
         any_, full = self.block_flags(B, Q_LEN, KV_LEN, bs, q_pack, device)
         return block_mask_from_flags(any_, full, bs, packed_mask_mod(mod, q_pack),
                                      (Q_LEN * q_pack, KV_LEN))
@@ -174,7 +180,7 @@ def and_masks(*specs: MaskSpec, name: str | None = None) -> MaskSpec:
     heads = max(s.heads for s in specs)
     bands = [s.interval for s in specs if s.interval is not None]
     lists = [s.kv_blocks for s in specs if s.kv_blocks is not None]
-    interval = kv_blocks = None
+    interval = kv_blocks = compact = None
 
     def band(q):
         lo, hi = bands[0](q)
@@ -194,6 +200,15 @@ def and_masks(*specs: MaskSpec, name: str | None = None) -> MaskSpec:
                 l2, h2 = torch.maximum(lo, l2), torch.minimum(hi, h2)
             return inner(B, Q_LEN, KV_LEN, block_size, q_pack, device, l2, h2)
 
+        inner_compact = next(s.compact for s in specs if s.kv_blocks is not None)
+        if inner_compact is not None:
+            def compact(Q_LEN, KV_LEN, block_size, q_pack, device, lo, hi, mod):
+                l2, h2 = band(torch.arange(Q_LEN, device=device))
+                if lo is not None:
+                    l2, h2 = torch.maximum(lo, l2), torch.minimum(hi, h2)
+                return inner_compact(Q_LEN, KV_LEN, block_size, q_pack, device, l2, h2, mod)
+
     kv_block = next((s.kv_block for s in specs if s.kv_block is not None), None)
     return MaskSpec(mask_mod, heads=heads, interval=interval, kv_blocks=kv_blocks,
-                    name=name or "&".join(s.name for s in specs), kv_block=kv_block)
+                    name=name or "&".join(s.name for s in specs), kv_block=kv_block,
+                    compact=compact)

@@ -1,0 +1,42 @@
+"""The compact selection BlockMask (GPU path: index width n, kv-major lists by sort) lists
+exactly the blocks of the dense-flag construction, on the kv side and the transposed q side."""
+
+import pytest
+import torch
+
+from masks import and_masks, document, selection
+
+
+def _dense(num, ind, n_cols):
+    lst = torch.arange(ind.shape[-1]) < num.unsqueeze(-1)
+    m = torch.zeros(*num.shape, n_cols + 1, dtype=torch.bool)
+    m.scatter_(-1, torch.where(lst, ind.long(), n_cols), True)
+    return m[..., :n_cols]
+
+
+@pytest.mark.parametrize("with_docs", [False, True])
+@pytest.mark.parametrize("T,G,l_sel,n", [(200, 4, 16, 4), (97, 2, 32, 3), (64, 8, 16, 5)])
+def test_compact_equals_flags(with_docs, T, G, l_sel, n):
+    torch.manual_seed(T + G)
+    B, H = 2, 3
+    ns = -(-T // l_sel)
+    idx = torch.stack([torch.randperm(ns)[: min(n, ns)] for _ in range(B * H * T)])
+    idx = torch.cat([idx, idx.new_full((B * H * T, n - idx.shape[1]), -1)], 1).view(B, H, T, n)
+    t = torch.arange(T).view(1, 1, T, 1)
+    idx = torch.where(idx * l_sel <= t, idx, -1)
+    spec = selection(idx, l_sel)
+    if with_docs:
+        doc = torch.zeros(B, T, dtype=torch.long)
+        doc[0, T // 3:] = 1
+        doc[1, T // 2:] = 2
+        spec = and_masks(spec, document(doc))
+    kb = 16
+    any_, full = spec.block_flags(B, T, T, (G, kb), q_pack=G)
+    bm = spec.compact(T, T, (G, kb), G, None, None, None, spec.mask_mod)
+    nqb, nkb = any_.shape[-2:]
+    assert full.any() and (any_ & ~full).any()
+    assert torch.equal(_dense(bm.kv_num_blocks, bm.kv_indices, nkb), any_ & ~full)
+    assert torch.equal(_dense(bm.full_kv_num_blocks, bm.full_kv_indices, nkb), full)
+    assert torch.equal(_dense(bm.q_num_blocks, bm.q_indices, nqb), (any_ & ~full).transpose(-1, -2))
+    assert torch.equal(_dense(bm.full_q_num_blocks, bm.full_q_indices, nqb), full.transpose(-1, -2))
+    assert bm.kv_indices.shape[-1] == n * (l_sel // kb)  # compact width, fixed per config
