@@ -1,0 +1,185 @@
+"""The NSA torchtitan model: flavors, [nsa] section -> model args, FLOPs, parallelize_fn (AC, compile)."""
+
+import copy
+
+import pytest
+import torch
+from torchtitan.config import ConfigManager
+from torchtitan.distributed import ParallelDims
+
+from nsa_flex.config import NSAConfigError
+from nsa_flex.flops import full_attention_flops, nsa_attention_flops
+from nsa_flex.titan.args import NSAModelArgs, nsa_flex_args
+from nsa_flex.titan.model import NSATransformer, doc_ids_from_tokens
+from nsa_flex.titan.parallelize import parallelize_nsa
+
+CFG = "nsa_flex.titan.job_config"
+
+
+def job(*args):
+    return ConfigManager().parse_args(["--job.custom_config_module", CFG, *args])
+
+
+def args_for(*cli, flavor="debugmodel"):
+    a = nsa_flex_args[flavor]
+    a.update_from_config(job("--model.flavor", flavor, *cli))
+    return a
+
+
+def build(a: NSAModelArgs, seed=0) -> NSATransformer:
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        m = NSATransformer(a)
+    m.to_empty(device="cpu")
+    with torch.no_grad():
+        m.init_weights()
+    return m
+
+
+def test_job_config_nsa_section_and_defaults():
+    cfg = job("--nsa.l", "16", "--nsa.masks", "full_causal")
+    assert cfg.nsa.l == 16 and cfg.nsa.masks == "full_causal" and cfg.nsa.d is None
+    assert (cfg.model.name, cfg.model.flavor, cfg.model.tokenizer) == ("nsa_flex", "debugmodel", "byte")
+    assert cfg.training.dataset == "passkey" and cfg.experimental.custom_import == "nsa_flex.titan.train_spec"
+    with pytest.raises(SystemExit):  # unknown keys are rejected
+        job("--nsa.block_size", "3")
+
+
+def test_toml_nsa_section(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('[job]\ncustom_config_module = "nsa_flex.titan.job_config"\n'
+                 '[model]\nflavor = "debugmodel"\n[nsa]\nwindow = 64\nphi = "mlp"\nsel_mask = "local_selection"\n')
+    cfg = ConfigManager().parse_args(["--job.config_file", str(f), "--nsa.n_sel", "5"])
+    a = nsa_flex_args["debugmodel"]
+    a.update_from_config(cfg)
+    c = a.nsa_config()
+    assert (c.window, c.phi, c.sel_mask, c.n_sel, c.l) == (64, "mlp", "local_selection", 5, 8)
+
+
+def test_flavors_fresh_copies_and_unknown_flavor():
+    a = nsa_flex_args["debugmodel"]
+    a.window = 999
+    assert nsa_flex_args["debugmodel"].window == 32
+    with pytest.raises(KeyError, match=r"unknown nsa_flex flavor '7B'.*'125M'.*'1B'.*'350M'.*'debugmodel'"):
+        nsa_flex_args["7B"]
+
+
+def test_update_from_config():
+    a = args_for("--training.seq_len", "128")
+    assert a.vocab_size == 320 and a.eos_id == 257 and a.max_seq_len == 128  # byte vocab 258 -> x64
+    assert (a.l, a.d, a.l_sel, a.n_sel, a.window) == (8, 4, 16, 4, 32)  # flavor values kept
+    if not torch.cuda.is_available():
+        assert a.backend == "reference"  # flex switched on a CPU-only machine
+    b = args_for("--nsa.window", "64", "--nsa.masks", "sliding_only", "--nsa.doc_masking", "True")
+    assert (b.window, b.masks, b.doc_masking) == (64, "sliding_only", True)
+
+
+def test_invalid_nsa_settings_name_the_fields():
+    with pytest.raises(NSAConfigError, match=r"l=8, d=3"):
+        args_for("--nsa.d", "3")
+    with pytest.raises(NSAConfigError, match=r"masks='bogus'"):
+        args_for("--nsa.masks", "bogus")
+    with pytest.raises(NotImplementedError, match="tensor_parallel_degree"):
+        args_for("--parallelism.tensor_parallel_degree", "2")
+
+
+@pytest.mark.parametrize("flavor,lo,hi", [("125M", 150e6, 170e6), ("350M", 370e6, 390e6), ("1B", 1.0e9, 1.3e9)])
+def test_flavor_sizes(flavor, lo, hi):
+    a = nsa_flex_args[flavor]
+    a.vocab_size = 50304  # gpt2 padded
+    with torch.device("meta"):
+        m = NSATransformer(a)
+    n = sum(p.numel() for p in m.parameters())
+    assert lo < n < hi, n
+
+
+def test_flops_count_nsa_not_full_attention():
+    a = nsa_flex_args["125M"]
+    a.backend = "reference"
+    with torch.device("meta"):
+        m = NSATransformer(a)
+    seq = 8192
+    n, flops = a.get_nparams_and_flops(m, seq)
+    emb = m.tok_embeddings.weight.numel()
+    nsa = nsa_attention_flops(a.nsa_config(), seq)
+    assert n == sum(p.numel() for p in m.parameters())
+    assert flops == int(6 * (n - emb) + 3 * a.n_layers * nsa / seq)
+    full = full_attention_flops(a.nsa_config(), seq)
+    assert nsa < full / 2  # sparse at 8k: far below causal full attention
+    b = copy.deepcopy(a)
+    b.masks = "full_causal"
+    _, flops_full = b.get_nparams_and_flops(m, seq)
+    assert flops_full > flops
+
+
+def test_doc_ids_from_tokens():
+    t = torch.tensor([[5, 9, 7, 9, 9, 1], [9, 2, 3, 4, 9, 6]])
+    assert doc_ids_from_tokens(t, 9).tolist() == [[0, 0, 1, 1, 2, 3], [0, 1, 1, 1, 1, 2]]
+
+
+def test_doc_masking_isolates_documents():
+    a = args_for("--nsa.doc_masking", "True", "--training.seq_len", "64")
+    m = build(a)
+    eos = a.eos_id
+    x = torch.randint(0, 256, (1, 64))
+    x[0, 30] = eos
+    y = x.clone()
+    y[0, :30] = torch.randint(0, 256, (30,))  # change the first document only
+    with torch.no_grad():
+        ox, oy = m(x), m(y)
+    assert torch.allclose(ox[0, 31:], oy[0, 31:], atol=1e-5)  # the second document does not see it
+    assert not torch.allclose(ox[0, :30], oy[0, :30])
+
+
+def _parallel_dims():
+    return ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+
+
+def _loss_and_grads(model, x):
+    model.zero_grad()
+    out = model(x)
+    loss = torch.nn.functional.cross_entropy(out.flatten(0, 1).float(), x.roll(-1, 1).flatten())
+    loss.backward()
+    return loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("mode,option", [("full", "2"), ("selective", "2"), ("selective", "op")])
+def test_activation_checkpointing_matches(mode, option):
+    a = args_for("--training.seq_len", "128")
+    x = torch.randint(0, 256, (2, 128), generator=torch.Generator().manual_seed(0))
+    ref_loss, ref_grads = _loss_and_grads(build(a), x)
+    m = build(a)
+    cfg = job("--activation_checkpoint.mode", mode, "--activation_checkpoint.selective_ac_option", option)
+    m = parallelize_nsa(m, _parallel_dims(), cfg)
+    wrapped = sum("checkpoint" in type(b).__name__.lower() for b in m.layers.values())
+    assert wrapped >= 1, [type(b).__name__ for b in m.layers.values()]
+    loss, grads = _loss_and_grads(m, x)
+    assert torch.equal(loss, ref_loss)
+    strip = lambda k: k.replace("_checkpoint_wrapped_module.", "")
+    grads = {strip(k): v for k, v in grads.items()}
+    assert grads.keys() == ref_grads.keys()
+    for k in ref_grads:
+        torch.testing.assert_close(grads[k], ref_grads[k], rtol=1e-5, atol=1e-7, msg=k)
+
+
+def test_compile_per_block_fullgraph():
+    """parallelize_fn compiles every block with fullgraph=True (a graph break would raise). CPU CI
+    uses the aot_eager backend on the reference path; inductor + flex is the GPU path."""
+    torch._dynamo.reset()
+    a = args_for("--training.seq_len", "64")
+    x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
+    ref_loss, ref_grads = _loss_and_grads(build(a), x)
+    m = build(a)
+    # with torchtitan's default AC (selective, every 2nd block) under the compiled blocks
+    cfg = job("--compile.enable", "--compile.backend", "aot_eager")
+    assert (cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option) == ("selective", "2")
+    m = parallelize_nsa(m, _parallel_dims(), cfg)
+    assert all(type(b).__name__ == "OptimizedModule" for b in m.layers.values())
+    loss, grads = _loss_and_grads(m, x)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+    grads = {k.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", ""): v for k, v in grads.items()}
+    assert grads.keys() == ref_grads.keys()
+    for k in ref_grads:
+        torch.testing.assert_close(grads[k], ref_grads[k], rtol=1e-4, atol=1e-6, msg=k)
+    with pytest.raises(ValueError, match="CUDA graphs"):
+        parallelize_nsa(build(a), _parallel_dims(), job("--compile.enable", "--compile.backend", "cudagraphs"))
