@@ -12,9 +12,8 @@ Tensors ([B, Hkv, ., D] unless noted):
   k_win, v_win   [.., window, D]     window branch: rolling ring, position p in slot p % window
   k_raw, v_raw   [.., l, D]          compressed branch raw keys/values: ring of the last l tokens,
                                      position p in slot p % l (what the next block needs)
-  k_cmp, v_cmp   [.., n_cmp + 1, D]  compressed stream: block i (tokens [i d, i d + l)) is emitted
-                                     into slot i when token i d + l - 1 arrives; the extra last
-                                     slot is a dump for rows that emit nothing this step
+  k_cmp, v_cmp   [.., n_cmp, D]      compressed stream: block i (tokens [i d, i d + l)) is emitted
+                                     into slot i when token i d + l - 1 arrives
   lengths        [B] long            tokens in the cache per row (= position of the next token)
   doc_start      [B] long            first position of the next token's document (doc masking)
 
@@ -61,8 +60,8 @@ class NSACache:
 
     @property
     def n_cmp_slots(self) -> int:
-        """Compressed blocks the cache can hold (without the dump slot)."""
-        return 0 if self.k_cmp is None else self.k_cmp.shape[2] - 1
+        """Compressed blocks the cache can hold."""
+        return 0 if self.k_cmp is None else self.k_cmp.shape[2]
 
     @classmethod
     def empty(cls, cfg: NSAConfig, batch: int, capacity: int, device=None, dtype=torch.float32,
@@ -85,7 +84,7 @@ class NSACache:
             k_win, v_win = two(cfg.window)
         if "cmp" in branches:
             k_raw, v_raw = two(cfg.l)
-            k_cmp, v_cmp = two(cfg.num_cmp(cap) + 1)
+            k_cmp, v_cmp = two(cfg.num_cmp(cap))
         if lengths is None:
             lengths = torch.zeros(batch, dtype=torch.long, device=device)
         doc_start = torch.zeros(batch, dtype=torch.long, device=device)

@@ -21,7 +21,7 @@ from torch import Tensor
 from masks import doc_start as doc_start_of, pick_blocks
 
 from ..rope import apply_rope, rope_cos_sin
-from ..selection import map_to_selection_blocks
+from ..selection import overlap_kernel
 from .cache import NSACache
 
 BRANCHES = ("cmp", "sel", "win")
@@ -69,6 +69,25 @@ def _attend(s: Tensor, mask: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     p = e / den.clamp_min(torch.finfo(torch.float32).tiny)
     out = torch.einsum("bhgn,bhnd->bhgd", p.to(v.dtype), v)
     return out, (torch.log(den) + mx).squeeze(-1)
+
+
+_OVERLAP: dict = {}
+
+
+def map_to_selection_blocks(p: Tensor, n_sel_blocks: int, l: int, d: int, l_sel: int) -> Tensor:
+    """Eq. 9, the same math as `nsa_flex.selection.map_to_selection_blocks` (unfold + product
+    with the overlap kernel), with the kernel made once per device: building it allocates a
+    host scalar, which a CUDA graph cannot capture."""
+    key = (l, d, l_sel, str(p.device), p.dtype)
+    if key not in _OVERLAP:
+        _OVERLAP[key] = overlap_kernel(l, d, l_sel, p.device).to(p.dtype)
+    c = _OVERLAP[key]
+    r, M = l_sel // d, c.numel()
+    left = l // d - 1
+    need = (n_sel_blocks - 1) * r + M
+    right = max(0, need - left - p.shape[-1])
+    pp = torch.nn.functional.pad(p, (left, right))
+    return pp.unfold(-1, M, r)[..., :n_sel_blocks, :] @ c
 
 
 def _num_cmp(cfg, S: Tensor) -> Tensor:
@@ -125,23 +144,28 @@ def decode_attention(cfg, modes: dict[str, str], q: Tensor, kv: dict, g: Tensor,
         _write(cache.v_raw, pos % l, v)
         Nc = cache.n_cmp_slots
         if Nc > 0:
-            # emit block i = (S - l) / d when S - l >= 0 is a multiple of d: tokens S-l .. S-1
+            # emit block i = (S - l) / d when S - l >= 0 is a multiple of d: tokens S-l .. S-1;
+            # rows that emit nothing write back the slot's old value (branch-free, no sync)
             order = (S.view(B, 1) - l + torch.arange(l, device=dev)) % l  # ring slots, in order
-            ok = (S >= l) & ((S - l) % d == 0)
-            dst = torch.where(ok, torch.div(S - l, d, rounding_mode="floor").clamp_min(0), Nc)
-            dst = dst.clamp_max(Nc)
+            emit = (S >= l) & ((S - l) % d == 0)
+            dst = torch.div(S - l, d, rounding_mode="floor").clamp(0, Nc - 1)
             for raw, buf, phi in ((cache.k_raw, cache.k_cmp, phi_k), (cache.v_raw, cache.v_cmp, phi_v)):
                 blk = raw.gather(2, order.view(B, 1, l, 1).expand(B, Hkv, l, raw.shape[-1]))
-                _write(buf, dst, phi(blk).to(buf.dtype))
-            kc, vc = cache.k_cmp[:, :, :Nc], cache.v_cmp[:, :, :Nc]
+                D = buf.shape[-1]
+                idx = dst.view(B, 1, 1, 1).expand(B, Hkv, 1, D)
+                val = torch.where(emit.view(B, 1, 1, 1), phi(blk).to(buf.dtype), buf.gather(2, idx))
+                buf.scatter_(2, idx, val)
+            kc, vc = cache.k_cmp, cache.v_cmp
             i = torch.arange(Nc, device=dev).view(1, Nc)
             vis = (i < _num_cmp(cfg, S).view(B, 1)) & (i * d >= start.view(B, 1))  # [B, Nc]
-            s = torch.einsum("bhgd,bhnd->bhgn", qg.float(), kc.float()) * scale
-            o, lse = _attend(s, vis.view(B, 1, 1, Nc), vc)
+            # q.K in the inputs' dtype, fp32 from there on (the reference backend and the scorer)
+            raw = torch.einsum("bhgd,bhnd->bhgn", qg, kc).float()
+            o, lse = _attend(raw * scale, vis.view(B, 1, 1, Nc), vc)
             reads["cmp"] = vis.sum(-1)
             if modes["sel"] == "topn":
                 # Eq. 8 from the compressed attention's own lse, Eq. 10 sum over the group's heads
                 lse_ = torch.where(torch.isfinite(lse), lse, 0.0).unsqueeze(-1)
+                s = raw * (Dk ** -0.5)
                 p_cmp = torch.where(vis.view(B, 1, 1, Nc), torch.exp(s - lse_), 0.0).sum(2)
         else:
             o = q.new_zeros(B, Hkv, G, cache.v_cmp.shape[-1])
@@ -169,16 +193,16 @@ def decode_attention(cfg, modes: dict[str, str], q: Tensor, kv: dict, g: Tensor,
             n = idx.shape[-1]
             blk = idx.clamp_min(0)
             hidx = torch.arange(Hkv, device=dev).view(1, Hkv, 1)
-            kb = cache.k_sel.view(B, Hkv, ns, ls, -1)
-            vb = cache.v_sel.view(B, Hkv, ns, ls, -1)
-            ks = kb[bidx.view(B, 1, 1), hidx, blk].reshape(B, Hkv, n * ls, -1)
-            vs = vb[bidx.view(B, 1, 1), hidx, blk].reshape(B, Hkv, n * ls, -1)
+            # gather whole selection blocks: rows of a [B*Hkv*ns, l'*D] view, index_select
+            flat = ((bidx.view(B, 1, 1) * Hkv + hidx) * ns + blk).reshape(-1)
+            ks = cache.k_sel.view(B * Hkv * ns, -1).index_select(0, flat).view(B, Hkv, n * ls, -1)
+            vs = cache.v_sel.view(B * Hkv * ns, -1).index_select(0, flat).view(B, Hkv, n * ls, -1)
             tok = (blk.unsqueeze(-1) * ls + torch.arange(ls, device=dev)).reshape(B, Hkv, n * ls)
             ok = ((idx >= 0).repeat_interleave(ls, dim=-1) & (tok <= pos.view(B, 1, 1))
                   & (tok >= start.view(B, 1, 1)))  # [B, Hkv, n*l']
             reads["sel"] = ok.sum(-1)
             cache.last_selection = idx
-        s = torch.einsum("bhgd,bhnd->bhgn", qg.float(), ks.float()) * scale
+        s = torch.einsum("bhgd,bhnd->bhgn", qg, ks).float() * scale
         o, _ = _attend(s, ok.unsqueeze(2), vs)
         out["sel"] = o.view(B, H, 1, -1)
 
@@ -190,7 +214,7 @@ def decode_attention(cfg, modes: dict[str, str], q: Tensor, kv: dict, g: Tensor,
         # position held by slot j: the latest p <= pos with p = j (mod W)
         spos = pos.view(B, 1) - (pos.view(B, 1) - torch.arange(W, device=dev)) % W
         ok = (spos >= 0) & (spos >= start.view(B, 1))  # [B, W]
-        s = torch.einsum("bhgd,bhnd->bhgn", qg.float(), cache.k_win.float()) * scale
+        s = torch.einsum("bhgd,bhnd->bhgn", qg, cache.k_win).float() * scale
         o, _ = _attend(s, ok.view(B, 1, 1, W), cache.v_win)
         out["win"] = o.view(B, H, 1, -1)
         reads["win"] = ok.sum(-1)
