@@ -243,3 +243,22 @@ def test_trainer_reports_unknown_dataset():
     )
     assert p.returncode != 0
     assert "unknown dataset 'c4_test'; choices: ['passkey', 'fineweb_edu', 'local']" in p.stdout + p.stderr
+
+
+def test_validation_loader_restarts_each_pass():
+    from torchtitan.config import ConfigManager
+
+    from nsa_flex.titan.data import build_validation_dataloader
+
+    cfg = ConfigManager().parse_args(["--job.custom_config_module", "nsa_flex.titan.job_config",
+                                      "--validation.seq_len", "128", "--validation.steps", "2",
+                                      "--validation.local_batch_size", "2"])
+    loader = build_validation_dataloader(1, 0, ByteTokenizer(), cfg)
+    first = [y for _, (_, y) in zip(range(3), loader)]
+    second = [y for _, (_, y) in zip(range(3), loader)]
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    doc = torch.tensor(passkey_document(ByteTokenizer(), 128, 0, split="validation")[0])
+    assert torch.equal(first[0][0], doc[1:])
+    cfg.validation.steps = -1
+    with pytest.raises(DatasetError, match="validation.steps > 0"):
+        build_validation_dataloader(1, 0, ByteTokenizer(), cfg)

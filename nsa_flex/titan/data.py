@@ -130,6 +130,9 @@ class PasskeySource:
     def next_epoch(self) -> None:  # infinite already
         pass
 
+    def restart(self) -> None:
+        self.doc_idx = 0
+
     def state_dict(self) -> dict[str, Any]:
         return {"doc_idx": self.doc_idx}
 
@@ -276,6 +279,9 @@ class HFTextSource:
         # bump the epoch so the next pass starts from the beginning
         self._data.set_epoch(self._data.epoch + 1)
 
+    def restart(self) -> None:
+        pass  # a new iteration of a datasets IterableDataset (without a loaded state) starts at the top
+
     def state_dict(self) -> dict[str, Any]:
         return {"data": self._data.state_dict()}
 
@@ -340,9 +346,14 @@ def build_source(
 
 # ----------------------------------------------------------------------------- packing
 class PackedTokenDataset(IterableDataset, Stateful):
-    """Packs a document source into samples of ``seq_len + 1`` tokens; shards per sequence."""
+    """Packs a document source into samples of ``seq_len + 1`` tokens; shards per sequence.
 
-    def __init__(self, source, seq_len: int, dp_rank: int = 0, dp_world_size: int = 1, infinite: bool = True):
+    ``restart_each_iter`` (validation): every new iteration starts from the top of the stream, so
+    each validation pass sees the same sequences."""
+
+    def __init__(self, source, seq_len: int, dp_rank: int = 0, dp_world_size: int = 1, infinite: bool = True,
+                 restart_each_iter: bool = False):
+        self.restart_each_iter = restart_each_iter
         self.source = source
         self.seq_len = seq_len
         self.dp_rank = dp_rank
@@ -353,6 +364,9 @@ class PackedTokenDataset(IterableDataset, Stateful):
 
     def __iter__(self):
         n = self.seq_len + 1
+        if self.restart_each_iter:
+            self._token_buffer, self._seq_idx = [], 0
+            self.source.restart()
         info = get_worker_info()
         n_workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
         stride = self.dp_world_size * n_workers
@@ -395,7 +409,8 @@ def _build(section, job_config, dp_world_size, dp_rank, tokenizer, infinite, spl
         seed=getattr(training, "dataset_seed", 0),
         split=split,
     )
-    ds = PackedTokenDataset(source, section.seq_len, dp_rank, dp_world_size, infinite=infinite)
+    ds = PackedTokenDataset(source, section.seq_len, dp_rank, dp_world_size, infinite=infinite,
+                            restart_each_iter=split == "validation")
     kwargs = {**asdict(section.dataloader), "batch_size": section.local_batch_size}
     return ParallelAwareDataloader(ds, dp_rank=dp_rank, dp_world_size=dp_world_size, **kwargs)
 
