@@ -236,3 +236,15 @@ def test_cache_full_raises():
     prefill(layer, torch.randn(1, 8, 8), cache)
     with pytest.raises(RuntimeError, match="full"):
         decode_step(layer, torch.randn(1, 1, 8), cache)
+
+
+def test_sdpa_branches_match_reference_math(monkeypatch):
+    """The CUDA default (selection/window by SDPA) computes the same outputs, checked on CPU."""
+    import functools
+
+    import nsa_flex.inference.decode as dec
+
+    monkeypatch.setattr(dec, "attend_cached", functools.partial(dec.attend_cached, sdpa=True))
+    cfg = NSAConfig(dim=16, n_heads=4, n_kv_heads=2, d_qk=8, d_v=6, l=4, d=2, l_sel=8, n_sel=3,
+                    window=10, backend="reference")
+    check_layer(cfg, 2, 120, [30, 77], seed=5, docs=True)

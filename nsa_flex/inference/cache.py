@@ -51,6 +51,8 @@ class NSACache:
     lengths: Tensor
     doc_start: Tensor
     reads: dict = field(default_factory=dict)
+    # selected blocks [B, Hkv, n_sel] of the last decode step (-1 unused; None without top-n)
+    last_selection: Tensor | None = None
     # host-side upper bound of lengths (never read from the device): capacity checks without sync
     host_max_len: int = 0
 

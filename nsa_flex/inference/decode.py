@@ -118,69 +118,100 @@ def select_blocks(cfg, mode: str, p: Tensor | None, pos: Tensor, start: Tensor, 
     return pick_blocks(p, valid.unsqueeze(1), forced.unsqueeze(1), cfg.n_sel)
 
 
-def decode_attention(cfg, modes: dict[str, str], q: Tensor, kv: dict, g: Tensor,
-                     cache: NSACache, phi_k, phi_v) -> Tensor:
-    """The attention core of one decode step (after projections and RoPE).
+def _qk(qg: Tensor, k: Tensor) -> Tensor:
+    """Scores q.K [B, Hkv, G, N] in the inputs' dtype, then fp32 (as the reference backend).
+    On CUDA as K @ q^T (a tall-skinny GEMM; the [G, N] orientation picks a slow kernel)."""
+    if qg.is_cuda:
+        return torch.matmul(k, qg.transpose(-1, -2)).transpose(-1, -2).float()
+    return torch.einsum("bhgd,bhnd->bhgn", qg, k).float()
 
-    q [B, H, 1, Dk]; kv[branch] = (k [B, Hkv, 1, Dk], v [B, Hkv, 1, Dv]) of the new token;
-    g [B, H, 1, 3] sigmoid gates. Writes the new token into the caches (at cache.lengths, which
-    it does not advance) and sets cache.reads. Returns o [B, H, 1, Dv] (gated sum of branches)."""
-    B, H, _, Dk = q.shape
-    Hkv = cfg.n_kv_heads
-    G = H // Hkv
-    dev = q.device
-    pos, start = cache.lengths, cache.doc_start
+
+def write_token(cfg, modes: dict[str, str], kv: dict, cache: NSACache, phi_k, phi_v) -> None:
+    """Write the new token (kv[branch] = (k [B, Hkv, 1, Dk], v [B, Hkv, 1, Dv])) at positions
+    cache.lengths into every stream; emit the compressed block that the token completes (block
+    (S - l) / d for S = pos + 1, when S >= l and d | S - l; other rows rewrite the slot's old
+    value: branch-free, no host sync). All cache mutation of a decode step happens here."""
+    pos = cache.lengths
+    B = pos.shape[0]
+    dev = pos.device
     S = pos + 1
-    bidx = torch.arange(B, device=dev)
-    qg = q.view(B, Hkv, G, Dk)
-    scale = 1.0 / math.sqrt(Dk)
-    out, reads = {}, {}
-    p_cmp = None
-
-    if "cmp" in kv:  # ---------------------------------------------------- compressed
+    if "cmp" in kv:
         k, v = kv["cmp"]
         l, d = cfg.l, cfg.d
         _write(cache.k_raw, pos % l, k)
         _write(cache.v_raw, pos % l, v)
         Nc = cache.n_cmp_slots
         if Nc > 0:
-            # emit block i = (S - l) / d when S - l >= 0 is a multiple of d: tokens S-l .. S-1;
-            # rows that emit nothing write back the slot's old value (branch-free, no sync)
             order = (S.view(B, 1) - l + torch.arange(l, device=dev)) % l  # ring slots, in order
             emit = (S >= l) & ((S - l) % d == 0)
             dst = torch.div(S - l, d, rounding_mode="floor").clamp(0, Nc - 1)
             for raw, buf, phi in ((cache.k_raw, cache.k_cmp, phi_k), (cache.v_raw, cache.v_cmp, phi_v)):
-                blk = raw.gather(2, order.view(B, 1, l, 1).expand(B, Hkv, l, raw.shape[-1]))
-                D = buf.shape[-1]
-                idx = dst.view(B, 1, 1, 1).expand(B, Hkv, 1, D)
+                Hkv, D = raw.shape[1], raw.shape[-1]
+                blk = raw.gather(2, order.view(B, 1, l, 1).expand(B, Hkv, l, D))
+                idx = dst.view(B, 1, 1, 1).expand(B, Hkv, 1, buf.shape[-1])
                 val = torch.where(emit.view(B, 1, 1, 1), phi(blk).to(buf.dtype), buf.gather(2, idx))
                 buf.scatter_(2, idx, val)
-            kc, vc = cache.k_cmp, cache.v_cmp
+    if modes["sel"] != "none":
+        k, v = kv["sel"]
+        _write(cache.k_sel, pos, k)
+        _write(cache.v_sel, pos, v)
+    if modes["win"] != "none":
+        k, v = kv["win"]
+        W = cache.k_win.shape[2]
+        _write(cache.k_win, pos % W, k)
+        _write(cache.v_win, pos % W, v)
+
+
+def _sdpa(qg: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """Masked attention by F.scaled_dot_product_attention (one fused kernel on CUDA); only for
+    branches where every row sees at least one key (selection, window)."""
+    return torch.nn.functional.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+
+
+def attend_cached(cfg, modes: dict[str, str], q: Tensor, g: Tensor, caches: dict, pos: Tensor,
+                  start: Tensor, sdpa: bool | None = None) -> tuple[Tensor, dict, Tensor | None]:
+    """The reads of one decode step, a pure function of the caches (after `write_token`):
+    -> (o [B, H, 1, Dv] gated sum of the branches, reads {branch: counts}, selected blocks
+    [B, Hkv, n] or None). caches: NSACache.tensors() (k_cmp, v_cmp, k_sel, v_sel, k_win, v_win).
+    sdpa (default: on CUDA): the selection and window branches by SDPA with a boolean mask
+    instead of the reference backend's explicit softmax (same function, fewer kernels)."""
+    sdpa = q.is_cuda if sdpa is None else sdpa
+    B, H, _, Dk = q.shape
+    Hkv = cfg.n_kv_heads
+    G = H // Hkv
+    dev = q.device
+    S = pos + 1
+    qg = q.view(B, Hkv, G, Dk)
+    scale = 1.0 / math.sqrt(Dk)
+    out, reads = {}, {}
+    p_cmp = idx = None
+
+    if "k_cmp" in caches:  # --------------------------------------------- compressed
+        kc, vc = caches["k_cmp"], caches["v_cmp"]
+        Nc = kc.shape[2]
+        if Nc > 0:
             i = torch.arange(Nc, device=dev).view(1, Nc)
-            vis = (i < _num_cmp(cfg, S).view(B, 1)) & (i * d >= start.view(B, 1))  # [B, Nc]
-            # q.K in the inputs' dtype, fp32 from there on (the reference backend and the scorer)
-            raw = torch.einsum("bhgd,bhnd->bhgn", qg, kc).float()
+            vis = (i < _num_cmp(cfg, S).view(B, 1)) & (i * cfg.d >= start.view(B, 1))  # [B, Nc]
+            raw = _qk(qg, kc)
             o, lse = _attend(raw * scale, vis.view(B, 1, 1, Nc), vc)
             reads["cmp"] = vis.sum(-1)
             if modes["sel"] == "topn":
                 # Eq. 8 from the compressed attention's own lse, Eq. 10 sum over the group's heads
                 lse_ = torch.where(torch.isfinite(lse), lse, 0.0).unsqueeze(-1)
-                s = raw * (Dk ** -0.5)
-                p_cmp = torch.where(vis.view(B, 1, 1, Nc), torch.exp(s - lse_), 0.0).sum(2)
+                p_cmp = torch.where(vis.view(B, 1, 1, Nc), torch.exp(raw * (Dk ** -0.5) - lse_),
+                                    0.0).sum(2)
         else:
-            o = q.new_zeros(B, Hkv, G, cache.v_cmp.shape[-1])
+            o = q.new_zeros(B, Hkv, G, vc.shape[-1])
             reads["cmp"] = torch.zeros(B, dtype=torch.long, device=dev)
             p_cmp = q.new_zeros(B, Hkv, 0, dtype=torch.float32)
         if modes["cmp"] != "none":
             out["cmp"] = o.view(B, H, 1, -1)
 
     if modes["sel"] != "none":  # ---------------------------------------- selection
-        k, v = kv["sel"]
-        _write(cache.k_sel, pos, k)
-        _write(cache.v_sel, pos, v)
-        cap, ls = cache.capacity, cfg.l_sel
+        k_sel, v_sel = caches["k_sel"], caches["v_sel"]
+        cap, ls = k_sel.shape[2], cfg.l_sel
         if modes["sel"] == "causal":  # full attention over the cache (full_causal preset)
-            ks, vs = cache.k_sel, cache.v_sel
+            ks, vs = k_sel, v_sel
             tok = torch.arange(cap, device=dev).view(1, 1, cap)
             ok = (tok <= pos.view(B, 1, 1)) & (tok >= start.view(B, 1, 1))  # [B, 1, cap]
             reads["sel"] = ok.sum(-1).expand(B, Hkv)
@@ -192,36 +223,53 @@ def decode_attention(cfg, modes: dict[str, str], q: Tensor, kv: dict, g: Tensor,
             idx = select_blocks(cfg, modes["sel"], p_slc, pos, start, ns, Hkv)  # [B, Hkv, n]
             n = idx.shape[-1]
             blk = idx.clamp_min(0)
-            hidx = torch.arange(Hkv, device=dev).view(1, Hkv, 1)
             # gather whole selection blocks: rows of a [B*Hkv*ns, l'*D] view, index_select
-            flat = ((bidx.view(B, 1, 1) * Hkv + hidx) * ns + blk).reshape(-1)
-            ks = cache.k_sel.view(B * Hkv * ns, -1).index_select(0, flat).view(B, Hkv, n * ls, -1)
-            vs = cache.v_sel.view(B * Hkv * ns, -1).index_select(0, flat).view(B, Hkv, n * ls, -1)
+            bh = torch.arange(B * Hkv, device=dev).view(B, Hkv, 1)
+            flat = (bh * ns + blk).reshape(-1)
+            ks = k_sel.view(B * Hkv * ns, -1).index_select(0, flat).view(B, Hkv, n * ls, -1)
+            vs = v_sel.view(B * Hkv * ns, -1).index_select(0, flat).view(B, Hkv, n * ls, -1)
             tok = (blk.unsqueeze(-1) * ls + torch.arange(ls, device=dev)).reshape(B, Hkv, n * ls)
             ok = ((idx >= 0).repeat_interleave(ls, dim=-1) & (tok <= pos.view(B, 1, 1))
                   & (tok >= start.view(B, 1, 1)))  # [B, Hkv, n*l']
             reads["sel"] = ok.sum(-1)
-            cache.last_selection = idx
-        s = torch.einsum("bhgd,bhnd->bhgn", qg, ks).float() * scale
-        o, _ = _attend(s, ok.unsqueeze(2), vs)
+        if sdpa:
+            o = _sdpa(qg, ks, vs, ok.unsqueeze(2).expand(B, Hkv, 1, ok.shape[-1]), scale)
+        else:
+            o, _ = _attend(_qk(qg, ks) * scale, ok.unsqueeze(2), vs)
         out["sel"] = o.view(B, H, 1, -1)
 
     if modes["win"] != "none":  # ---------------------------------------- sliding window
-        k, v = kv["win"]
-        W = cache.k_win.shape[2]
-        _write(cache.k_win, pos % W, k)
-        _write(cache.v_win, pos % W, v)
+        k_win, v_win = caches["k_win"], caches["v_win"]
+        W = k_win.shape[2]
         # position held by slot j: the latest p <= pos with p = j (mod W)
         spos = pos.view(B, 1) - (pos.view(B, 1) - torch.arange(W, device=dev)) % W
         ok = (spos >= 0) & (spos >= start.view(B, 1))  # [B, W]
-        s = torch.einsum("bhgd,bhnd->bhgn", qg, cache.k_win).float() * scale
-        o, _ = _attend(s, ok.view(B, 1, 1, W), cache.v_win)
+        if sdpa:
+            o = _sdpa(qg, k_win, v_win, ok.view(B, 1, 1, W), scale)
+        else:
+            o, _ = _attend(_qk(qg, k_win) * scale, ok.view(B, 1, 1, W), v_win)
         out["win"] = o.view(B, H, 1, -1)
         reads["win"] = ok.sum(-1)
 
-    cache.reads = reads
     # gate (Eq. 5), same order and summation as NSAAttention.forward
-    return sum(g[..., i : i + 1] * out[b] for i, b in enumerate(BRANCHES) if b in out)
+    o = sum(g[..., i : i + 1] * out[b] for i, b in enumerate(BRANCHES) if b in out)
+    return o, reads, idx
+
+
+def decode_attention(cfg, modes: dict[str, str], q: Tensor, kv: dict, g: Tensor,
+                     cache: NSACache, phi_k, phi_v, attend_fn=None) -> Tensor:
+    """The attention core of one decode step (after projections and RoPE).
+
+    q [B, H, 1, Dk]; kv[branch] = (k [B, Hkv, 1, Dk], v [B, Hkv, 1, Dv]) of the new token;
+    g [B, H, 1, 3] sigmoid gates. Writes the new token into the caches (at cache.lengths, which
+    it does not advance), then attends (`attend_fn`, default `attend_cached`; a compiled copy of
+    it may be passed). Sets cache.reads (per-branch read counters of this step) and
+    cache.last_selection. Returns o [B, H, 1, Dv] (gated sum of the branches)."""
+    write_token(cfg, modes, kv, cache, phi_k, phi_v)
+    caches = {k: v for k, v in cache.tensors().items() if k not in ("k_raw", "v_raw")}
+    o, cache.reads, cache.last_selection = (attend_fn or attend_cached)(
+        cfg, modes, q, g, caches, cache.lengths, cache.doc_start)
+    return o
 
 
 # ---------------------------------------------------------------------- layer level
