@@ -138,7 +138,7 @@ nsa_flex_args = Flavors(
             dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=32, d_qk=16, d_v=16,
             l=8, d=4, l_sel=16, n_sel=4, window=32, max_seq_len=256,
         ),
-        # GPT-3-small sized (85M non-embedding + 2 x 38.6M untied embedding/output with gpt2)
+        # GPT-3-small sized: 160M with gpt2's vocab (83M without the untied embedding/output)
         "125M": NSAModelArgs(
             dim=768, n_layers=12, n_heads=16, n_kv_heads=2, d_qk=64, d_v=64,
             l=32, d=16, l_sel=64, n_sel=16, window=512, max_seq_len=8192,

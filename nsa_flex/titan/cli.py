@@ -5,7 +5,7 @@
 Equivalent to ``torchrun --nproc_per_node=1 -m torchtitan.train ...`` plus environment setup:
   * a single process without torchrun gets WORLD_SIZE=1, RANK=0, LOCAL_RANK=0, MASTER_ADDR=127.0.0.1 and
     a free MASTER_PORT (under torchrun these are already set and left alone);
-  * TIKTOKEN_CACHE_DIR defaults to ``../shared/data/tiktoken_cache`` (relative to the project root or
+  * TIKTOKEN_CACHE_DIR defaults to ``shared/data/tiktoken_cache`` in ``..`` or ``.`` (of the project root or
     the working directory) when that folder exists and the variable is unset;
   * without ``--job.config_file``, the embedded default ``titan_configs/debug_nsa.toml`` is used if
     present, else torchtitan's defaults merged with nsa_flex's JobConfig (byte tokenizer, passkey data,

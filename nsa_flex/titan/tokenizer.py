@@ -114,13 +114,14 @@ def _load_tiktoken_file(path: str):
 
 
 def default_tiktoken_cache() -> str | None:
-    """The project's pre-filled offline tiktoken cache, ``../shared/data/tiktoken_cache`` next to the
-    project root or the working directory, if it exists."""
+    """The project's pre-filled offline tiktoken cache, if one exists: ``shared/data/tiktoken_cache``
+    beside (``../shared``) or inside (``./shared``) the project root or the working directory."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     for base in (root, os.getcwd()):
-        cache = os.path.join(os.path.dirname(base), "shared", "data", "tiktoken_cache")
-        if os.path.isdir(cache):
-            return cache
+        for parent in (os.path.dirname(base), base):
+            cache = os.path.join(parent, "shared", "data", "tiktoken_cache")
+            if os.path.isdir(cache):
+                return cache
     return None
 
 
