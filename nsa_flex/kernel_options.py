@@ -36,7 +36,6 @@ def _largest_tile(n: int) -> int:
 def flex_kernel_options(q: torch.Tensor, block_size: tuple[int, int]) -> dict | None:
     if q.device.type != "cuda":
         return None
-    install_small_block_bwd_configs()
     QB, KB = block_size
     bm, bn = _largest_tile(QB), _largest_tile(KB)
     return {
@@ -72,3 +71,7 @@ def install_small_block_bwd_configs():
 
     InductorChoices.get_flex_attention_bwd_configs = get_flex_attention_bwd_configs
     _installed = True
+
+
+# installed at import, outside any traced region (dynamo cannot trace the patching itself)
+install_small_block_bwd_configs()
