@@ -43,8 +43,13 @@ def _env() -> dict:
 
 def _records(path: Path) -> dict[int, dict]:
     out = {}
-    for line in path.read_text().splitlines():
-        rec = json.loads(line)
+    lines = path.read_text().splitlines()
+    for i, line in enumerate(lines):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            assert i == len(lines) - 1, f"corrupt line {i} in {path}"  # only a kill can cut the last one
+            continue
         if "loss_metrics/global_avg_loss" in rec:
             out[rec["step"]] = rec
     return out
