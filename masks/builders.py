@@ -85,8 +85,14 @@ def selection(sel_idx: Tensor, l_sel: int) -> MaskSpec:
 
     sel_idx: [B, H_groups, T, n] block indices, -1 for unused slots. The mask is per GQA group
     (paper Eq. 10): every query head of a group shares it. Its block lists come straight from
-    sel_idx (no dense [T, T] evaluation) when l_sel is a multiple of the kv block size."""
+    sel_idx (no dense [T, T] evaluation) when l_sel is a multiple of the kv block size.
+    A block listed twice in a row counts once (repeats become -1 here: block lists and the
+    "full" test count each selected block once per position)."""
     B, H, T, n = sel_idx.shape
+    sel_idx = sel_idx.sort(dim=-1).values
+    repeat = torch.zeros_like(sel_idx, dtype=torch.bool)
+    repeat[..., 1:] = sel_idx[..., 1:] == sel_idx[..., :-1]
+    sel_idx = torch.where(repeat, -1, sel_idx)
 
     def mask_mod(b, h, q_idx, kv_idx):
         blk = kv_idx // l_sel

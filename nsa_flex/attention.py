@@ -68,13 +68,14 @@ def attend_reference(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec,
     # [Bm, Hm, T, S] with Hm in {1, Hkv} -> [Bm, Hm, 1, T, S] broadcasts over the group's heads
     mask = mask.unsqueeze(2)
     qg = q.view(B, Hkv, G, T, Dk)
-    s = torch.einsum("bhgtd,bhsd->bhgts", qg, k).float() * scale
+    acc = torch.promote_types(q.dtype, torch.float32)  # fp32 softmax, fp64 stays fp64
+    s = torch.einsum("bhgtd,bhsd->bhgts", qg, k).to(acc) * scale
     s = s.masked_fill(~mask, float("-inf"))
     mx = s.amax(-1, keepdim=True)
     mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx)).detach()
     e = torch.exp(s - mx)
     den = e.sum(-1, keepdim=True)
-    p = e / den.clamp_min(torch.finfo(torch.float32).tiny)
+    p = e / den.clamp_min(torch.finfo(acc).tiny)
     out = torch.einsum("bhgts,bhsd->bhgtd", p.to(v.dtype), v)
     lse = (torch.log(den) + mx).squeeze(-1)
     return out.reshape(B, Hq, T, -1), lse.reshape(B, Hq, T)

@@ -86,6 +86,12 @@ class NSAAttention(nn.Module):
             def topn():
                 lse = None if lse_cmp is None else lse_cmp.detach()
                 return select_topn(q.detach(), k_cmp.detach(), lse, cfg, starts)
+        else:
+            # a custom selection builder may still ask for the scorer (registry contract):
+            # compressed keys on demand, the scorer computes its own lse
+            def topn():
+                k, _ = kv("cmp")
+                return select_topn(q.detach(), self.phi_k(k).detach(), None, cfg, starts)
 
         step = 0
         if self.branch_names["sel"] == "random_selection":
