@@ -207,6 +207,35 @@ def bench_one(cfg: NSAConfig, S: int, B: int, device, dtype, timer: Timer, compi
     return row
 
 
+def check_equivalence(device, T: int = 700, seed: int = 0) -> float:
+    """Prefill + token-by-token decode == one full forward, on `device` in fp32 (the same check
+    as tests/test_inference.py, here with the device's decode path: SDPA branches, K @ q^T).
+    Returns the max abs difference of the layer outputs."""
+    from nsa_flex import NSAAttention
+    from nsa_flex.inference import decode_step, new_cache, prefill
+
+    torch.manual_seed(seed)
+    cfg = NSAConfig(dim=64, n_heads=8, n_kv_heads=2, d_qk=32, d_v=16, l=16, d=8, l_sel=32,
+                    n_sel=4, window=64, backend="reference")
+    layer = NSAAttention(cfg).to(device)
+    with torch.no_grad():
+        layer.gate.weight.normal_(0, 0.5)
+        x = torch.randn(2, T, cfg.dim, device=device)
+        full = layer(x)
+        p0, p1 = T // 3, (2 * T) // 3
+        P = torch.tensor([p0, p1], device=device)
+        cache = new_cache(layer, 2, T + p1 - p0)
+        out = prefill(layer, x[:, :p1], cache, P)
+        err = max((out[b, : P[b]] - full[b, : P[b]]).abs().max().item() for b in range(2))
+        rows = torch.arange(2, device=device)
+        for k in range(T - p0):
+            t = (P + k).clamp_max(T - 1)
+            o = decode_step(layer, x[rows, t].unsqueeze(1), cache)
+            live = P + k < T
+            err = max(err, (o[live, 0] - full[rows[live], t[live]]).abs().max().item())
+    return err
+
+
 def plot(rows, path):
     try:
         import matplotlib
@@ -259,6 +288,8 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=None)
     p.add_argument("--profile", action="store_true", help="print a CUDA kernel profile of the NSA step")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-check", action="store_true",
+                   help="skip the prefill+decode == forward check on the device (fp32, ~5 s)")
     a = p.parse_args(argv)
 
     if a.quick:
@@ -270,6 +301,10 @@ def main(argv=None):
     reps = a.reps or (5 if a.quick else (100 if device.type == "cuda" else 10))
     cfg = NSAConfig(**PAPER, phi=a.phi, backend="reference")
     timer = Timer(device, not a.no_cudagraph, reps)
+    if not a.no_check and not a.quick:
+        err = check_equivalence(device)
+        print(f"check: prefill + decode vs full forward on {device} (fp32): max |diff| = {err:.2e}")
+        assert err < 1e-3, f"decode path disagrees with the forward on {device}: {err}"
     os.makedirs(a.out, exist_ok=True)
     rows = []
     for B in [int(b) for b in a.batches.split(",")]:

@@ -181,7 +181,7 @@ def attend_cached(cfg, modes: dict[str, str], q: Tensor, g: Tensor, caches: dict
     G = H // Hkv
     dev = q.device
     S = pos + 1
-    qg = q.view(B, Hkv, G, Dk)
+    qg = q.reshape(B, Hkv, G, Dk)
     scale = 1.0 / math.sqrt(Dk)
     out, reads = {}, {}
     p_cmp = idx = None
@@ -205,7 +205,7 @@ def attend_cached(cfg, modes: dict[str, str], q: Tensor, g: Tensor, caches: dict
             reads["cmp"] = torch.zeros(B, dtype=torch.long, device=dev)
             p_cmp = q.new_zeros(B, Hkv, 0, dtype=torch.float32)
         if modes["cmp"] != "none":
-            out["cmp"] = o.view(B, H, 1, -1)
+            out["cmp"] = o.reshape(B, H, 1, -1)
 
     if modes["sel"] != "none":  # ---------------------------------------- selection
         k_sel, v_sel = caches["k_sel"], caches["v_sel"]
@@ -236,7 +236,7 @@ def attend_cached(cfg, modes: dict[str, str], q: Tensor, g: Tensor, caches: dict
             o = _sdpa(qg, ks, vs, ok.unsqueeze(2).expand(B, Hkv, 1, ok.shape[-1]), scale)
         else:
             o, _ = _attend(_qk(qg, ks) * scale, ok.unsqueeze(2), vs)
-        out["sel"] = o.view(B, H, 1, -1)
+        out["sel"] = o.reshape(B, H, 1, -1)
 
     if modes["win"] != "none":  # ---------------------------------------- sliding window
         k_win, v_win = caches["k_win"], caches["v_win"]
@@ -248,7 +248,7 @@ def attend_cached(cfg, modes: dict[str, str], q: Tensor, g: Tensor, caches: dict
             o = _sdpa(qg, k_win, v_win, ok.view(B, 1, 1, W), scale)
         else:
             o, _ = _attend(_qk(qg, k_win) * scale, ok.view(B, 1, 1, W), v_win)
-        out["win"] = o.view(B, H, 1, -1)
+        out["win"] = o.reshape(B, H, 1, -1)
         reads["win"] = ok.sum(-1)
 
     # gate (Eq. 5), same order and summation as NSAAttention.forward
