@@ -91,10 +91,24 @@ def timed(name, fwd, with_bwd, dev, rows, meta):
         if dev == "cuda":
             torch.cuda.empty_cache()
     rows.append(rec)
+    if CSV_PATH:
+        write_csv(rows, CSV_PATH)  # after every row: a killed run keeps what it measured
     fmt = lambda k: f"{rec[k]:9.3f}" if k in rec else "        -"
     print(f"{meta['config']:6s} T={meta['T']:6d} {name:22s} fwd {fmt('fwd_ms')} ms  "
           f"fwd+bwd {fmt('fwd_bwd_ms')} ms  {rec.get('error', '')}", flush=True)
     return rec
+
+
+CSV_PATH = None
+
+
+def write_csv(rows, path):
+    keys = sorted({k for r in rows for k in r}, key=lambda k: (k not in (
+        "config", "T", "stage", "fwd_ms", "fwd_bwd_ms", "peak_GiB"), k))
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
 
 
 def run_config(cname, T, dev, dtype, rows, stages, baselines, compile_=True):
@@ -276,8 +290,9 @@ def main():
         stages_at = {int(t) for t in args.stages_at.split(",") if t}
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     torch._dynamo.config.cache_size_limit = 256
+    global CSV_PATH
     rows = []
-    path = os.path.join(args.out, "bench.csv")
+    path = CSV_PATH = os.path.join(args.out, "bench.csv")
     for cname in configs:
         for T in Ts:
             torch._dynamo.reset()
@@ -285,12 +300,6 @@ def main():
             # graph, so --quick times eager code around the (separately compiled) flex calls
             run_config(cname, T, dev, dtype, rows, stages=T in stages_at,
                        baselines=not args.no_baselines, compile_=dev == "cuda")
-            keys = sorted({k for r in rows for k in r}, key=lambda k: (k not in (
-                "config", "T", "stage", "fwd_ms", "fwd_bwd_ms", "peak_GiB"), k))
-            with open(path, "w", newline="") as f:  # rewritten after each T: nothing lost
-                w = csv.DictWriter(f, fieldnames=keys)
-                w.writeheader()
-                w.writerows(rows)
     print("wrote", path)
     plot(rows, os.path.join(args.out, "bench.png"))
     print("\nsummary (ms):")

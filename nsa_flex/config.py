@@ -123,10 +123,18 @@ class NSAConfig:
         return 0 if seq_len < self.l else (seq_len - self.l) // self.d + 1
 
     def decode_reads(self, seq_len: int) -> int:
-        """Key tokens read by one decode step at context length S (paper §5: num_cmp + n*l' + w)."""
-        n_blocks = -(-seq_len // self.l_sel)
-        sel = min(self.n_sel, n_blocks) * self.l_sel if seq_len >= self.n_sel * self.l_sel else seq_len
-        return self.num_cmp(seq_len) + sel + min(self.window, seq_len)
+        """Key tokens read by one decode step at context length S (paper §5: num_cmp + n*l' + w).
+
+        Selection reads whole selected blocks, except the query's own (forced, partly written)
+        block: S when every block is selected, else n*l' minus the unwritten tail of the
+        current block."""
+        S = seq_len
+        n_blocks = -(-S // self.l_sel)
+        if n_blocks <= self.n_sel:
+            sel = S
+        else:
+            sel = self.n_sel * self.l_sel - ((-S) % self.l_sel if self.n_local >= 1 else 0)
+        return self.num_cmp(S) + sel + min(self.window, S)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -46,6 +46,7 @@ class NSAAttention(nn.Module):
         nn.init.zeros_(self.gate.bias)  # gates start at 0.5 each
         self.phi_k.init_weights(init_std)
         self.phi_v.init_weights(init_std)
+        self.calls.zero_()  # a non-persistent buffer: garbage after a meta-device build
 
     def reset_parameters(self):
         self.init_weights()
