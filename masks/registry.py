@@ -30,7 +30,8 @@ class MaskContext:
     device: torch.device
     doc_ids: Tensor | None = None
     topn: Callable[[], Tensor] | None = None  # scorer -> [B, n_kv_heads, T, n_sel]
-    step: Tensor | int = 0  # varies the random_selection draw from call to call
+    # varies the random_selection draw: an int, or a tensor broadcastable to [B, H, T, Ns]
+    step: Tensor | int = 0
 
     def with_docs(self, spec: MaskSpec, kv_stride: int = 1, kv_span: int = 1) -> MaskSpec:
         if self.doc_ids is None:

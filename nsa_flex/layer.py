@@ -34,8 +34,6 @@ class NSAAttention(nn.Module):
         self.wo = nn.Linear(H * dv, dim, bias=False)
         self.builders = {b: get_mask_builder(n) for b, n in cfg.branch_masks().items()}
         self.branch_names = cfg.branch_masks()
-        # call counter for the random_selection ablation (a fresh, reproducible draw per call)
-        self.register_buffer("calls", torch.zeros((), dtype=torch.long), persistent=False)
 
     # ------------------------------------------------------------------ init
     def init_weights(self, init_std: float = 0.02):
@@ -46,7 +44,6 @@ class NSAAttention(nn.Module):
         nn.init.zeros_(self.gate.bias)  # gates start at 0.5 each
         self.phi_k.init_weights(init_std)
         self.phi_v.init_weights(init_std)
-        self.calls.zero_()  # a non-persistent buffer: garbage after a meta-device build
 
     def reset_parameters(self):
         self.init_weights()
@@ -96,8 +93,10 @@ class NSAAttention(nn.Module):
 
         step = 0
         if self.branch_names["sel"] == "random_selection":
-            step = self.calls + cfg.seed * 1_000_003
-            self.calls.add_(1)
+            # a fresh draw per token, keyed by a hash of that token's own input (causal): the same
+            # draw when activation checkpointing recomputes the forward or a resumed run replays
+            h = x.detach().float().sum(-1).view(torch.int32).long()  # [B, T]
+            step = h.view(B, 1, T, 1) + cfg.seed * 1_000_003
         ctx = MaskContext(cfg, B, T, x.device, doc_ids=doc_ids, topn=topn, step=step)
 
         if "sel" in enabled:

@@ -74,10 +74,6 @@ class NSATransformer(ModelProtocol):
             if layer is None:
                 continue
             layer.init_weights()
-            # non-persistent buffers hold garbage after meta-init + to_empty: reset them here
-            calls = getattr(layer.attention, "calls", None)
-            if isinstance(calls, torch.Tensor):
-                calls.zero_()
         if self.norm is not None:
             self.norm.reset_parameters()
         if self.output is not None:
