@@ -56,14 +56,17 @@ def empty_attention(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     return out, q.new_full((B, H, T), float("-inf"), dtype=torch.float32)
 
 
-def attend_reference(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec,
-                     scale: float | None = None) -> tuple[Tensor, Tensor]:
+def _dims(q: Tensor, k: Tensor, scale: float | None):
     B, Hq, T, Dk = q.shape
     Hkv, S = k.shape[1], k.shape[2]
-    if S == 0:
+    return B, Hq, T, Dk, Hkv, S, Hq // Hkv, scale if scale is not None else 1.0 / math.sqrt(Dk)
+
+
+def attend_reference(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec,
+                     scale: float | None = None) -> tuple[Tensor, Tensor]:
+    if k.shape[2] == 0:
         return empty_attention(q, v)
-    G = Hq // Hkv
-    scale = scale if scale is not None else 1.0 / math.sqrt(Dk)
+    B, Hq, T, Dk, Hkv, S, G, scale = _dims(q, k, scale)
     mask = spec.dense(B, T, S, device=q.device)
     # [Bm, Hm, T, S] with Hm in {1, Hkv} -> [Bm, Hm, 1, T, S] broadcasts over the group's heads
     mask = mask.unsqueeze(2)
@@ -83,12 +86,9 @@ def attend_reference(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec,
 
 def attend_flex(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec,
                 scale: float | None = None) -> tuple[Tensor, Tensor]:
-    B, Hq, T, Dk = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
-    if S == 0:
+    if k.shape[2] == 0:
         return empty_attention(q, v)
-    G = Hq // Hkv
-    scale = scale if scale is not None else 1.0 / math.sqrt(Dk)
+    B, Hq, T, Dk, Hkv, S, G, scale = _dims(q, k, scale)
     if spec.per_group:
         # group-centric packing: [B, Hkv, G, T, D] -> [B, Hkv, T*G, D], row = t*G + g
         bs = packed_block_size(G, spec)
