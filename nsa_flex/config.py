@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, fields
 
 PHI_CHOICES = ("avg", "mlp")
 BACKEND_CHOICES = ("flex", "reference")
+SCORER_CHOICES = ("auto", "torch", "triton")
 
 
 class NSAConfigError(ValueError):
@@ -45,6 +46,10 @@ class NSAConfig:
     rope_theta: float = 10000.0
     # queries per chunk in the selection scorer (memory bound: B*H*chunk*num_cmp floats)
     score_chunk: int = 1024
+    # selection scorer implementation: "auto" (the fused Triton kernel on CUDA tensors when triton
+    # imports and the compressed branch gives its lse, else torch), "torch" (the naive reference),
+    # "triton" (the fused kernel, an error where it cannot run)
+    scorer: str = "auto"
     # seed for the random_selection ablation (a fresh draw per step, reproducible per seed)
     seed: int = 0
 
@@ -91,6 +96,8 @@ class NSAConfig:
             errs.append(f"phi={self.phi!r}: allowed values are {PHI_CHOICES}")
         if self.backend not in BACKEND_CHOICES:
             errs.append(f"backend={self.backend!r}: allowed values are {BACKEND_CHOICES}")
+        if self.scorer not in SCORER_CHOICES:
+            errs.append(f"scorer={self.scorer!r}: allowed values are {SCORER_CHOICES}")
         if not isinstance(self.rope_theta, (int, float)) or self.rope_theta <= 0:
             errs.append(f"rope_theta={self.rope_theta!r}: must be a positive number")
         # mask names are checked against the registry (imported lazily: masks imports nothing here)

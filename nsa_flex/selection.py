@@ -14,12 +14,20 @@ lower index; never a block that starts after the query; -1 pads rows with fewer 
 
 Memory: queries are processed in chunks of `chunk`, so the largest temporary is
 [B, H, chunk, num_cmp], never [B, H, T, num_cmp]. The result has no gradient.
+
+Two implementations of `block_scores`, chosen by `cfg.scorer`: the torch code below (the naive
+reference: per-head probabilities [B, Hkv, G, chunk, Nc] in memory) and the fused Triton kernel
+`nsa_flex.ops.group_slc_scores` (Eq. 8, 10 and 9 in one pass, only [B, Hkv, chunk, Ns] written,
+compressed blocks beyond the causal bound never visited). "auto" takes the kernel on CUDA tensors
+when triton imports and the compressed branch's lse is given.
 """
 
 import torch
 from torch import Tensor
 
 from masks import forced_and_valid, pick_blocks
+
+from .ops import HAS_TRITON, group_slc_scores, triton_interpreted
 
 
 def overlap_kernel(l: int, d: int, l_sel: int, device=None) -> Tensor:
@@ -45,13 +53,30 @@ def map_to_selection_blocks(p: Tensor, n_sel_blocks: int, l: int, d: int, l_sel:
     return pp.unfold(-1, M, r)[..., :n_sel_blocks, :] @ c
 
 
+def use_triton_scorer(cfg, q: Tensor, lse: Tensor | None) -> bool:
+    """Whether `block_scores` runs the fused Triton kernel (cfg.scorer: auto | torch | triton)."""
+    if cfg.scorer == "torch":
+        return False
+    if cfg.scorer == "auto":
+        return HAS_TRITON and lse is not None and q.is_cuda
+    if not HAS_TRITON or lse is None or not (q.is_cuda or triton_interpreted()):
+        why = ("triton is not importable" if not HAS_TRITON else
+               "it needs the compressed branch's lse (none given: e.g. the compressed branch is "
+               "off or the backend returns no lse)" if lse is None else
+               f"it needs CUDA tensors (got {q.device.type}; on CPU only under TRITON_INTERPRET=1)")
+        raise RuntimeError(f"NSAConfig.scorer='triton' cannot run here: {why}; "
+                           "use scorer='auto' or 'torch'")
+    return True
+
+
 @torch.no_grad()
 def block_scores(q: Tensor, k_cmp: Tensor, lse: Tensor | None, cfg, doc_starts: Tensor | None,
                  t0: int, t1: int) -> Tensor:
     """Group importance p_slc [B, Hkv, t1-t0, Ns] of the selection blocks for queries t0..t1-1.
 
     q [B, Hq, T, Dk] (after RoPE), k_cmp [B, Hkv, Nc, Dk], lse [B, Hq, T] (natural log) of the
-    compressed attention of the same queries."""
+    compressed attention of the same queries. cfg.scorer picks the fused Triton kernel or the
+    torch code below (the reference)."""
     B, Hq, T, Dk = q.shape
     Hkv, Nc = k_cmp.shape[1], k_cmp.shape[2]
     G = Hq // Hkv
@@ -59,6 +84,9 @@ def block_scores(q: Tensor, k_cmp: Tensor, lse: Tensor | None, cfg, doc_starts: 
     C = t1 - t0
     if Nc == 0:
         return q.new_zeros(B, Hkv, C, ns, dtype=torch.float32)
+    if use_triton_scorer(cfg, q, lse):
+        return group_slc_scores(q, k_cmp.to(q.dtype), lse, doc_starts, t0, t1, cfg.l, cfg.d,
+                                cfg.l_sel)
     # q.K_cmp in the inputs' dtype (bf16 tensor cores on GPU), fp32 from there on
     qc = q[:, :, t0:t1].reshape(B, Hkv, G, C, Dk)
     s = torch.einsum("bhgtd,bhnd->bhgtn", qc, k_cmp.to(q.dtype)).float() * (Dk ** -0.5)

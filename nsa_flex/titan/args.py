@@ -53,6 +53,7 @@ class NSAModelArgs(BaseModelArgs):
     win_mask: str | None = None
     rope_theta: float = 10000.0
     score_chunk: int = 1024
+    scorer: str = "auto"
     seed: int = 0
     # attention restricted to the current document (split at eos_id); eos_id set from the tokenizer
     doc_masking: bool = False

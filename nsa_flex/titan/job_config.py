@@ -56,6 +56,8 @@ class NSA:
     """RoPE base"""
     score_chunk: int | None = None
     """queries per chunk in the selection scorer"""
+    scorer: str | None = None
+    """selection scorer: auto (fused Triton kernel on CUDA, else torch) | torch | triton"""
     seed: int | None = None
     """seed of the random_selection ablation"""
     doc_masking: bool | None = None
