@@ -76,20 +76,27 @@ def timed(name, fwd, with_bwd, dev, rows, meta):
         out.float().sum().backward()
 
     rec = dict(meta, stage=name)
-    try:
-        if dev == "cuda":
-            torch.cuda.reset_peak_memory_stats()
+    if dev == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    try:  # inference forward
         with torch.no_grad():
             rec["fwd_ms"] = bench(fwd, dev)
-        if with_bwd:
+    except Exception as e:  # keep the sweep going; the CSV says what failed, ERR_LOG the traceback
+        rec["error"] = _fail(name, meta, "fwd(no_grad)", e)
+        if with_bwd:  # the training forward (grad mode) is a separate graph: time it instead
+            try:
+                rec["fwd_ms"] = bench(fwd, dev)
+                rec["fwd_mode"] = "grad"
+            except Exception as e2:
+                rec["error"] += " | " + _fail(name, meta, "fwd(grad)", e2)
+    if with_bwd:
+        try:
             rec["fwd_bwd_ms"] = bench(fb, dev)
-        if dev == "cuda":
-            rec["peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30
-    except Exception as e:  # keep the sweep going; the CSV says what failed
-        msg = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        rec["error"] = f"{type(e).__name__}: {msg}"
-        if dev == "cuda":
-            torch.cuda.empty_cache()
+        except Exception as e:
+            rec["error"] = (rec.get("error", "") + " | " + _fail(name, meta, "fwd+bwd", e)).strip(" |")
+    if dev == "cuda":
+        rec["peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30
+        torch.cuda.empty_cache()
     rows.append(rec)
     if CSV_PATH:
         write_csv(rows, CSV_PATH)  # after every row: a killed run keeps what it measured
@@ -100,6 +107,18 @@ def timed(name, fwd, with_bwd, dev, rows, meta):
 
 
 CSV_PATH = None
+ERR_LOG = None
+
+
+def _fail(name, meta, mode, e):
+    """One line for the CSV; the whole traceback to ERR_LOG."""
+    import traceback
+
+    msg = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+    if ERR_LOG:
+        with open(ERR_LOG, "a") as f:
+            f.write(f"==== {meta['config']} T={meta['T']} {name} {mode}\n{traceback.format_exc()}\n")
+    return f"{mode} {type(e).__name__}: {msg}"
 
 
 def write_csv(rows, path):
@@ -290,9 +309,10 @@ def main():
         stages_at = {int(t) for t in args.stages_at.split(",") if t}
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     torch._dynamo.config.cache_size_limit = 256
-    global CSV_PATH
+    global CSV_PATH, ERR_LOG
     rows = []
     path = CSV_PATH = os.path.join(args.out, "bench.csv")
+    ERR_LOG = os.path.join(args.out, "errors.log")
     for cname in configs:
         for T in Ts:
             torch._dynamo.reset()
