@@ -14,6 +14,7 @@ from .compression import PHI
 from .config import NSAConfig
 from .rope import apply_rope, rope_cos_sin
 from .selection import select_topn
+from .telemetry import STATS_SIZE, layer_stats
 
 BRANCHES = ("cmp", "sel", "win")
 
@@ -34,6 +35,10 @@ class NSAAttention(nn.Module):
         self.wo = nn.Linear(H * dv, dim, bias=False)
         self.builders = {b: get_mask_builder(n) for b, n in cfg.branch_masks().items()}
         self.branch_names = cfg.branch_masks()
+        # telemetry (nsa_flex/telemetry.py): set before the first (compiled) call; when on, every
+        # forward writes its gate / mask statistics into this buffer (no state dict, no grad)
+        self.telemetry = False
+        self.register_buffer("telemetry_stats", torch.zeros(STATS_SIZE), persistent=False)
 
     # ------------------------------------------------------------------ init
     def init_weights(self, init_std: float = 0.02):
@@ -44,6 +49,7 @@ class NSAAttention(nn.Module):
         nn.init.zeros_(self.gate.bias)  # gates start at 0.5 each
         self.phi_k.init_weights(init_std)
         self.phi_v.init_weights(init_std)
+        self.telemetry_stats.zero_()
 
     def reset_parameters(self):
         self.init_weights()
@@ -68,6 +74,7 @@ class NSAAttention(nn.Module):
         starts = doc_start(doc_ids.long()) if doc_ids is not None else None
         ctx = MaskContext(cfg, B, T, x.device, doc_ids=doc_ids)
         out = {}
+        specs = {}  # branch -> (MaskSpec, kv length) of the enabled branches, for telemetry
 
         # compressed branch: compress -> attend (its lse feeds the scorer)
         topn = None
@@ -76,9 +83,11 @@ class NSAAttention(nn.Module):
             k_cmp, v_cmp = self.phi_k(k), self.phi_v(v)
             cmp_builder = self.builders["cmp"] if "cmp" in enabled else \
                 get_mask_builder("compressed_causal")
-            o, lse_cmp = attend(q, k_cmp, v_cmp, cmp_builder(ctx), cfg.backend)
+            spec = cmp_builder(ctx)
+            o, lse_cmp = attend(q, k_cmp, v_cmp, spec, cfg.backend)
             if "cmp" in enabled:
                 out["cmp"] = o
+                specs["cmp"] = (spec, k_cmp.shape[2])
 
             # selection scorer (Eq. 8-10), no gradient through the top-n
             def topn():
@@ -99,15 +108,18 @@ class NSAAttention(nn.Module):
             step = h.view(B, 1, T, 1) + cfg.seed * 1_000_003
         ctx = MaskContext(cfg, B, T, x.device, doc_ids=doc_ids, topn=topn, step=step)
 
-        if "sel" in enabled:
-            k, v = kv("sel")
-            out["sel"], _ = attend(q, k, v, self.builders["sel"](ctx), cfg.backend)
-        if "win" in enabled:
-            k, v = kv("win")
-            out["win"], _ = attend(q, k, v, self.builders["win"](ctx), cfg.backend)
+        for b in ("sel", "win"):
+            if b in enabled:
+                k, v = kv(b)
+                specs[b] = (self.builders[b](ctx), T)
+                out[b], _ = attend(q, k, v, specs[b][0], cfg.backend)
 
         # gate (Eq. 5): per head, per branch sigmoid, mixing the branch outputs
         g = torch.sigmoid(self.gate(x)).view(B, T, H, 3).permute(0, 2, 1, 3)  # [B, H, T, 3]
         o = sum(g[..., i : i + 1] * out[b] for i, b in enumerate(BRANCHES) if b in out)
+        if self.telemetry:
+            with torch.no_grad():
+                on = tuple(b in out for b in BRANCHES)
+                self.telemetry_stats.copy_(layer_stats(g, on, specs, cfg.l_sel, T))
         o = o.transpose(1, 2).reshape(B, T, H * dv)
         return self.wo(o.to(x.dtype))

@@ -7,9 +7,11 @@ added. Every field can also be set on the command line (``--nsa.l 16``, ``--mode
 NOTE: no ``from __future__ import annotations`` here: torchtitan's merge needs real types, not strings.
 
 Sections:
-  [nsa]       NSA attention settings. ``None`` (the default) keeps the value of the model flavor.
+  [nsa]       NSA attention settings. ``None`` (the default) keeps the value of the model flavor;
+              plus telemetry: ``telemetry_every``, ``gate_collapse_threshold``, ``gate_collapse_steps``.
   [model]     + ``tokenizer``; defaults name="nsa_flex", flavor="debugmodel".
-  [training]  + ``dataset_config``, ``dataset_text_column``, ``dataset_seed``; default dataset "passkey".
+  [training]  + ``dataset_config``, ``dataset_text_column``, ``dataset_seed``, ``passkey_mix``; default
+              dataset "passkey".
   [validation] default dataset "passkey" (validation stream uses its own seed).
   [metrics]   + ``jsonl_file``: per-step metrics (full-precision loss, grad norm, tps, memory) as JSONL.
   [experimental] default custom_import = "nsa_flex.titan.train_spec".
@@ -62,6 +64,13 @@ class NSA:
     """seed of the random_selection ablation"""
     doc_masking: bool | None = None
     """restrict attention to the current document (documents split at the tokenizer's EOS)"""
+    telemetry_every: int = 0
+    """log NSA telemetry (per-layer gate mean / entropy / share per branch, tokens read per branch,
+    selected-block distance histogram) every N steps and at step 1; 0 = off (nsa_flex/telemetry.py)"""
+    gate_collapse_threshold: float = 0.95
+    """telemetry: warn when a branch's gate mean stays above this (0 < x < 1) ..."""
+    gate_collapse_steps: int = 10
+    """... at every telemetry step over at least this many training steps"""
 
 
 @dataclass
@@ -86,6 +95,9 @@ class Training:
     """text column of parquet/jsonl files"""
     dataset_seed: int = 0
     """seed of the generated passkey corpus"""
+    passkey_mix: float = 0.0
+    """fraction (0..1) of the training sequences of a text dataset (fineweb_edu / local) replaced by
+    generated passkey documents, chosen per sequence index by a seeded hash (0 = none)"""
 
 
 @dataclass

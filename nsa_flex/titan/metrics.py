@@ -3,6 +3,16 @@
 Each logged step appends one JSON line on rank 0: ``{"step", "time", "loss_metrics/global_avg_loss",
 "grad_norm", "throughput(tps)", "memory/max_reserved(GiB)", "lr", ...}`` with full-precision floats
 (the console line rounds the loss to 5 decimals). Validation lines carry ``validation_metrics/*``.
+
+NSA telemetry (``[nsa] telemetry_every = N > 0``; see :mod:`nsa_flex.telemetry` for the design and
+the quantities): when the trainer hands the model to the processor (``model_parts``), recording is
+switched on in every ``NSAAttention`` (before the first, compiled, call). Every N steps (and at
+step 1) the per-layer stats are read (one DP all-reduce), logged as ``nsa/...`` scalars through the
+same loggers as the step metrics (TensorBoard when enabled, the JSONL file; merged into the step's
+record when it is also a ``log_freq`` step, a record of their own otherwise), printed as one line
+per layer, the selected-block distances also as a TensorBoard histogram; a gate whose mean stays
+above ``gate_collapse_threshold`` over ``gate_collapse_steps`` steps logs a warning. The read rides
+on ``should_log(step)``, which torchtitan's trainer calls once per step on every rank.
 """
 
 import json
@@ -12,7 +22,10 @@ import time
 
 import torch
 
-from torchtitan.components.metrics import BaseLogger, MetricsProcessor
+from torchtitan.components.metrics import BaseLogger, MetricsProcessor, TensorBoardLogger
+from torchtitan.tools.logging import logger as log
+
+from nsa_flex import telemetry as tm
 
 
 def _plain(v):
@@ -41,7 +54,16 @@ class JsonlLogger(BaseLogger):
 
 class NSAMetricsProcessor(MetricsProcessor):
     def __init__(self, job_config, parallel_dims, tag: str | None = None):
+        nsa = getattr(job_config, "nsa", None)
+        self.telemetry_every = getattr(nsa, "telemetry_every", 0)
+        threshold = getattr(nsa, "gate_collapse_threshold", 0.95)
+        steps = getattr(nsa, "gate_collapse_steps", 10)
+        tm.validate_settings(self.telemetry_every, threshold, steps)
+        self.collapse = tm.GateCollapseMonitor(float(threshold), steps)
+        self._nsa_layers: list = []
+        self._pending: dict | None = None
         super().__init__(job_config, parallel_dims, tag)
+        self._base_logger = self.logger
         self.jsonl: JsonlLogger | None = None
         name = getattr(job_config.metrics, "jsonl_file", "")
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
@@ -63,6 +85,74 @@ class NSAMetricsProcessor(MetricsProcessor):
                     self.jsonl.close()
 
             self.logger = _Both()
+
+    # ------------------------------------------------------------------ NSA telemetry
+    @property
+    def model_parts(self):
+        return self._model_parts
+
+    @model_parts.setter
+    def model_parts(self, parts) -> None:
+        self._model_parts = parts
+        if not parts or self.telemetry_every <= 0:
+            return
+        from nsa_flex.layer import NSAAttention
+
+        self._nsa_layers = [m for part in parts for m in part.modules() if isinstance(m, NSAAttention)]
+        for m in self._nsa_layers:
+            m.telemetry = True
+        log.info(f"NSA telemetry on for {len(self._nsa_layers)} layers: every {self.telemetry_every} steps, "
+                 f"gate collapse at mean > {self.collapse.threshold} for {self.collapse.steps} steps")
+
+    def telemetry_due(self, step: int) -> bool:
+        return bool(self._nsa_layers) and (step == 1 or step % self.telemetry_every == 0)
+
+    def collect_telemetry(self, step: int) -> dict:
+        """Read, DP-average, print and check the layers' stats; returns the ``nsa/...`` metrics."""
+        stats = torch.stack([m.telemetry_stats.detach().float() for m in self._nsa_layers])
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(stats)  # only data parallelism: the world is the DP group
+            stats = stats / dist.get_world_size()
+        stats = stats.cpu()
+        enabled = [tuple(m.branch_names[b] != "none" for b in tm.BRANCHES) for m in self._nsa_layers]
+        metrics = tm.telemetry_metrics(stats, enabled)
+        log.info(f"NSA telemetry step {step}:")
+        for i, row in enumerate(stats):
+            log.info("  " + tm.format_layer_line(i, row, enabled[i]))
+        means = {(i, b): float(row[tm.GATE_MEAN][j]) for i, row in enumerate(stats)
+                 for j, b in enumerate(tm.BRANCHES) if enabled[i][j]}
+        for msg in self.collapse.update(step, means):
+            log.warning(msg)
+        metrics["nsa/gate_collapsed"] = self.collapse.collapsed
+        self._tb_histograms(stats, enabled, step)
+        return metrics
+
+    def _tb_histograms(self, stats, enabled, step: int) -> None:
+        for lg in getattr(self._base_logger, "_loggers", [self._base_logger]):
+            if not isinstance(lg, TensorBoardLogger):
+                continue
+            for i, row in enumerate(stats):
+                h = tm.histogram_raw(row) if enabled[i][1] else None
+                if h is not None:
+                    tag = f"nsa/layer{i}/sel_dist_hist"
+                    lg.writer.add_histogram_raw(tag if lg.tag is None else f"{lg.tag}/{tag}", global_step=step, **h)
+
+    def should_log(self, step: int) -> bool:
+        due = super().should_log(step)
+        if self.telemetry_due(step):
+            metrics = self.collect_telemetry(step)
+            if due:
+                self._pending = metrics  # merged into this step's record by log()
+            else:
+                self.logger.log(metrics, step)
+        return due
+
+    def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+        if self._pending:
+            extra_metrics = {**(extra_metrics or {}), **self._pending}
+            self._pending = None
+        super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)
 
 
 def build_metrics_processor(job_config, parallel_dims, model_args=None, tag: str | None = None):
