@@ -10,6 +10,8 @@ Chosen by ``[training] dataset`` / ``dataset_path`` (and ``[validation]`` likewi
   * ``fineweb_edu``: HuggingFaceFW/fineweb-edu, streaming, config ``[training] dataset_config``
     (default sample-10BT). With ``dataset_path`` set, that local file / folder / glob (or hub id) is
     read instead -- the offline way, e.g. ``--training.dataset_path ../shared/data/fineweb_sample_2800.parquet``.
+  * ``passkey_mix`` (``[training]``, 0..1): with a text dataset, that fraction of the packed training
+    sequences are passkey documents instead (chosen per sequence index, see PackedTokenDataset).
   * ``local``: ``dataset_path`` is required: a ``.parquet`` / ``.jsonl`` / ``.json`` / ``.txt`` file, a folder
     of such files, or a glob; read with ``datasets`` (streaming). Column ``[training] dataset_text_column``
     (default ``text``); ``.txt`` files yield one document per paragraph.
@@ -96,6 +98,14 @@ class PasskeyCorpus:
         rng = random.Random(f"passkey:{self.split}:{self.seed}:{index}")
         key = rng.randint(10000, 99999)
         depth = rng.random()
+        toks, answer_start = self.build(key, depth)
+        return toks, answer_start, key
+
+    def build(self, key: int, depth: float, filler: list[int] | None = None) -> tuple[list[int], int]:
+        """(tokens, answer_start) of the document with pass key ``key`` whose needle sits at
+        ``depth`` (0..1) of the filler; ``filler`` (token ids, at least ``length`` of them) replaces
+        the synthetic filler text (the needle-in-a-haystack evaluation passes real text)."""
+        filler = self._filler if filler is None else filler
         needle, answer = self._parts(key)
         head = self._bos + self._intro
         tail = self._question + answer + self._eos
@@ -103,10 +113,12 @@ class PasskeyCorpus:
         if n_fill < 8:  # drop the intro when the sequence is short
             head = list(self._bos)
             n_fill = self.length - len(head) - len(needle) - len(tail)
+        if len(filler) < n_fill:
+            raise DatasetError(f"passkey: filler of {len(filler)} tokens, the document needs {n_fill}")
         cut = int(depth * n_fill)
-        toks = head + self._filler[:cut] + needle + self._filler[cut:n_fill] + tail
+        toks = head + filler[:cut] + needle + filler[cut:n_fill] + tail
         assert len(toks) == self.length, (len(toks), self.length)
-        return toks, self.length - len(answer) - len(self._eos), key
+        return toks, self.length - len(answer) - len(self._eos)
 
 
 def passkey_document(tokenizer: BaseTokenizer, seq_len: int, index: int, seed: int = 0, split: str = "train"):
@@ -349,10 +361,21 @@ class PackedTokenDataset(IterableDataset, Stateful):
     """Packs a document source into samples of ``seq_len + 1`` tokens; shards per sequence.
 
     ``restart_each_iter`` (validation): every new iteration starts from the top of the stream, so
-    each validation pass sees the same sequences."""
+    each validation pass sees the same sequences.
+
+    ``passkey`` / ``passkey_mix`` (``[training] passkey_mix``): packed sequence k is replaced by
+    passkey document k of ``passkey`` (a PasskeyCorpus of ``seq_len + 1`` tokens) when a hash of
+    (corpus seed, k) falls below ``passkey_mix``; the text stream goes on, unchanged, in the other
+    sequences. The choice depends on k alone, so DP ranks agree and a resumed run (which restores
+    k) continues the same mix."""
 
     def __init__(self, source, seq_len: int, dp_rank: int = 0, dp_world_size: int = 1, infinite: bool = True,
-                 restart_each_iter: bool = False):
+                 restart_each_iter: bool = False, passkey: "PasskeyCorpus | None" = None,
+                 passkey_mix: float = 0.0):
+        if passkey is not None and passkey.length != seq_len + 1:
+            raise DatasetError(f"passkey corpus of {passkey.length} tokens for seq_len={seq_len}")
+        self.passkey = passkey if passkey_mix > 0 else None
+        self.passkey_mix = float(passkey_mix)
         self.restart_each_iter = restart_each_iter
         self.source = source
         self.seq_len = seq_len
@@ -361,6 +384,12 @@ class PackedTokenDataset(IterableDataset, Stateful):
         self.infinite = infinite
         self._token_buffer: list[int] = []
         self._seq_idx = 0  # packed sequences produced so far (over all ranks)
+
+    def is_passkey(self, k: int) -> bool:
+        """Whether packed sequence k is a passkey document (passkey_mix)."""
+        if self.passkey is None:
+            return False
+        return random.Random(f"passkey_mix:{self.passkey.seed}:{k}").random() < self.passkey_mix
 
     def __iter__(self):
         n = self.seq_len + 1
@@ -371,7 +400,20 @@ class PackedTokenDataset(IterableDataset, Stateful):
         n_workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
         stride = self.dp_world_size * n_workers
         mine = self.dp_rank * n_workers + worker
+
+        def sample(x):
+            t = torch.tensor(x, dtype=torch.long)
+            return {"input": t[:-1]}, t[1:]
+
+        def passkeys():  # the passkey sequences due before the next text sequence
+            while self.is_passkey(self._seq_idx):
+                k = self._seq_idx
+                self._seq_idx += 1
+                if k % stride == mine:
+                    yield sample(self.passkey.document(k)[0])
+
         while True:
+            yield from passkeys()
             for toks in self.source:
                 self._token_buffer.extend(toks)
                 while len(self._token_buffer) >= n:
@@ -380,8 +422,8 @@ class PackedTokenDataset(IterableDataset, Stateful):
                     k = self._seq_idx
                     self._seq_idx += 1
                     if k % stride == mine:
-                        t = torch.tensor(x, dtype=torch.long)
-                        yield {"input": t[:-1]}, t[1:]
+                        yield sample(x)
+                    yield from passkeys()
             if not self.infinite:
                 logger.warning(f"Dataset {self.source.describe()} has run out of data")
                 return
@@ -399,6 +441,13 @@ class PackedTokenDataset(IterableDataset, Stateful):
 
 def _build(section, job_config, dp_world_size, dp_rank, tokenizer, infinite, split):
     training = job_config.training
+    mix = getattr(training, "passkey_mix", 0.0) if split == "train" else 0.0
+    if isinstance(mix, bool) or not isinstance(mix, (int, float)) or not 0.0 <= mix <= 1.0:
+        raise DatasetError(f"training.passkey_mix={mix!r}: must be a number in [0, 1]")
+    if mix > 0 and section.dataset.lower() == "passkey":
+        raise DatasetError(
+            f"training.passkey_mix={mix} mixes passkey documents into a text dataset (fineweb_edu, local); "
+            "dataset 'passkey' is all passkey already: set passkey_mix = 0 or pick a text dataset")
     source = build_source(
         section.dataset,
         section.dataset_path,
@@ -409,8 +458,13 @@ def _build(section, job_config, dp_world_size, dp_rank, tokenizer, infinite, spl
         seed=getattr(training, "dataset_seed", 0),
         split=split,
     )
+    passkey = None
+    if mix > 0:
+        passkey = PasskeyCorpus(tokenizer, section.seq_len + 1, seed=getattr(training, "dataset_seed", 0),
+                                split=split)
+        logger.info(f"Dataset {section.dataset}: {100 * mix:g}% of the sequences are passkey documents")
     ds = PackedTokenDataset(source, section.seq_len, dp_rank, dp_world_size, infinite=infinite,
-                            restart_each_iter=split == "validation")
+                            restart_each_iter=split == "validation", passkey=passkey, passkey_mix=mix)
     kwargs = {**asdict(section.dataloader), "batch_size": section.local_batch_size}
     return ParallelAwareDataloader(ds, dp_rank=dp_rank, dp_world_size=dp_world_size, **kwargs)
 
