@@ -25,7 +25,8 @@ the checkpoint (nsa_flex.generate's loaders). Greedy answer: prefill + token-by-
 NSA per-branch caches (nsa_flex.inference) when every layer's mask builders have a decode rule
 (nsa, full_causal, sliding_only, local_selection, no_compressed); otherwise (random_selection, custom
 builders) a full forward per new token. Attention backend per length (--backend auto): the dense
-``reference`` path when its [heads, T, T] scores fit in half the free memory (no compile), else
+``reference`` path when its [heads, T, T] scores fit in --mem-fraction (0.5) of the free memory (no
+compile), else
 ``flex``. Score: the digits at the start of the answer == the key.
 
 Outputs under --out: needle.csv (kind, length, depth, trial, correct, answer, expected; one row
@@ -256,9 +257,12 @@ def dense_bytes(model, T: int) -> int:
     return 6 * model.model_args.n_heads * T * T * 4
 
 
+MEM_FRACTION = 0.5  # of the free GPU memory for the reference backend's dense scores (--mem-fraction)
+
+
 def memory_budget(device) -> int:
     if torch.device(device).type == "cuda":
-        return int(0.5 * torch.cuda.mem_get_info(torch.device(device))[0])
+        return int(MEM_FRACTION * torch.cuda.mem_get_info(torch.device(device))[0])
     return 4 << 30
 
 
@@ -547,6 +551,8 @@ def parse_args(argv=None):
     p.add_argument("--decode", default="auto", choices=("auto", "cache", "full"),
                    help="cache: prefill + NSA caches; full: a full forward per token; auto: cache when supported")
     p.add_argument("--batch-size", type=int, default=8, help="prompts per generation call (upper bound)")
+    p.add_argument("--mem-fraction", type=float, default=0.5,
+                   help="share of the free GPU memory the dense reference attention may use")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tag", default="", help="label for the heatmap titles")
     p.add_argument("--out", help="output folder")
@@ -577,9 +583,13 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
+    global MEM_FRACTION
     a = parse_args(argv)
     if a.collect:
         return collect(a.collect)
+    if not 0 < a.mem_fraction <= 1:
+        raise EvalError(f"--mem-fraction: {a.mem_fraction} must be in (0, 1]")
+    MEM_FRACTION = a.mem_fraction
     return evaluate(a)
 
 

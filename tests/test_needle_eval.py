@@ -248,3 +248,54 @@ def test_collect_ablation_table(tmp_path):
     assert nsa[0]["final_loss"] == "3.5" and nsa[0]["steps"] == "10" and nsa[0]["train_s"] == "42"
     assert nsa[0]["tps"] == "1000"  # mean over logged steps after the first two (compile)
     assert [r for r in rows if r["run"] == "sliding_only"][0]["n"] == "0"
+
+
+# ---------------------------------------------------------------------- ablation configs and script
+def test_ablation_configs_differ_only_in_masks():
+    import dataclasses
+
+    from torchtitan.config import ConfigManager
+
+    from masks import PRESETS
+    from nsa_flex.titan.args import nsa_flex_args
+
+    cfgs = {}
+    for p in PRESETS:
+        path = ROOT / "titan_configs" / f"ablation_{p}.toml"
+        assert path.is_file(), path
+        c = ConfigManager().parse_args(["--job.config_file", str(path)])
+        d = dataclasses.asdict(c)
+        assert d["job"].pop("dump_folder") == f"./outputs/ablation_{p}"
+        d["job"].pop("description")
+        d["job"].pop("config_file")
+        assert d["nsa"].pop("masks") == p
+        cfgs[p] = d
+        args = nsa_flex_args[c.model.flavor]
+        job = ConfigManager().parse_args(["--job.config_file", str(path), "--model.tokenizer", "byte"])
+        args.update_from_config(job)  # the [nsa] section is valid for the 30M flavor
+        assert args.masks == p and (args.dim, args.n_layers, args.n_heads, args.n_kv_heads) == (256, 4, 16, 1)
+    ref = cfgs["nsa"]
+    for p, d in cfgs.items():
+        assert d == ref, p
+    t = ref["training"]
+    assert (t["dataset"], t["passkey_mix"], t["seq_len"]) == ("fineweb_edu", 0.5, 2048)
+    assert ref["compile"]["enable"] and ref["checkpoint"]["enable"] and ref["nsa"]["telemetry_every"] > 0
+    assert ref["training"]["mixed_precision_param"] == "bfloat16"
+
+
+def test_ablation_script_checks_its_arguments(tmp_path):
+    import subprocess
+
+    script = ROOT / "experiments" / "ablation_runs.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    r = subprocess.run(["bash", str(script), str(tmp_path / "o"), str(tmp_path), "10"], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "has no fineweb_sample_2800.parquet" in r.stderr
+    r = subprocess.run(["bash", str(script), str(tmp_path / "o"), str(tmp_path), "ten"], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "STEPS must be a positive integer, got 'ten'" in r.stderr
+    (tmp_path / "fineweb_sample_2800.parquet").write_bytes(b"")
+    (tmp_path / "tiktoken_cache").mkdir()
+    r = subprocess.run(["bash", str(script), str(tmp_path / "o"), str(tmp_path), "10"], cwd=ROOT,
+                       capture_output=True, text=True, env={**os.environ, "PRESETS": "nsa bogus"})
+    assert r.returncode == 2 and "no titan_configs/ablation_bogus.toml" in r.stderr
