@@ -24,7 +24,8 @@
 # Every stage gets a timeout from a global budget (BUDGET=520 s): training must end by
 # BUDGET - EVAL_RESERVE (a killed run keeps its last checkpoint: one is saved every CKPT_EVERY steps,
 # default STEPS/2); the evaluations run one at a time (GPU memory) as the runs finish, each cut at the
-# budget (its CSV holds every row scored so far). A failed run or eval is recorded in OUT/<run>/status
+# budget (its CSV holds every row scored so far), with the dense reference attention (no compile; 8k
+# needs ~17 GB for one prompt; a batch that runs out of memory is halved and retried). A failed run or eval is recorded in OUT/<run>/status
 # and the others go on. Checkpoints (~120 MB each) go to RUNS_DIR (default /tmp/nsa_ablation_runs), off
 # OUT. Timings per stage are printed and kept in OUT/timeline.txt.
 #
@@ -113,7 +114,7 @@ run_one() {
     # shellcheck disable=SC2086
     timeout --kill-after=10 "$te" $PY experiments/needle_eval.py --config "titan_configs/ablation_$p.toml" \
       --checkpoint "$ckpt" --lengths "$LENGTHS" --depths "$DEPTHS" --trials "$TRIALS" --kinds "$KINDS" \
-      --filler "$FILLER" --fineweb "$DATA/fineweb_sample_2800.parquet" --mem-fraction 0.4 --tag "$p" \
+      --filler "$FILLER" --fineweb "$DATA/fineweb_sample_2800.parquet" --backend reference --mem-fraction 0.5 --tag "$p" \
       --out "$d/needle" $EVAL_ARGS > "$d/eval.log" 2>&1
     local erc=$?
     echo "eval rc=$erc" >> "$d/status"

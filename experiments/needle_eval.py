@@ -253,8 +253,9 @@ def decode_mode(model, requested: str) -> str:
 
 
 def dense_bytes(model, T: int) -> int:
-    """Peak bytes of one row of the reference backend's dense scores (a few [heads, T, T] fp32)."""
-    return 6 * model.model_args.n_heads * T * T * 4
+    """Peak bytes of one row of the reference backend's dense attention (scores, masked scores,
+    exponentials and probabilities: 4 x [heads, T, T] fp32)."""
+    return 4 * model.model_args.n_heads * T * T * 4
 
 
 MEM_FRACTION = 0.5  # of the free GPU memory for the reference backend's dense scores (--mem-fraction)
@@ -407,12 +408,24 @@ def evaluate(args) -> dict:
             tL = time.perf_counter()
             for kind in kinds:
                 items = jobs[(kind, L)]
-                for s in range(0, len(items), bs):
-                    chunk = items[s: s + bs]
+                queue = [items[s: s + bs] for s in range(0, len(items), bs)]
+                while queue:
+                    chunk = queue.pop(0)
                     tb = time.perf_counter()
                     max_new = max(it["answer_tokens"] for it in chunk) + 2
-                    gens = generate_batch(model, [it["tokens"] for it in chunk], max_new, mode,
-                                          tok.eos_id, args.device)
+                    try:
+                        gens = generate_batch(model, [it["tokens"] for it in chunk], max_new, mode,
+                                              tok.eos_id, args.device)
+                    except torch.OutOfMemoryError:
+                        torch.cuda.empty_cache()
+                        if len(chunk) == 1:
+                            raise EvalError(f"--lengths {L}: out of memory for one prompt with backend "
+                                            f"{backend!r}; try --backend flex or shorter lengths") from None
+                        h = len(chunk) // 2  # halve the batch and retry
+                        queue[:0] = [chunk[:h], chunk[h:]]
+                        print(f"  [{kind} L={L}] out of memory with batch {len(chunk)}: retrying as {h}",
+                              flush=True)
+                        continue
                     for it, g in zip(chunk, gens):
                         g = [t for t in g if t != tok.eos_id]
                         text = tok.decode(g)

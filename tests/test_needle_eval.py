@@ -299,3 +299,22 @@ def test_ablation_script_checks_its_arguments(tmp_path):
     r = subprocess.run(["bash", str(script), str(tmp_path / "o"), str(tmp_path), "10"], cwd=ROOT,
                        capture_output=True, text=True, env={**os.environ, "PRESETS": "nsa bogus"})
     assert r.returncode == 2 and "no titan_configs/ablation_bogus.toml" in r.stderr
+
+
+def test_out_of_memory_halves_the_batch(tmp_path, monkeypatch):
+    sizes = []
+
+    def fake(model, prompts, max_new, mode, eos_id, device):
+        sizes.append(len(prompts))
+        if len(prompts) > 1:
+            raise torch.OutOfMemoryError("fake")
+        return [BYTE.encode("12345.")]
+
+    monkeypatch.setattr(ne, "generate_batch", fake)
+    res = ne.main(["--quick", "--out", str(tmp_path / "a"), "--depths", "0,50,100", "--lengths", "300",
+                   "--kinds", "passkey", "--batch-size", "3"])
+    assert sizes == [3, 1, 2, 1, 1] and len(res["rows"]) == 3
+    monkeypatch.setattr(ne, "generate_batch", lambda *a: (_ for _ in ()).throw(torch.OutOfMemoryError("x")))
+    with pytest.raises(ne.EvalError, match="--lengths 300: out of memory for one prompt"):
+        ne.main(["--quick", "--out", str(tmp_path / "b"), "--depths", "0", "--lengths", "300",
+                 "--kinds", "passkey"])
