@@ -468,7 +468,9 @@ def _metrics(path: str) -> dict:
 
 def collect(out: str) -> list[dict]:
     """<out>/<run>/{needle/summary.csv, metrics.jsonl, train_seconds} -> <out>/ablation.csv (one
-    row per run, kind and length: final loss, tokens/s, accuracy) and <out>/ablation.png."""
+    row per run, kind and length: accuracy; and per run: last logged loss, mean of the last 5 logged
+    losses, mean tokens/s after the first two logged steps, training seconds, last telemetry gate
+    means per branch) and <out>/ablation.png (loss curves, accuracy vs length)."""
     table = []
     runs = sorted(d for d in os.listdir(out) if os.path.isdir(os.path.join(out, d)))
     for run in runs:
@@ -477,8 +479,12 @@ def collect(out: str) -> list[dict]:
         losses = [(s, r["loss_metrics/global_avg_loss"]) for s, r in sorted(recs.items())
                   if "loss_metrics/global_avg_loss" in r]
         tps = [r["throughput(tps)"] for s, r in sorted(recs.items()) if "throughput(tps)" in r and s > 1]
+        gates = {b: [r[f"nsa/gate_mean/{b}"] for _, r in sorted(recs.items()) if f"nsa/gate_mean/{b}" in r]
+                 for b in ("cmp", "sel", "win")}
         base = {"run": run, "steps": losses[-1][0] if losses else "",
                 "final_loss": round(losses[-1][1], 5) if losses else "",
+                "loss_last5": round(sum(v for _, v in losses[-5:]) / len(losses[-5:]), 5) if losses else "",
+                **{f"gate_{b}": round(g[-1], 4) if g else "" for b, g in gates.items()},
                 "tps": round(sum(tps[1:]) / len(tps[1:])) if len(tps) > 1 else "",
                 "train_s": open(os.path.join(rd, "train_seconds")).read().strip()
                 if os.path.isfile(os.path.join(rd, "train_seconds")) else ""}
@@ -495,7 +501,8 @@ def collect(out: str) -> list[dict]:
         for s in got:
             table.append({**base, "kind": s["kind"], "length": int(s["length"]), "n": int(s["n"]),
                           "correct": int(s["correct"]), "accuracy": round(float(s["accuracy"]), 4)})
-    fields = ["run", "kind", "length", "n", "correct", "accuracy", "steps", "final_loss", "tps", "train_s"]
+    fields = ["run", "kind", "length", "n", "correct", "accuracy", "steps", "final_loss", "loss_last5", "tps",
+              "train_s", "gate_cmp", "gate_sel", "gate_win"]
     with open(os.path.join(out, "ablation.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()

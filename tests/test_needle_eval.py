@@ -247,6 +247,8 @@ def test_collect_ablation_table(tmp_path):
     assert [(r["length"], r["accuracy"]) for r in nsa] == [("256", "1.0"), ("512", "1.0"), ("1024", "0.0")]
     assert nsa[0]["final_loss"] == "3.5" and nsa[0]["steps"] == "10" and nsa[0]["train_s"] == "42"
     assert nsa[0]["tps"] == "1000"  # mean over logged steps after the first two (compile)
+    assert nsa[0]["loss_last5"] == str(round((10 + 4 + 3.5) / 3, 5)) and nsa[0]["gate_sel"] == "0.5"
+    assert nsa[0]["gate_cmp"] == ""
     assert [r for r in rows if r["run"] == "sliding_only"][0]["n"] == "0"
 
 
