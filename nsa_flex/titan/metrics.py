@@ -117,13 +117,16 @@ class NSAMetricsProcessor(MetricsProcessor):
         stats = stats.cpu()
         enabled = [tuple(m.branch_names[b] != "none" for b in tm.BRANCHES) for m in self._nsa_layers]
         metrics = tm.telemetry_metrics(stats, enabled)
-        log.info(f"NSA telemetry step {step}:")
-        for i, row in enumerate(stats):
-            log.info("  " + tm.format_layer_line(i, row, enabled[i]))
+        rank0 = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+        if rank0:
+            log.info(f"NSA telemetry step {step}:")
+            for i, row in enumerate(stats):
+                log.info("  " + tm.format_layer_line(i, row, enabled[i]))
         means = {(i, b): float(row[tm.GATE_MEAN][j]) for i, row in enumerate(stats)
                  for j, b in enumerate(tm.BRANCHES) if enabled[i][j]}
-        for msg in self.collapse.update(step, means):
-            log.warning(msg)
+        for msg in self.collapse.update(step, means):  # the same DP-averaged values on every rank
+            if rank0:
+                log.warning(msg)
         metrics["nsa/gate_collapsed"] = self.collapse.collapsed
         self._tb_histograms(stats, enabled, step)
         return metrics
