@@ -1,27 +1,40 @@
-"""Per-token decode latency of ONE attention layer: NSA (per-branch caches) vs full attention with a
-KV cache (SDPA), same process, same data type, caches pre-filled with random normal data.
+"""Per-token decode latency of ONE attention layer: NSA (per-branch caches; torch reference path and
+fused Triton path) vs full attention with a KV cache (SDPA), same process, same data type, caches
+pre-filled with random normal data (never zeros).
 
-    # GPU (H100), the issue's grid: S in {4k, 16k, 64k, 128k}, batch 1 and 16, bf16, CUDA graphs
+    # GPU (H100), the issue's grid: S in {4k, 16k, 64k, 128k}, batch 1 and 16, bf16,
+    # eager launches and CUDA graphs for every implementation
     python experiments/bench_decode.py --out outputs/bench_decode
-    # CI-size CPU check (small contexts, fp32, wall-clock timing)
+    # CI-size CPU check (small contexts, fp32, wall-clock timing, torch path + SDPA, eager)
     python experiments/bench_decode.py --quick --out /tmp/bench_decode
 
 What is timed (one decode step of the attention core, after the q/k/v projections, which are the
 same matmuls for both up to NSA's extra k/v pairs and are excluded; --with-proj adds them):
-  nsa   write the new token into the selection cache, the window ring and the raw compression
-        ring; emit a compressed block when one completes (every d tokens, branch-free); compressed
-        attention over the stream; top-n scoring (Eq. 8-10, forced blocks, ties to lower index);
-        gather of the n selected blocks + attention; window attention; sigmoid-gated sum.
-        Exactly `nsa_flex.inference.decode.decode_attention`, the code the tests check.
-  full  write the new token into a [B, Hkv, S, D] KV cache, then SDPA of the token's query over
-        the S cached keys. Two layouts are timed and the faster one is the baseline:
-        "gqa" q [B, H, 1, Dk] with enable_gqa=True; "fold" q folded to [B, Hkv, G, Dk] (the G
-        heads of a group as G query rows over the group's keys, no mask needed).
+  nsa_torch   `decode_attention(backend="torch")`: write the new token into the selection cache,
+              the window ring and the raw compression ring, emit a compressed block when one
+              completes (branch-free), compressed attention, top-n scoring (Eq. 8-10, forced
+              blocks, ties to the lower index), gather of the n selected blocks + attention,
+              window attention, sigmoid-gated sum: ~50 small kernels (the reference the tests check)
+  nsa_triton  `decode_attention(backend="triton")`: the same step in five Triton launches
+              (`nsa_flex.ops.decode_triton`: write, compressed + window split-K, scorer + top-n,
+              selected split-K, combine + gates); extra launch configs (--triton-configs) are timed
+              in graph mode only, the row keeps the fastest
+  full_gqa    write the new token into a [B, Hkv, S, D] KV cache, then SDPA of q [B, H, 1, Dk]
+              over the S cached keys with enable_gqa=True
+  full_fold   the same with q folded to [B, Hkv, G, Dk] (the G heads of a group as G query rows
+              over the group's keys, no mask); the faster of the two is the baseline
+Modes: "eager" (every launch from Python) and "graph" (the whole step captured in one
+torch.cuda.CUDAGraph and replayed: launch overhead removed from both sides alike; CUDA only;
+--no-cudagraph drops it). --compile adds nsa_torch_compiled (attend_cached under torch.compile).
 Context S = keys the step attends to, the new token included (the caches hold S - 1 tokens).
-Timing: CUDA: triton.testing.do_bench median (L2 flushed before every call, CUDA events), each
-step captured in a CUDA graph (--no-cudagraph to time eager launches); no host sync inside the
-step (all per-row state is on the device). CPU: median wall clock.
-Output: <out>/bench_decode.csv, <out>/bench_decode.png, and a table on stdout.
+Timing: CUDA: triton.testing.do_bench median (L2 flushed before every call, CUDA events), else
+CUDA events; CPU: median wall clock. No host sync inside any step (all per-row state on device).
+Checks per row: the read counters of both NSA paths equal the exact expected reads; the Triton
+output against the torch path's (max abs error, share of (row, group) selections that agree:
+bf16 scores may break near-ties differently). Before the grid (CUDA): prefill + decode == full
+forward for both backends (fp32), and Triton == torch at the paper's head dims (fp32).
+Robust: an error in one measurement is recorded in the row's `errors` column and the run goes on.
+Output: <out>/bench_decode.csv (rewritten after every row), <out>/bench_decode.png, stdout table.
 """
 
 import argparse
@@ -31,6 +44,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 
 import torch
 import torch.nn.functional as F
@@ -40,10 +54,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nsa_flex.config import NSAConfig  # noqa: E402
 from nsa_flex.compression import PHI  # noqa: E402
 from nsa_flex.inference.cache import NSACache  # noqa: E402
-from nsa_flex.inference.decode import _write, attend_cached, decode_attention  # noqa: E402
+from nsa_flex.inference.decode import (_write, attend_cached, decode_attention,  # noqa: E402
+                                       resolve_decode_backend)
 
 PAPER = dict(dim=2560, n_heads=64, n_kv_heads=4, d_qk=192, d_v=128, l=32, d=16, l_sel=64, n_sel=16,
              window=512)
+MODES = {"cmp": "compressed_causal", "sel": "topn", "win": "sliding_window"}
 
 
 def expected_reads(cfg: NSAConfig, S: int) -> dict[str, int]:
@@ -53,14 +69,44 @@ def expected_reads(cfg: NSAConfig, S: int) -> dict[str, int]:
     return {"cmp": cfg.num_cmp(S), "sel": sel, "win": min(cfg.window, S)}
 
 
+def parse_triton_configs(text: str) -> list[dict]:
+    """"32x4x2,32x8x2x8" -> [{block_n: 32, num_warps: 4, num_stages: 2}, {..., programs per SM:
+    8}] (BLOCKNxWARPSxSTAGES[xPROGRAMS_PER_SM])."""
+    out = []
+    for item in text.split(","):
+        parts = [int(x) for x in item.strip().split("x")]
+        if len(parts) not in (3, 4):
+            raise ValueError(f"--triton-configs item {item!r}: expected "
+                             "BLOCKNxWARPSxSTAGES[xPROGRAMS_PER_SM]")
+        o = dict(block_n=parts[0], num_warps=parts[1], num_stages=parts[2])
+        if len(parts) == 4:
+            o["programs_per_sm"] = parts[3]
+        out.append(o)
+    return out
+
+
+def cfg_name(o: dict) -> str:
+    return "x".join(str(o[k]) for k in ("block_n", "num_warps", "num_stages", "programs_per_sm")
+                    if k in o)
+
+
+def launch_opts(o: dict, device) -> dict:
+    """decode_attention's triton_opts for a parsed config."""
+    o = dict(o)
+    per_sm = o.pop("programs_per_sm", None)
+    if per_sm and device.type == "cuda":
+        o["num_programs"] = per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+    return o
+
+
 class Timer:
-    def __init__(self, device, cudagraph: bool, reps: int):
+    def __init__(self, device, reps: int):
         self.cuda = device.type == "cuda"
-        self.cudagraph = cudagraph and self.cuda
         self.reps = reps
 
-    def __call__(self, fn) -> float:
-        """Median seconds per call of fn (warmed up; on CUDA optionally graph-captured)."""
+    def __call__(self, fn, graph: bool) -> float:
+        """Median seconds per call of fn (warmed up; on CUDA with graph=True captured in a CUDA
+        graph and replayed)."""
         for _ in range(3):
             fn()
         if not self.cuda:
@@ -71,8 +117,8 @@ class Timer:
                 ts.append(time.perf_counter() - t0)
             return statistics.median(ts)
         torch.cuda.synchronize()
-        call = fn
-        if self.cudagraph:
+        call, g = fn, None
+        if graph:
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s):
@@ -98,15 +144,33 @@ class Timer:
                 b.record()
             torch.cuda.synchronize()
             ms = statistics.median(a.elapsed_time(b) for a, b in ev)
+        del g
         return ms / 1e3
 
 
-def bench_one(cfg: NSAConfig, S: int, B: int, device, dtype, timer: Timer, compile_: bool,
-              with_proj: bool, seed: int, profile: bool = False) -> dict:
+def triton_available(device) -> tuple[bool, str]:
+    try:
+        resolve_decode_backend("triton", device)
+    except (RuntimeError, ValueError) as e:
+        return False, str(e).split(";")[0]
+    return True, ""
+
+
+def bench_one(cfg: NSAConfig, S: int, B: int, device, dtype, timer: Timer, graph_modes,
+              compile_: bool, with_proj: bool, seed: int, triton_cfgs: list[dict],
+              profile: bool = False, log=print) -> dict:
     H, Hkv, dk, dv, G = cfg.n_heads, cfg.n_kv_heads, cfg.d_qk, cfg.d_v, cfg.group_size
     gen = torch.Generator(device=device).manual_seed(seed)
     rnd = lambda *shape: torch.randn(*shape, generator=gen, device=device, dtype=dtype)  # noqa: E731
-    modes = {"cmp": "compressed_causal", "sel": "topn", "win": "sliding_window"}
+    row = {"S": S, "batch": B, "dtype": str(dtype).replace("torch.", ""), "device": device.type}
+    errors = []
+
+    def fail(what, e):
+        msg = f"{what}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+        errors.append(msg)
+        log(f"    ERROR {msg}", flush=True)
+        if os.environ.get("BENCH_DEBUG"):
+            traceback.print_exc()
 
     # ---------------------------------------------------------------- NSA
     cache = NSACache.empty(cfg, B, S, device, dtype)
@@ -127,20 +191,21 @@ def bench_one(cfg: NSAConfig, S: int, B: int, device, dtype, timer: Timer, compi
         wo = rnd(cfg.dim, H * dv) * (H * dv) ** -0.5
         wkv_full = rnd(Hkv * (dk + dv), cfg.dim) * cfg.dim ** -0.5
 
-    # --compile: the pure read part (attend_cached) compiled; cache writes stay eager (in-place
-    # updates of graph inputs would be functionalized into whole-cache copies)
-    attend_fn = torch.compile(attend_cached, dynamic=False) if compile_ else None
+    def nsa_step(backend, attend_fn=None, opts=None):
+        def step():
+            if with_proj:
+                q_ = F.linear(x, wq).view(B, 1, H, dk).transpose(1, 2)
+                kvp = F.linear(x, wkv).view(B, 3, Hkv, dk + dv)
+                kv_ = {b: (kvp[:, i, :, :dk].unsqueeze(2), kvp[:, i, :, dk:].unsqueeze(2))
+                       for i, b in enumerate(("cmp", "sel", "win"))}
+                g_ = torch.sigmoid(F.linear(x, wg)).view(B, 1, H, 3).permute(0, 2, 1, 3)
+                o = decode_attention(cfg, MODES, q_, kv_, g_, cache, phi_k, phi_v, attend_fn,
+                                     backend=backend, triton_opts=opts)
+                return F.linear(o.transpose(1, 2).reshape(B, 1, H * dv), wo)
+            return decode_attention(cfg, MODES, q, kv, g, cache, phi_k, phi_v, attend_fn,
+                                    backend=backend, triton_opts=opts)
 
-    def nsa_step():
-        if with_proj:
-            q_ = F.linear(x, wq).view(B, 1, H, dk).transpose(1, 2)
-            kvp = F.linear(x, wkv).view(B, 3, Hkv, dk + dv)
-            kv_ = {b: (kvp[:, i, :, :dk].unsqueeze(2), kvp[:, i, :, dk:].unsqueeze(2))
-                   for i, b in enumerate(("cmp", "sel", "win"))}
-            g_ = torch.sigmoid(F.linear(x, wg)).view(B, 1, H, 3).permute(0, 2, 1, 3)
-            o = decode_attention(cfg, modes, q_, kv_, g_, cache, phi_k, phi_v, attend_fn)
-            return F.linear(o.transpose(1, 2).reshape(B, 1, H * dv), wo)
-        return decode_attention(cfg, modes, q, kv, g, cache, phi_k, phi_v, attend_fn)
+        return step
 
     # ---------------------------------------------------------------- full attention
     k_full, v_full = rnd(B, Hkv, S, dk), rnd(B, Hkv, S, dv)
@@ -158,7 +223,7 @@ def bench_one(cfg: NSAConfig, S: int, B: int, device, dtype, timer: Timer, compi
             _write(k_full, pos, kn)
             _write(v_full, pos, vn)
             if layout == "fold":
-                o = F.scaled_dot_product_attention(q_.view(B, Hkv, G, dk), k_full, v_full)
+                o = F.scaled_dot_product_attention(q_.reshape(B, Hkv, G, dk), k_full, v_full)
             else:
                 o = F.scaled_dot_product_attention(q_, k_full, v_full, enable_gqa=True)
             o = o.reshape(B, 1, H * dv)
@@ -166,33 +231,108 @@ def bench_one(cfg: NSAConfig, S: int, B: int, device, dtype, timer: Timer, compi
 
         return step
 
-    fns = {"nsa": nsa_step, "full_gqa": full_step("gqa"), "full_fold": full_step("fold")}
+    fns = {"nsa_torch": nsa_step("torch")}
+    ok_tr, why = triton_available(device)
+    if ok_tr:
+        fns["nsa_triton"] = nsa_step("triton", opts=launch_opts(triton_cfgs[0], device))
+    else:
+        row["skipped"] = f"nsa_triton: {why}"
+    if compile_:
+        fns["nsa_torch_compiled"] = nsa_step("torch", torch.compile(attend_cached, dynamic=False))
+    fns["full_gqa"] = full_step("gqa")
+    fns["full_fold"] = full_step("fold")
 
-    # sanity: finite outputs, and the counters of the NSA step are the exact expected reads
-    with torch.no_grad():
-        o_nsa = fns["nsa"]()
-        o_a, o_b = fns["full_gqa"](), fns["full_fold"]()
-    assert torch.isfinite(o_nsa).all(), "NSA decode produced non-finite values"
-    assert torch.allclose(o_a.float(), o_b.float(), atol=2e-2, rtol=2e-2), "SDPA layouts disagree"
-    reads = {k: v.float().mean().item() for k, v in cache.reads.items()}
+    # ---------------------------------------------------------------- checks
     exp = expected_reads(cfg, S)
-    assert reads == {k: float(v) for k, v in exp.items()}, (reads, exp)
+    with torch.no_grad():
+        try:
+            o_t = fns["nsa_torch"]().float()
+            sel_t = cache.last_selection.sort(-1).values
+            reads = {k: v.float().mean().item() for k, v in cache.reads.items()}
+            if reads != {k: float(v) for k, v in exp.items()}:
+                raise AssertionError(f"torch read counters {reads} != expected {exp}")
+            if not torch.isfinite(o_t).all():
+                raise AssertionError("non-finite output")
+        except Exception as e:  # noqa: BLE001
+            fail("check nsa_torch", e)
+            o_t = sel_t = None
+        if "nsa_triton" in fns:
+            try:
+                o_r = fns["nsa_triton"]().float()
+                reads = {k: v.float().mean().item() for k, v in cache.reads.items()}
+                if reads != {k: float(v) for k, v in exp.items()}:
+                    raise AssertionError(f"triton read counters {reads} != expected {exp}")
+                if not torch.isfinite(o_r).all():
+                    raise AssertionError("non-finite output")
+                if o_t is not None:
+                    row["triton_max_abs_err"] = (o_r - o_t).abs().max().item()
+                    row["triton_ref_max_abs"] = o_t.abs().max().item()
+                    same = cache.last_selection.sort(-1).values == sel_t
+                    row["triton_sel_agree"] = same.all(-1).float().mean().item()
+            except Exception as e:  # noqa: BLE001
+                fail("check nsa_triton", e)
+        try:
+            o_a, o_b = fns["full_gqa"](), fns["full_fold"]()
+            if not torch.allclose(o_a.float(), o_b.float(), atol=2e-2, rtol=2e-2):
+                raise AssertionError("SDPA layouts disagree")
+        except Exception as e:  # noqa: BLE001
+            fail("check full", e)
 
     if profile and device.type == "cuda":
         from torch.profiler import ProfilerActivity, profile as prof
 
-        with torch.no_grad(), prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as pr:
-            for _ in range(10):
-                fns["nsa"]()
-            torch.cuda.synchronize()
-        print(pr.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
+        for name in [n for n in ("nsa_torch", "nsa_triton") if n in fns]:
+            acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+            with torch.no_grad(), prof(activities=acts) as pr:
+                for _ in range(10):
+                    fns[name]()
+                torch.cuda.synchronize()
+            log(f"--- profile {name} S={S} B={B}")
+            log(pr.key_averages().table(sort_by="self_cuda_time_total", row_limit=20))
 
-    row = {"S": S, "batch": B, "dtype": str(dtype).replace("torch.", ""), "device": device.type}
+    # ---------------------------------------------------------------- timings
     with torch.no_grad():
         for name, fn in fns.items():
-            row[f"{name}_ms"] = timer(fn) * 1e3
-    row["full_ms"] = min(row["full_gqa_ms"], row["full_fold_ms"])
+            for mode in graph_modes:
+                key = f"{name}_ms" if mode == "eager" else f"{name}_graph_ms"
+                try:
+                    row[key] = timer(fn, graph=mode == "graph") * 1e3
+                    log(f"    {key:<28} {row[key]:9.4f} ms", flush=True)
+                except Exception as e:  # noqa: BLE001
+                    row[key] = float("nan")
+                    fail(f"{name}/{mode}", e)
+        if "nsa_triton" in fns and "graph" in graph_modes:
+            row[f"nsa_triton_graph_ms[{cfg_name(triton_cfgs[0])}]"] = row.get("nsa_triton_graph_ms")
+            for opts in triton_cfgs[1:]:
+                key = f"nsa_triton_graph_ms[{cfg_name(opts)}]"
+                try:
+                    row[key] = timer(nsa_step("triton", opts=launch_opts(opts, device)),
+                                     graph=True) * 1e3
+                    log(f"    {key:<28} {row[key]:9.4f} ms", flush=True)
+                except Exception as e:  # noqa: BLE001
+                    row[key] = float("nan")
+                    fail(f"nsa_triton[{cfg_name(opts)}]/graph", e)
+
+    # ---------------------------------------------------------------- summary
+    def best(keys):
+        vals = [(row[k], k) for k in keys
+                if isinstance(row.get(k), float) and math.isfinite(row[k])]
+        return min(vals) if vals else (float("nan"), "")
+
+    mode_sfx = "_graph_ms" if "graph" in graph_modes else "_ms"
+    row["full_ms"], row["full_best"] = best([f"full_gqa{mode_sfx}", f"full_fold{mode_sfx}"])
+    tr_keys = [k for k in row if k.startswith("nsa_triton_graph_ms[")] or [f"nsa_triton{mode_sfx}"]
+    row["nsa_triton_best_ms"], row["nsa_triton_best"] = best(tr_keys)
+    row["nsa_torch_best_ms"], _ = best([f"nsa_torch{mode_sfx}", f"nsa_torch_compiled{mode_sfx}"])
+    row["nsa_ms"], which = best(["nsa_triton_best_ms", "nsa_torch_best_ms"])
+    row["nsa_best"] = (f"triton {row['nsa_triton_best'].replace('nsa_triton', '')}"
+                       if which == "nsa_triton_best_ms" else "torch" if which else "")
     row["speedup"] = row["full_ms"] / row["nsa_ms"]
+    row["speedup_triton_vs_torch"] = row["nsa_torch_best_ms"] / row["nsa_triton_best_ms"]
+    if "eager" in graph_modes:
+        f_e, _ = best(["full_gqa_ms", "full_fold_ms"])
+        n_e, _ = best(["nsa_triton_ms", "nsa_torch_ms"])
+        row["speedup_eager"] = f_e / n_e
     nsa_tokens = sum(exp.values())
     row.update({"nsa_reads_cmp": exp["cmp"], "nsa_reads_sel": exp["sel"], "nsa_reads_win": exp["win"],
                 "nsa_reads": nsa_tokens, "full_reads": S, "decode_reads_cfg": cfg.decode_reads(S),
@@ -201,16 +341,18 @@ def bench_one(cfg: NSAConfig, S: int, B: int, device, dtype, timer: Timer, compi
     kv_bytes = B * Hkv * (dk + dv) * esz
     row["nsa_GBps"] = nsa_tokens * kv_bytes / (row["nsa_ms"] * 1e-3) / 1e9
     row["full_GBps"] = S * kv_bytes / (row["full_ms"] * 1e-3) / 1e9
-    del cache, k_full, v_full, fns
+    row["errors"] = " | ".join(errors)
+    fns.clear()
+    cache = k_full = v_full = None  # free the caches before the next row
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
 
 
-def check_equivalence(device, T: int = 700, seed: int = 0) -> float:
+def check_equivalence(device, T: int = 700, seed: int = 0, backend: str = "torch") -> float:
     """Prefill + token-by-token decode == one full forward, on `device` in fp32 (the same check
-    as tests/test_inference.py, here with the device's decode path: SDPA branches, K @ q^T).
-    Returns the max abs difference of the layer outputs."""
+    as tests/test_inference.py, here with the device's decode path, `backend`). Returns the max
+    abs difference of the layer outputs."""
     from nsa_flex import NSAAttention
     from nsa_flex.inference import decode_step, new_cache, prefill
 
@@ -224,7 +366,7 @@ def check_equivalence(device, T: int = 700, seed: int = 0) -> float:
         full = layer(x)
         p0, p1 = T // 3, (2 * T) // 3
         P = torch.tensor([p0, p1], device=device)
-        cache = new_cache(layer, 2, T + p1 - p0)
+        cache = new_cache(layer, 2, T + p1 - p0, decode_backend=backend)
         out = prefill(layer, x[:, :p1], cache, P)
         err = max((out[b, : P[b]] - full[b, : P[b]]).abs().max().item() for b in range(2))
         rows = torch.arange(2, device=device)
@@ -236,6 +378,36 @@ def check_equivalence(device, T: int = 700, seed: int = 0) -> float:
     return err
 
 
+def check_triton_vs_torch(device, lens=(700, 3000, 5000), seed: int = 0) -> dict:
+    """One decode step at the paper's head dims (G = 16, d_k 192, d_v 128) in fp32, rows of
+    different lengths: the Triton path against the torch path (outputs, selections, counters)."""
+    cfg = NSAConfig(**PAPER, backend="reference")
+    B, H, Hkv, dk, dv = len(lens), cfg.n_heads, cfg.n_kv_heads, cfg.d_qk, cfg.d_v
+    gen = torch.Generator(device=device).manual_seed(seed)
+    caches = {}
+    for be in ("torch", "triton"):
+        c = NSACache.empty(cfg, B, max(lens) + 1, device, torch.float32)
+        c.random_fill_(torch.tensor(lens, device=device), generator=torch.Generator(
+            device=device).manual_seed(seed))
+        caches[be] = c
+    q = torch.randn(B, H, 1, dk, generator=gen, device=device)
+    kv = {b: (torch.randn(B, Hkv, 1, dk, generator=gen, device=device),
+              torch.randn(B, Hkv, 1, dv, generator=gen, device=device)) for b in MODES}
+    g = torch.rand(B, H, 1, 3, generator=gen, device=device)
+    phi = PHI["avg"](cfg.l, cfg.d, dk)
+    out = {}
+    with torch.no_grad():
+        for be, c in caches.items():
+            out[be] = decode_attention(cfg, MODES, q, kv, g, c, phi, phi, backend=be)
+    a, b = caches["torch"], caches["triton"]
+    return {"max_abs_err": (out["torch"] - out["triton"]).abs().max().item(),
+            "sel_agree": (a.last_selection.sort(-1).values == b.last_selection.sort(-1).values)
+            .all(-1).float().mean().item(),
+            "reads_equal": all(torch.equal(a.reads[k], b.reads[k]) for k in a.reads),
+            "cache_max_abs_err": max((getattr(b, k) - t).abs().max().item()
+                                     for k, t in a.tensors().items())}
+
+
 def plot(rows, path):
     try:
         import matplotlib
@@ -245,29 +417,44 @@ def plot(rows, path):
     except ImportError:
         print("matplotlib not installed: no plot", file=sys.stderr)
         return
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    sfx = "_graph_ms" if any("nsa_torch_graph_ms" in r for r in rows) else "_ms"
     for B in sorted({r["batch"] for r in rows}):
         rs = sorted((r for r in rows if r["batch"] == B), key=lambda r: r["S"])
         S = [r["S"] for r in rs]
-        ax.plot(S, [r["nsa_ms"] for r in rs], "o-", label=f"NSA, batch {B}")
-        ax.plot(S, [r["full_ms"] for r in rs], "s--", label=f"full attention (SDPA), batch {B}")
-        ax2.plot(S, [r["speedup"] for r in rs], "o-", label=f"measured, batch {B}")
+        ax.plot(S, [r.get("nsa_triton_best_ms", float("nan")) for r in rs], "o-",
+                label=f"NSA triton, B={B}")
+        ax.plot(S, [r.get(f"nsa_torch{sfx}", float("nan")) for r in rs], "^:",
+                label=f"NSA torch, B={B}")
+        ax.plot(S, [r["full_ms"] for r in rs], "s--", label=f"full attn (SDPA), B={B}")
+        ax2.plot(S, [r["speedup"] for r in rs], "o-", label=f"measured, B={B}")
     rs = sorted({r["S"]: r for r in rows}.values(), key=lambda r: r["S"])
     ax2.plot([r["S"] for r in rs], [r["read_ratio"] for r in rs], "k:", label="token-read ratio")
     for a in (ax, ax2):
         a.set_xscale("log", base=2)
         a.set_xlabel("context S (tokens)")
         a.grid(True, which="both", alpha=0.3)
-        a.legend(fontsize=8)
+        a.legend(fontsize=7)
     ax.set_yscale("log")
     ax.set_ylabel("decode step latency, one layer (ms)")
-    ax2.set_ylabel("full / NSA")
+    ax2.set_ylabel("full / NSA (best NSA path)")
     ax2.axhline(8, color="r", lw=0.8, alpha=0.5)
     r0 = rows[0]
-    fig.suptitle(f"NSA vs full-attention decode, one layer ({r0['device']}, {r0['dtype']})")
+    mode = "CUDA graphs" if sfx == "_graph_ms" else "eager"
+    fig.suptitle(f"NSA vs full-attention decode, one layer ({r0['device']}, {r0['dtype']}, {mode})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")
+
+
+def write_csv(rows, path):
+    keys = []
+    for r in rows:
+        keys += [k for k in r if k not in keys]
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
 
 
 def main(argv=None):
@@ -281,15 +468,22 @@ def main(argv=None):
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"))
     p.add_argument("--phi", default="avg", choices=("avg", "mlp"))
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile NSA's read part (attend_cached); SDPA stays as it is")
-    p.add_argument("--no-cudagraph", action="store_true", help="time eager launches on CUDA")
+                   help="also time torch.compile of the torch path's read part (attend_cached)")
+    p.add_argument("--no-cudagraph", action="store_true", help="eager launches only")
+    p.add_argument("--no-eager", action="store_true", help="CUDA graphs only (CUDA)")
+    p.add_argument("--triton-configs", default="32x4x2,32x8x2,16x4x2,64x8x2,32x4x2x2,32x4x2x8",
+                   help="launch configs BLOCKNxWARPSxSTAGES[xPROGRAMS_PER_SM] of the Triton "
+                        "attention kernels; the first is the default path (eager + graph), the "
+                        "others graph only (default programs per SM: "
+                        "nsa_flex.ops.decode_triton.PROGRAMS_PER_SM)")
     p.add_argument("--with-proj", action="store_true",
                    help="include the q/k/v/gate/output projections of the layer in both steps")
     p.add_argument("--reps", type=int, default=None)
-    p.add_argument("--profile", action="store_true", help="print a CUDA kernel profile of the NSA step")
+    p.add_argument("--profile", action="store_true", help="print CUDA kernel profiles of NSA steps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-check", action="store_true",
-                   help="skip the prefill+decode == forward check on the device (fp32, ~5 s)")
+                   help="skip the device checks before the grid (prefill+decode == forward for "
+                        "both backends, Triton == torch at paper dims; fp32, ~10 s)")
     a = p.parse_args(argv)
 
     if a.quick:
@@ -300,28 +494,57 @@ def main(argv=None):
     dtype = getattr(torch, a.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     reps = a.reps or (5 if a.quick else (100 if device.type == "cuda" else 10))
     cfg = NSAConfig(**PAPER, phi=a.phi, backend="reference")
-    timer = Timer(device, not a.no_cudagraph, reps)
+    triton_cfgs = parse_triton_configs(a.triton_configs)
+    modes = []
+    if not (a.no_eager and device.type == "cuda"):
+        modes.append("eager")
+    if device.type == "cuda" and not a.no_cudagraph:
+        modes.append("graph")
+    timer = Timer(device, reps)
+    ok_tr, why = triton_available(device)
+    print(f"device {device} dtype {dtype} modes {modes} triton path: "
+          f"{'yes ' + str([cfg_name(c) for c in triton_cfgs]) if ok_tr else 'no (' + why + ')'}",
+          flush=True)
     if not a.no_check and not a.quick:
-        err = check_equivalence(device)
-        print(f"check: prefill + decode vs full forward on {device} (fp32): max |diff| = {err:.2e}")
-        assert err < 1e-3, f"decode path disagrees with the forward on {device}: {err}"
+        for be in ("torch", "triton") if ok_tr else ("torch",):
+            t0 = time.time()
+            err = check_equivalence(device, backend=be)
+            print(f"check: prefill + decode ({be}) vs full forward on {device} (fp32): "
+                  f"max |diff| = {err:.2e} ({time.time() - t0:.1f} s)", flush=True)
+            assert err < 1e-3, f"{be} decode path disagrees with the forward on {device}: {err}"
+        if ok_tr:
+            r = check_triton_vs_torch(device)
+            print(f"check: triton vs torch step at paper head dims (fp32): {r}", flush=True)
+            assert r["reads_equal"] and r["cache_max_abs_err"] < 1e-5, r
+            assert r["sel_agree"] < 1 or r["max_abs_err"] < 1e-3, r
     os.makedirs(a.out, exist_ok=True)
-    rows = []
-    for B in [int(b) for b in a.batches.split(",")]:
-        for S in [int(s) for s in a.contexts.split(",")]:
-            r = bench_one(cfg, S, B, device, dtype, timer, a.compile, a.with_proj,
-                          a.seed + 1000 * B + S, a.profile)
-            r.update(compile=a.compile, cudagraph=timer.cudagraph, with_proj=a.with_proj)
-            rows.append(r)
-            print(f"S={S:>7} B={B:>3}  nsa {r['nsa_ms']:8.4f} ms  full {r['full_ms']:8.4f} ms "
-                  f"(gqa {r['full_gqa_ms']:.4f}, fold {r['full_fold_ms']:.4f})  "
-                  f"speedup {r['speedup']:6.2f}x  reads {r['nsa_reads']}/{S} "
-                  f"({r['read_ratio']:.2f}x fewer)", flush=True)
     path = os.path.join(a.out, "bench_decode.csv")
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    rows = []
+    t_start = time.time()
+    grid = [(B, S) for B in (int(b) for b in a.batches.split(",")) for S in
+            (int(s) for s in a.contexts.split(","))]
+    for i, (B, S) in enumerate(grid):
+        print(f"[{i + 1}/{len(grid)}] S={S} B={B} ({time.time() - t_start:.0f} s)", flush=True)
+        try:
+            r = bench_one(cfg, S, B, device, dtype, timer, modes, a.compile, a.with_proj,
+                          a.seed + 1000 * B + S, triton_cfgs, a.profile)
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory building the caches
+            traceback.print_exc()
+            r = {"S": S, "batch": B, "dtype": str(dtype).replace("torch.", ""),
+                 "device": device.type, "errors": f"row: {type(e).__name__}: {e}"[:300],
+                 "nsa_ms": float("nan"), "full_ms": float("nan"), "speedup": float("nan"),
+                 "read_ratio": float("nan"), "nsa_reads": float("nan")}
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        r.update(compile=a.compile, with_proj=a.with_proj, modes="+".join(modes))
+        rows.append(r)
+        tt = r.get("speedup_triton_vs_torch", float("nan"))
+        print(f"  S={S:>7} B={B:>3}  nsa {r['nsa_ms']:8.4f} ms ({r.get('nsa_best', '')})  "
+              f"full {r['full_ms']:8.4f} ms ({r.get('full_best', '')})  speedup "
+              f"{r['speedup']:6.2f}x  triton/torch {tt:.2f}x"
+              f"  reads {r['nsa_reads']}/{S} ({r['read_ratio']:.2f}x fewer)"
+              + (f"  ERRORS: {r['errors']}" if r.get("errors") else ""), flush=True)
+        write_csv(rows, path)
     print(f"wrote {path}")
     plot(rows, os.path.join(a.out, "bench_decode.png"))
     return rows

@@ -1,7 +1,8 @@
 """Inference for nsa_flex: per-branch KV caches, prefill + token-by-token decode, read counters,
 model-level generation. Batch layout: right padding with per-row lengths (see cache.py)."""
 
-from .cache import NSACache
-from .decode import decode_attention, decode_step, new_cache, prefill
+from .cache import DECODE_BACKENDS, NSACache
+from .decode import decode_attention, decode_step, new_cache, prefill, resolve_decode_backend
 
-__all__ = ["NSACache", "decode_attention", "decode_step", "new_cache", "prefill"]
+__all__ = ["DECODE_BACKENDS", "NSACache", "decode_attention", "decode_step", "new_cache", "prefill",
+           "resolve_decode_backend"]

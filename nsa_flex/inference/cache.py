@@ -22,6 +22,10 @@ attention used, as tensors, no host sync):
   reads["cmp"] [B]       compressed blocks visible
   reads["sel"] [B, Hkv]  distinct key tokens of the selected blocks at or before the position
   reads["win"] [B]       window tokens visible (min(window, S) without document masking)
+
+decode_backend picks the implementation of the decode step (`nsa_flex.inference.decode`): the
+torch reference or the fused Triton kernels (`nsa_flex.ops.decode_triton`); both read and write
+these same tensors.
 """
 
 from dataclasses import dataclass, field
@@ -30,6 +34,15 @@ import torch
 from torch import Tensor
 
 from ..config import NSAConfig
+
+
+DECODE_BACKENDS = ("auto", "torch", "triton")
+
+
+def check_decode_backend(name: str) -> str:
+    if name not in DECODE_BACKENDS:
+        raise ValueError(f"decode_backend={name!r}: allowed values are {DECODE_BACKENDS}")
+    return name
 
 
 def round_up(x: int, m: int) -> int:
@@ -55,6 +68,12 @@ class NSACache:
     last_selection: Tensor | None = None
     # host-side upper bound of lengths (never read from the device): capacity checks without sync
     host_max_len: int = 0
+    # decode implementation: "auto" (the fused Triton kernels on CUDA, else torch), "torch" (the
+    # naive reference, any device), "triton" (the fused kernels; an error where they cannot run)
+    decode_backend: str = "auto"
+
+    def __post_init__(self):
+        check_decode_backend(self.decode_backend)
 
     @property
     def batch(self) -> int:
@@ -67,11 +86,13 @@ class NSACache:
 
     @classmethod
     def empty(cls, cfg: NSAConfig, batch: int, capacity: int, device=None, dtype=torch.float32,
-              branches: tuple[str, ...] = ("cmp", "sel", "win"), lengths: Tensor | None = None
-              ) -> "NSACache":
+              branches: tuple[str, ...] = ("cmp", "sel", "win"), lengths: Tensor | None = None,
+              decode_backend: str = "auto") -> "NSACache":
         """Allocate caches for `capacity` tokens per row. `branches` lists the key/value streams to
         keep ("cmp" also serves the top-n scorer). `lengths` may be a tensor shared between the
-        caches of several layers (the model-level cache advances it once per step)."""
+        caches of several layers (the model-level cache advances it once per step).
+        decode_backend: see the field (validated here)."""
+        check_decode_backend(decode_backend)
         H, dk, dv = cfg.n_kv_heads, cfg.d_qk, cfg.d_v
         cap = round_up(max(capacity, 1), cfg.l_sel)
         kw = dict(device=device, dtype=dtype)
@@ -91,7 +112,7 @@ class NSACache:
             lengths = torch.zeros(batch, dtype=torch.long, device=device)
         doc_start = torch.zeros(batch, dtype=torch.long, device=device)
         return cls(cfg, cap, k_sel, v_sel, k_win, v_win, k_raw, v_raw, k_cmp, v_cmp, lengths,
-                   doc_start)
+                   doc_start, decode_backend=decode_backend)
 
     def tensors(self) -> dict[str, Tensor]:
         names = ("k_sel", "v_sel", "k_win", "v_win", "k_raw", "v_raw", "k_cmp", "v_cmp")

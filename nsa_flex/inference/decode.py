@@ -11,6 +11,14 @@ decode_step(layer, x, cache)       -> one new token per row, gather + matmul-sof
   win  the rolling ring of the last `window` tokens
 Per-row positions (right padding, see cache.py). Decode math is the reference backend's
 (fp32 scores, -inf masking, rows with no key give 0), whatever `cfg.backend` is.
+
+Two implementations of the step (`decode_backend`: the cache's field, or the `backend` argument):
+  torch   the code below (`write_token` + `attend_cached`): the naive reference, any device
+  triton  `nsa_flex.ops.decode_triton`: the write in one kernel, the three branches in split-K
+          flash-decoding kernels, the top-n scorer in one kernel, one combine with the gates
+          (five launches, no host sync: CUDA-graph capturable); same inputs, outputs, counters
+  auto    triton on CUDA tensors when triton imports, else torch (a Triton failure on the first
+          step falls back to torch with a warning)
 """
 
 import math
@@ -22,7 +30,7 @@ from masks import doc_start as doc_start_of, pick_blocks
 
 from ..rope import apply_rope, rope_cos_sin
 from ..selection import overlap_kernel
-from .cache import NSACache
+from .cache import NSACache, check_decode_backend
 
 BRANCHES = ("cmp", "sel", "win")
 SUPPORTED = {"cmp": ("compressed_causal", "none"),
@@ -50,11 +58,43 @@ def cache_branches(modes: dict[str, str]) -> tuple[str, ...]:
 
 
 def new_cache(layer, batch: int, capacity: int, device=None, dtype=None,
-              lengths: Tensor | None = None) -> NSACache:
-    """An empty cache sized for `layer` (only the streams its mask builders need)."""
+              lengths: Tensor | None = None, decode_backend: str = "auto") -> NSACache:
+    """An empty cache sized for `layer` (only the streams its mask builders need).
+    decode_backend: "auto" | "torch" | "triton" (see the module docstring)."""
     w = layer.wq.weight
     return NSACache.empty(layer.cfg, batch, capacity, device or w.device, dtype or w.dtype,
-                          cache_branches(branch_modes(layer)), lengths=lengths)
+                          cache_branches(branch_modes(layer)), lengths=lengths,
+                          decode_backend=decode_backend)
+
+
+# ---------------------------------------------------------------------- backend choice
+def _triton_module():
+    """nsa_flex.ops.decode_triton, or the ImportError that keeps it from loading."""
+    try:
+        from ..ops import decode_triton
+    except ImportError as e:  # no triton
+        return e
+    return decode_triton
+
+
+def resolve_decode_backend(backend: str, device) -> str:
+    """"torch" or "triton" for a step on `device`; a clear error for an unknown name or a
+    "triton" request that cannot run (no triton, or CPU tensors outside the Triton interpreter)."""
+    check_decode_backend(backend)
+    dev = torch.device(device)
+    if backend == "torch":
+        return "torch"
+    mod = _triton_module()
+    if backend == "auto":
+        return "triton" if dev.type == "cuda" and not isinstance(mod, Exception) else "torch"
+    if isinstance(mod, Exception):
+        raise RuntimeError(f"decode_backend='triton' cannot run: triton is not importable ({mod}); "
+                           "use decode_backend='torch' or 'auto'")
+    if dev.type != "cuda" and not mod.interpreter_active():
+        raise RuntimeError(f"decode_backend='triton' needs CUDA tensors (got {dev.type}; on the "
+                           "CPU only under the Triton interpreter, TRITON_INTERPRET=1 set before "
+                           "triton is imported); use decode_backend='torch' or 'auto'")
+    return "triton"
 
 
 # ---------------------------------------------------------------------- attention helper
@@ -126,31 +166,37 @@ def _qk(qg: Tensor, k: Tensor) -> Tensor:
     return torch.einsum("bhgd,bhnd->bhgn", qg, k).float()
 
 
+def emit_compressed(cfg, cache: NSACache, phi_k, phi_v) -> None:
+    """Emit the compressed block completed by the token at cache.lengths (already in the raw
+    ring): block (S - l) / d for S = pos + 1, when S >= l and d | S - l; other rows rewrite the
+    slot's old value (branch-free, no host sync)."""
+    pos = cache.lengths
+    B = pos.shape[0]
+    S = pos + 1
+    l, d, Nc = cfg.l, cfg.d, cache.n_cmp_slots
+    order = (S.view(B, 1) - l + torch.arange(l, device=pos.device)) % l  # ring slots, in order
+    emit = (S >= l) & ((S - l) % d == 0)
+    dst = torch.div(S - l, d, rounding_mode="floor").clamp(0, Nc - 1)
+    for raw, buf, phi in ((cache.k_raw, cache.k_cmp, phi_k), (cache.v_raw, cache.v_cmp, phi_v)):
+        Hkv, D = raw.shape[1], raw.shape[-1]
+        blk = raw.gather(2, order.view(B, 1, l, 1).expand(B, Hkv, l, D))
+        idx = dst.view(B, 1, 1, 1).expand(B, Hkv, 1, buf.shape[-1])
+        val = torch.where(emit.view(B, 1, 1, 1), phi(blk).to(buf.dtype), buf.gather(2, idx))
+        buf.scatter_(2, idx, val)
+
+
 def write_token(cfg, modes: dict[str, str], kv: dict, cache: NSACache, phi_k, phi_v) -> None:
     """Write the new token (kv[branch] = (k [B, Hkv, 1, Dk], v [B, Hkv, 1, Dv])) at positions
     cache.lengths into every stream; emit the compressed block that the token completes (block
     (S - l) / d for S = pos + 1, when S >= l and d | S - l; other rows rewrite the slot's old
     value: branch-free, no host sync). All cache mutation of a decode step happens here."""
     pos = cache.lengths
-    B = pos.shape[0]
-    dev = pos.device
-    S = pos + 1
     if "cmp" in kv:
         k, v = kv["cmp"]
-        l, d = cfg.l, cfg.d
-        _write(cache.k_raw, pos % l, k)
-        _write(cache.v_raw, pos % l, v)
-        Nc = cache.n_cmp_slots
-        if Nc > 0:
-            order = (S.view(B, 1) - l + torch.arange(l, device=dev)) % l  # ring slots, in order
-            emit = (S >= l) & ((S - l) % d == 0)
-            dst = torch.div(S - l, d, rounding_mode="floor").clamp(0, Nc - 1)
-            for raw, buf, phi in ((cache.k_raw, cache.k_cmp, phi_k), (cache.v_raw, cache.v_cmp, phi_v)):
-                Hkv, D = raw.shape[1], raw.shape[-1]
-                blk = raw.gather(2, order.view(B, 1, l, 1).expand(B, Hkv, l, D))
-                idx = dst.view(B, 1, 1, 1).expand(B, Hkv, 1, buf.shape[-1])
-                val = torch.where(emit.view(B, 1, 1, 1), phi(blk).to(buf.dtype), buf.gather(2, idx))
-                buf.scatter_(2, idx, val)
+        _write(cache.k_raw, pos % cfg.l, k)
+        _write(cache.v_raw, pos % cfg.l, v)
+        if cache.n_cmp_slots > 0:
+            emit_compressed(cfg, cache, phi_k, phi_v)
     if modes["sel"] != "none":
         k, v = kv["sel"]
         _write(cache.k_sel, pos, k)
@@ -256,15 +302,80 @@ def attend_cached(cfg, modes: dict[str, str], q: Tensor, g: Tensor, caches: dict
     return o, reads, idx
 
 
+# ---------------------------------------------------------------------- triton path
+def write_token_triton(cfg, modes: dict[str, str], kv: dict, cache: NSACache, phi_k, phi_v,
+                       ) -> None:
+    """`write_token` by the fused write kernel (one launch; with a learned phi the compressed
+    block is emitted by `emit_compressed` after it)."""
+    from ..compression import AvgCompress
+    from ..ops.decode_triton import nsa_decode_write
+
+    new = {b: kv[b] for b in ("cmp",) if b in kv}
+    for b in ("sel", "win"):
+        if modes[b] != "none":
+            new[b] = kv[b]
+    avg = isinstance(phi_k, AvgCompress) and isinstance(phi_v, AvgCompress)
+    nsa_decode_write(cache.lengths, new, l=cfg.l, d=cfg.d, emit_avg=avg, **cache.tensors())
+    if "cmp" in kv and not avg and cache.n_cmp_slots > 0:
+        emit_compressed(cfg, cache, phi_k, phi_v)
+
+
+def attend_triton(cfg, modes: dict[str, str], q: Tensor, g: Tensor, caches: dict, pos: Tensor,
+                  start: Tensor, **kw) -> tuple[Tensor, dict, Tensor | None]:
+    """`attend_cached` by the fused kernels: same arguments, same results (o [B, H, 1, Dv],
+    reads, selected blocks or None). kw: `nsa_decode_attention` options (num_programs, ...)."""
+    from ..ops.decode_triton import nsa_decode_attention
+
+    B, H = q.shape[:2]
+    sel = modes["sel"]
+    r = nsa_decode_attention(
+        q, pos, start, l=cfg.l, d=cfg.d, l_sel=cfg.l_sel, n_sel=cfg.n_sel, n_init=cfg.n_init,
+        n_local=cfg.n_local, k_cmp=caches.get("k_cmp"), v_cmp=caches.get("v_cmp"),
+        k_sel=caches.get("k_sel") if sel != "none" else None,
+        v_sel=caches.get("v_sel") if sel != "none" else None,
+        k_win=caches.get("k_win") if modes["win"] != "none" else None,
+        v_win=caches.get("v_win") if modes["win"] != "none" else None,
+        sel_mode=sel, use=tuple(b for b in BRANCHES if modes[b] != "none"), g=g, **kw)
+    return r.o.view(B, H, 1, -1), r.reads, r.idx
+
+
+_FALLBACK_WARNED: set = set()
+
+
 def decode_attention(cfg, modes: dict[str, str], q: Tensor, kv: dict, g: Tensor,
-                     cache: NSACache, phi_k, phi_v, attend_fn=None) -> Tensor:
+                     cache: NSACache, phi_k, phi_v, attend_fn=None, backend: str | None = None,
+                     triton_opts: dict | None = None) -> Tensor:
     """The attention core of one decode step (after projections and RoPE).
 
     q [B, H, 1, Dk]; kv[branch] = (k [B, Hkv, 1, Dk], v [B, Hkv, 1, Dv]) of the new token;
     g [B, H, 1, 3] sigmoid gates. Writes the new token into the caches (at cache.lengths, which
-    it does not advance), then attends (`attend_fn`, default `attend_cached`; a compiled copy of
-    it may be passed). Sets cache.reads (per-branch read counters of this step) and
-    cache.last_selection. Returns o [B, H, 1, Dv] (gated sum of the branches)."""
+    it does not advance), then attends. Sets cache.reads (per-branch read counters of this step)
+    and cache.last_selection. Returns o [B, H, 1, Dv] (gated sum of the branches).
+    backend: "auto" | "torch" | "triton" (default: cache.decode_backend). attend_fn: a
+    replacement of `attend_cached` (e.g. a compiled copy); it implies the torch path.
+    triton_opts: launch options of the Triton kernels (`nsa_decode_attention`: num_programs,
+    block_n, num_warps, num_stages)."""
+    name = backend or cache.decode_backend
+    use = "torch" if attend_fn is not None else resolve_decode_backend(name, q.device)
+    if use == "triton":
+        try:
+            write_token_triton(cfg, modes, kv, cache, phi_k, phi_v)
+            caches = {k: v for k, v in cache.tensors().items() if k not in ("k_raw", "v_raw")}
+            o, cache.reads, cache.last_selection = attend_triton(
+                cfg, modes, q, g, caches, cache.lengths, cache.doc_start, **(triton_opts or {}))
+            return o
+        except Exception as e:  # noqa: BLE001 - "auto" only: fall back to the reference
+            if name != "auto":
+                raise
+            import warnings
+
+            key = type(e).__name__ + str(e)[:200]
+            if key not in _FALLBACK_WARNED:
+                _FALLBACK_WARNED.add(key)
+                warnings.warn(f"decode_backend='auto': the Triton decode failed ({e!r}); this "
+                              "cache uses the torch decode from now on", RuntimeWarning,
+                              stacklevel=2)
+            cache.decode_backend = "torch"  # the write is idempotent: the torch path redoes it
     write_token(cfg, modes, kv, cache, phi_k, phi_v)
     caches = {k: v for k, v in cache.tensors().items() if k not in ("k_raw", "v_raw")}
     o, cache.reads, cache.last_selection = (attend_fn or attend_cached)(
@@ -293,12 +404,13 @@ def _project(layer, x: Tensor, positions: Tensor, branches) -> tuple[Tensor, dic
 
 @torch.no_grad()
 def decode_step(layer, x: Tensor, cache: NSACache, doc_start: Tensor | None = None,
-                commit: bool = True) -> Tensor:
+                commit: bool = True, backend: str | None = None) -> Tensor:
     """One token per row: x [B, 1, dim] at positions cache.lengths -> out [B, 1, dim].
 
     doc_start [B] (optional): first position of each new token's document (document masking);
     kept in the cache. commit=False leaves cache.lengths as it is (the model-level cache
-    advances a length tensor shared by all layers once per step; benchmarks repeat one step)."""
+    advances a length tensor shared by all layers once per step; benchmarks repeat one step).
+    backend: "auto" | "torch" | "triton", default cache.decode_backend."""
     cfg = layer.cfg
     modes = branch_modes(layer)
     B = x.shape[0]
@@ -309,7 +421,7 @@ def decode_step(layer, x: Tensor, cache: NSACache, doc_start: Tensor | None = No
         cache.doc_start.copy_(doc_start)
     q, kv = _project(layer, x, cache.lengths, cache_branches(modes))
     g = torch.sigmoid(layer.gate(x)).view(B, 1, cfg.n_heads, 3).permute(0, 2, 1, 3)
-    o = decode_attention(cfg, modes, q, kv, g, cache, layer.phi_k, layer.phi_v)
+    o = decode_attention(cfg, modes, q, kv, g, cache, layer.phi_k, layer.phi_v, backend=backend)
     o = o.transpose(1, 2).reshape(B, 1, cfg.n_heads * cfg.d_v)
     if commit:
         advance(cache)

@@ -45,11 +45,15 @@ class ModelCache:
         return tot
 
 
-def new_model_cache(model, batch: int, capacity: int, device=None, dtype=None) -> ModelCache:
+def new_model_cache(model, batch: int, capacity: int, device=None, dtype=None,
+                    decode_backend: str = "auto") -> ModelCache:
+    """Caches of every layer, sharing one lengths tensor. decode_backend: "auto" | "torch" |
+    "triton" (see nsa_flex.inference.decode)."""
     w = model.output.weight if model.output is not None else next(model.parameters())
     device = device or w.device
     lengths = torch.zeros(batch, dtype=torch.long, device=device)
-    caches = [new_cache(blk.attention, batch, capacity, device, dtype, lengths=lengths)
+    caches = [new_cache(blk.attention, batch, capacity, device, dtype, lengths=lengths,
+                        decode_backend=decode_backend)
               for blk in _blocks(model)]
     args = getattr(model, "model_args", None)
     return ModelCache(caches, lengths, eos_id=getattr(args, "eos_id", -1),
@@ -124,9 +128,11 @@ def sample(logits: Tensor, temperature: float = 1.0, top_p: float = 1.0, greedy:
 @torch.no_grad()
 def generate(model, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
              top_p: float = 1.0, greedy: bool = False, eos_id: int | None = None,
-             generator: torch.Generator | None = None, device=None) -> dict:
+             generator: torch.Generator | None = None, device=None,
+             decode_backend: str = "auto") -> dict:
     """Generate for a batch of prompts (token id lists of any lengths). Returns {"tokens": list of
-    generated id lists (cut after EOS), "prefill_s", "decode_s", "new_tokens", "tokens_per_s"}."""
+    generated id lists (cut after EOS), "prefill_s", "decode_s", "new_tokens", "tokens_per_s"}.
+    decode_backend: "auto" | "torch" | "triton" (see nsa_flex.inference.decode)."""
     device = device or next(model.parameters()).device
     B = len(prompts)
     lens = [len(p) for p in prompts]
@@ -136,7 +142,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, temperature: 
     tokens = torch.zeros(B, T, dtype=torch.long, device=device)
     for b, p in enumerate(prompts):
         tokens[b, : len(p)] = torch.tensor(p, dtype=torch.long)
-    cache = new_model_cache(model, B, T + max_new_tokens)
+    cache = new_model_cache(model, B, T + max_new_tokens, decode_backend=decode_backend)
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
