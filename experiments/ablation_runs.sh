@@ -32,7 +32,9 @@
 # Knobs (environment): BUDGET, EVAL_RESERVE (150), JOBS (6), PRESETS (the six), LENGTHS (1x,2x,4x of
 # seq 2048), DEPTHS (0,10,..,100), TRIALS (1), KINDS (passkey,multikey), FILLER (synthetic: the training
 # passkey documents' filler, i.e. in distribution; fineweb for real-text haystacks), CKPT_EVERY,
-# RUNS_DIR, TRAIN_ARGS / EVAL_ARGS (extra flags), PYTHON (python).
+# RUNS_DIR, TRAIN_ARGS / EVAL_ARGS (extra flags, the same for every run; e.g. TRAIN_ARGS="--nsa.scorer torch"
+# and EVAL_ARGS="--override=--nsa.scorer=torch --decode-backend torch" pin the torch reference paths
+# instead of the fused Triton scorer / decode kernels), PYTHON (python).
 set -uo pipefail
 OUT=${1:?usage: ablation_runs.sh OUT DATA STEPS [EXPORT]}
 DATA=${2:?usage: ablation_runs.sh OUT DATA STEPS [EXPORT]}

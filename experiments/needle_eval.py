@@ -305,12 +305,16 @@ def greedy_full(model, prompts: list[list[int]], max_new: int, eos_id, device) -
     return out
 
 
+DECODE_BACKEND = "auto"  # --decode-backend: the NSA cache decode step, auto | torch | triton
+
+
 def generate_batch(model, prompts, max_new, mode, eos_id, device) -> list[list[int]]:
     if mode == "full":
         return greedy_full(model, prompts, max_new, eos_id, device)
     from nsa_flex.inference.model import generate
 
-    return generate(model, prompts, max_new, greedy=True, eos_id=eos_id, device=device)["tokens"]
+    return generate(model, prompts, max_new, greedy=True, eos_id=eos_id, device=device,
+                    decode_backend=DECODE_BACKEND)["tokens"]
 
 
 # ---------------------------------------------------------------------- outputs
@@ -390,6 +394,7 @@ def evaluate(args) -> dict:
           f"{len(depths)} depths x {args.trials} trials; device {args.device} {args.dtype}; "
           f"load {time.perf_counter() - t0:.1f}s", flush=True)
     meta = {"config": args.config, "checkpoint": args.checkpoint, "model": desc, "decode": mode,
+            "decode_backend": args.decode_backend,
             "filler": filler.kind, "kinds": kinds, "lengths": lengths, "depths": depths,
             "trials": args.trials, "n_keys": args.n_keys, "seed": args.seed, "backend": {}, "seconds": {}}
     path = os.path.join(args.out, "needle.csv")
@@ -570,6 +575,9 @@ def parse_args(argv=None):
     p.add_argument("--backend", default="auto", help="auto | reference | flex (prefill attention)")
     p.add_argument("--decode", default="auto", choices=("auto", "cache", "full"),
                    help="cache: prefill + NSA caches; full: a full forward per token; auto: cache when supported")
+    p.add_argument("--decode-backend", default="auto", choices=("auto", "torch", "triton"),
+                   help="decode step of the NSA caches (nsa_flex.inference): auto = the fused Triton kernel "
+                        "on CUDA, torch = the reference path")
     p.add_argument("--batch-size", type=int, default=8, help="prompts per generation call (upper bound)")
     p.add_argument("--mem-fraction", type=float, default=0.5,
                    help="share of the free GPU memory the dense reference attention may use")
@@ -603,13 +611,14 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    global MEM_FRACTION
+    global MEM_FRACTION, DECODE_BACKEND
     a = parse_args(argv)
     if a.collect:
         return collect(a.collect)
     if not 0 < a.mem_fraction <= 1:
         raise EvalError(f"--mem-fraction: {a.mem_fraction} must be in (0, 1]")
     MEM_FRACTION = a.mem_fraction
+    DECODE_BACKEND = a.decode_backend
     return evaluate(a)
 
 
