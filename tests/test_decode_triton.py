@@ -253,6 +253,75 @@ def test_decode_backend_validation():
             resolve_decode_backend("triton", "cpu")
 
 
+@pytest.mark.parametrize("case", ["paper_bf16", "small_fp32"])
+def test_kernels_compile_for_h100(monkeypatch, case):
+    """Every kernel of a step compiles (Triton front end, TTGIR, PTX, ptxas) for sm_90 with the
+    installed triton, no GPU needed: catches what the interpreter does not check (types across
+    branches, constexpr-only globals, dot shapes). Launch arguments are those the wrappers pass."""
+    pytest.importorskip("triton")
+    import triton
+    from triton.compiler import ASTSource
+
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"triton without its CUDA backend: {e}")
+    import nsa_flex.ops.decode_triton as M
+    from nsa_flex import NSAConfig
+    from nsa_flex.inference.cache import NSACache
+
+    if M.interpreter_active():
+        pytest.skip("TRITON_INTERPRET is set in this process")
+    calls = []
+
+    class Record:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: calls.append((self.kernel, args, kw))
+
+    for name in ("_write_kernel", "_attn_kernel", "_score_kernel", "_combine_kernel"):
+        monkeypatch.setattr(M, name, Record(getattr(M, name)))
+    if case == "paper_bf16":
+        cfg, dt, sel = NSAConfig(backend="reference"), torch.bfloat16, "topn"
+    else:
+        cfg = NSAConfig(dim=16, n_heads=4, n_kv_heads=2, d_qk=24, d_v=48, backend="reference",
+                        **BLOCKS)
+        dt, sel = torch.float32, "topn"
+    B, H, Hkv, dk, dv = 2, cfg.n_heads, cfg.n_kv_heads, cfg.d_qk, cfg.d_v
+    c = NSACache.empty(cfg, B, 4096, dtype=dt)
+    q = torch.zeros(B, H, 1, dk, dtype=dt)
+    new = {b: (torch.zeros(B, Hkv, 1, dk, dtype=dt), torch.zeros(B, Hkv, 1, dv, dtype=dt))
+           for b in ("cmp", "sel", "win")}
+    M.nsa_decode_write(c.lengths, new, l=cfg.l, d=cfg.d, emit_avg=True, **c.tensors())
+    M.nsa_decode_attention(q, c.lengths, c.doc_start, l=cfg.l, d=cfg.d, l_sel=cfg.l_sel,
+                           n_sel=cfg.n_sel, k_cmp=c.k_cmp, v_cmp=c.v_cmp, k_sel=c.k_sel,
+                           v_sel=c.v_sel, k_win=c.k_win, v_win=c.v_win, sel_mode=sel,
+                           g=q[..., :3], num_programs=528)
+    assert sorted({k.__name__ for k, _, _ in calls}) == [
+        "_attn_kernel", "_combine_kernel", "_score_kernel", "_write_kernel"]
+    types = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int64: "*i64"}
+    if case == "small_fp32":  # the padded d_k / d_v / G paths of the attention kernel only
+        calls = [c for c in calls if c[0].__name__ == "_attn_kernel"]
+    for kernel, args, kw in calls:
+        opts = {o: kw.pop(o) for o in ("num_warps", "num_stages") if o in kw}
+        vals = dict(zip(kernel.arg_names, args), **kw)
+        sig, const = {}, {}
+        for name, param in zip(kernel.arg_names, kernel.params):
+            v = vals[name]
+            if param.is_constexpr:
+                sig[name], const[name] = "constexpr", v
+            elif isinstance(v, torch.Tensor):
+                sig[name] = types[v.dtype]
+            else:
+                sig[name] = "fp32" if isinstance(v, float) else "i32"
+        compiled = triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32),
+                                  options=opts)
+        assert compiled.asm.get("cubin"), kernel.__name__
+
+
 def test_auto_backend_falls_back_to_torch(monkeypatch):
     """"auto" on a device where the Triton step fails: one warning, the cache switches to the
     torch path for good, and the step's output is the torch path's; "triton" raises instead."""

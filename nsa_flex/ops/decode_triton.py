@@ -307,9 +307,12 @@ def _attn_kernel(q_ptr, sqb, sqh, pos_ptr, start_ptr, Hkv, scale,
             rows = rr
             spos = wbase + rr - tl.where(rr > p0, W, 0)
             valid = (rr < hi) & (spos >= lim)
-        # scores of the tile: q.K as two power-of-two dots over d_k
+        # the tile's keys and values, both loads issued before any use (one memory round trip)
         kt = tl.load(k_base + rows[None, :] * DK + d1[:, None],
                      mask=valid[None, :] & (d1 < DK)[:, None], other=0.0)  # [DK1, BLOCK_N]
+        v = tl.load(v_base + rows[:, None] * DV + dv[None, :],
+                    mask=valid[:, None] & (dv < DV)[None, :], other=0.0)  # [BLOCK_N, DV_PAD]
+        # scores of the tile: q.K as two power-of-two dots over d_k
         s = tl.dot(q1, kt, input_precision="ieee")
         if DK2 > 0:
             kt2 = tl.load(k_base + rows[None, :] * DK + d2[:, None],
@@ -324,8 +327,6 @@ def _attn_kernel(q_ptr, sqb, sqh, pos_ptr, start_ptr, Hkv, scale,
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + rows[:, None] * DV + dv[None, :],
-                    mask=valid[:, None] & (dv < DV)[None, :], other=0.0)  # [BLOCK_N, DV_PAD]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
     slot = bh * NSPLIT + SPLIT0 + sid
