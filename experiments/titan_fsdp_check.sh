@@ -36,9 +36,10 @@ echo "== seed checkpoint ($(date +%T))"
 rm -rf /tmp/fsdp
 CUDA_VISIBLE_DEVICES=0 torchrun --nproc_per_node=1 -m torchtitan.train \
   --job.config_file titan_configs/nsa_125m_fineweb_edu.toml --job.dump_folder /tmp/fsdp/seed \
-  --parallelism.data_parallel_shard_degree 1 \
+  --training.dataset_path "$DATA/fineweb_sample_2800.parquet" --parallelism.data_parallel_shard_degree 1 \
   --checkpoint.enable --checkpoint.create_seed_checkpoint > "$OUT/seed_checkpoint.log" 2>&1
-echo "   rc=$? $(ls /tmp/fsdp/seed/checkpoint 2>&1)"
+rc=$?; echo "   rc=$rc $(ls /tmp/fsdp/seed/checkpoint 2>&1)"
+[ "$rc" = 0 ] || { tail -5 "$OUT/seed_checkpoint.log"; exit 1; }
 for prec in $PRECS; do
   run "gpu1_${prec}" 1 4 "$prec"
   run "fsdp2_${prec}" 2 2 "$prec"

@@ -226,13 +226,14 @@ def _score_kernel(pm_ptr, pl_ptr, NSPLIT, NSC, sc_ptr, pc_ptr, NC, c_ptr, idx_pt
 
 
 @triton.jit
-def _attn_kernel(q_ptr, sqb, sqh, pos_ptr, start_ptr, Hkv, scale,
+def _attn_kernel(q_ptr, sqb, sqh, pos_ptr, start_ptr, Hkv,
                  k_a, v_a, NA, k_w, v_w, W, NSC, WPER, idx_ptr, N_IDX, BPS, SPLIT0,
                  sc_ptr, po_ptr, pm_ptr, pl_ptr, NSPLIT,
                  G: tl.constexpr, G_PAD: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                  DK1: tl.constexpr, DK2: tl.constexpr, DV_PAD: tl.constexpr,
                  L: tl.constexpr, D: tl.constexpr, LS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 SEL: tl.constexpr, STORE_S: tl.constexpr):
+                 SEL: tl.constexpr, STORE_S: tl.constexpr,
+                 SCALE: tl.constexpr):  # constexpr: under torch.compile a float arg would be fp64
     """Split-K attention of one (row b, KV group h) over one split of keys, the group's G query
     heads as one [G_PAD, d_k] tile; writes the split's (acc, m, l).
 
@@ -318,7 +319,7 @@ def _attn_kernel(q_ptr, sqb, sqh, pos_ptr, start_ptr, Hkv, scale,
             kt2 = tl.load(k_base + rows[None, :] * DK + d2[:, None],
                           mask=valid[None, :] & (d2 < DK)[:, None], other=0.0)
             s += tl.dot(q2, kt2, input_precision="ieee")
-        s = tl.where(valid[None, :], s * scale, float("-inf"))
+        s = tl.where(valid[None, :], s * SCALE, float("-inf"))
         if STORE_S:  # the compressed scores, for the scorer (Eq. 8)
             tl.store(sc_row + rows[None, :], s, mask=gm[:, None] & (rows < sc_hi)[None, :])
         # online softmax; rows that saw no key yet keep m = -inf, l = 0, acc = 0
@@ -580,11 +581,11 @@ def nsa_decode_attention(q: Tensor, pos: Tensor, start: Tensor, *, l: int, d: in
     kc, vc = (k_cmp, v_cmp) if Nc > 0 else (kref, vref)
     kw, vw = (k_win, v_win) if W > 0 else (kref, vref)
     common = dict(G=G, G_PAD=G_PAD, DK=Dk, DV=Dv, DK1=DK1, DK2=DK2, DV_PAD=DV_PAD, L=l, D=d,
-                  LS=l_sel, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
+                  LS=l_sel, BLOCK_N=block_n, SCALE=float(scale), num_warps=num_warps, num_stages=num_stages)
     if nsc + nsw > 0:  # compressed + window splits, one launch
         wper = _cdiv(_cdiv(W, nsw), block_n) * block_n if nsw else 0
         _attn_kernel[(B * Hkv, nsc + nsw)](
-            q, sqb, sqh, pos, start, Hkv, scale, kc, vc, max(Nc, 1), kw, vw, max(W, 1), nsc,
+            q, sqb, sqh, pos, start, Hkv, kc, vc, max(Nc, 1), kw, vw, max(W, 1), nsc,
             wper, pos, 1, 1, 0, scores, part_o, part_m, part_l, nsplit, SEL=False,
             STORE_S=topn, **common)
 
@@ -608,7 +609,7 @@ def nsa_decode_attention(q: Tensor, pos: Tensor, start: Tensor, *, l: int, d: in
         reads["sel"] = (pos - start + 1).view(B, 1).expand(B, Hkv)
     if nss > 0:  # selected blocks, read in place by index
         _attn_kernel[(B * Hkv, nss)](
-            q, sqb, sqh, pos, start, Hkv, scale, k_sel, v_sel, k_sel.shape[2], kref, vref, 1, 0, 0,
+            q, sqb, sqh, pos, start, Hkv, k_sel, v_sel, k_sel.shape[2], kref, vref, 1, 0, 0,
             sel_idx, n_idx, bps, nsc + nsw, scores, part_o, part_m, part_l, nsplit, SEL=True,
             STORE_S=False, **common)
 

@@ -53,11 +53,11 @@ def _group_slc_scores_kernel(
     sd_b, sd_t,
     so_b, so_h, so_t,
     Hkv, C, Nc, Ns, t0,
-    qk_scale,  # Dk^-0.5 * log2(e)
     G: tl.constexpr, D: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
     L: tl.constexpr, STRIDE: tl.constexpr, R: tl.constexpr, QN: tl.constexpr,
     BJ: tl.constexpr, BJP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_DOCS: tl.constexpr, IEEE: tl.constexpr,
+    QK_SCALE: tl.constexpr,  # Dk^-0.5 * log2(e); constexpr: Inductor would pass a float arg as fp64
 ):
     pid_m = tl.program_id(0)
     pid_j = tl.program_id(1)
@@ -117,7 +117,7 @@ def _group_slc_scores_kernel(
             lse = tl.load(LSE + b * sl_b + hq * sl_h + t64 * sl_t, mask=row_ok, other=0.0)
             lse = lse.to(tl.float32)
             lse = tl.where(tl.abs(lse) < float("inf"), lse, 0.0) * 1.4426950408889634
-            p = tl.exp2(s * qk_scale - lse[:, None])
+            p = tl.exp2(s * QK_SCALE - lse[:, None])
             acc += tl.where(vis, p, 0.0)
         # Eq. 9: out[:, jj] = sum_a acc[:, a] * c[a - (QN - 1) - jj*R], c[m] = |[m, m+QN) ∩ [0, R)|
         a = tl.arange(0, BLOCK_N)
@@ -202,7 +202,7 @@ def group_slc_scores(q: Tensor, k_cmp: Tensor, lse: Tensor, doc_starts: Optional
         LOG2E / math.sqrt(D),
         G=G, D=D, D1=d1, D2=d2, L=l, STRIDE=d, R=l_sel // d, QN=l // d,
         BJ=bj, BJP=bjp, BLOCK_M=bm, BLOCK_N=bn,
-        HAS_DOCS=doc_starts is not None, IEEE=q.dtype == torch.float32,
+        HAS_DOCS=doc_starts is not None, IEEE=q.dtype == torch.float32, QK_SCALE=LOG2E / math.sqrt(D),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
