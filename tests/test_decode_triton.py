@@ -308,6 +308,8 @@ def test_kernels_compile_for_h100(monkeypatch, case):
     for kernel, args, kw in calls:
         opts = {o: kw.pop(o) for o in ("num_warps", "num_stages") if o in kw}
         vals = dict(zip(kernel.arg_names, args), **kw)
+        assert len(args) + len(kw) == len(kernel.arg_names) and not set(kw) & set(kernel.arg_names[:len(args)]), \
+            (kernel.__name__, 'launch arguments do not bind one-to-one to the parameters')
         sig, const = {}, {}
         for name, param in zip(kernel.arg_names, kernel.params):
             v = vals[name]

@@ -257,6 +257,8 @@ def test_kernel_compiles_for_h100_as_inductor_launches_it(monkeypatch, dtype):
     kernel, args, kw = calls[0]
     opts = {o: kw.pop(o) for o in ("num_warps", "num_stages") if o in kw}
     vals = dict(zip(kernel.arg_names, args), **kw)
+    assert len(args) + len(kw) == len(kernel.arg_names) and not set(kw) & set(kernel.arg_names[:len(args)]), \
+        (kernel.__name__, 'launch arguments do not bind one-to-one to the parameters')
     types = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32"}
     sig, const = {}, {}
     for name, param in zip(kernel.arg_names, kernel.params):

@@ -199,10 +199,10 @@ def group_slc_scores(q: Tensor, k_cmp: Tensor, lse: Tensor, doc_starts: Optional
         sd_b, sd_t,
         out.stride(0), out.stride(1), out.stride(2),
         Hkv, C, Nc, ns, t0,
-        LOG2E / math.sqrt(D),
         G=G, D=D, D1=d1, D2=d2, L=l, STRIDE=d, R=l_sel // d, QN=l // d,
         BJ=bj, BJP=bjp, BLOCK_M=bm, BLOCK_N=bn,
-        HAS_DOCS=doc_starts is not None, IEEE=q.dtype == torch.float32, QK_SCALE=LOG2E / math.sqrt(D),
+        HAS_DOCS=doc_starts is not None, IEEE=q.dtype == torch.float32,
+        QK_SCALE=LOG2E / math.sqrt(D),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
