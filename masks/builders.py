@@ -8,7 +8,7 @@ for `compressed_causal`, whose kv index is a compressed block i covering tokens
 import torch
 from torch import Tensor
 
-from .core import MaskSpec
+from .core import MaskSpec, captured
 
 
 def causal() -> MaskSpec:
@@ -54,7 +54,7 @@ def document(doc_ids: Tensor, kv_stride: int = 1, kv_span: int = 1) -> MaskSpec:
     [k*kv_stride, k*kv_stride + kv_span - 1] (1, 1 for token keys; d, l for compressed blocks); it
     is visible only when its whole span lies in the query's document. With causality the span's
     end is <= t, so it is enough that its first token is in the query's document."""
-    doc_ids = doc_ids.long()
+    doc_ids = captured(doc_ids.long())
     T = doc_ids.shape[1]
     starts = doc_start(doc_ids)  # [B, T]: first token of each position's document
 
@@ -90,9 +90,9 @@ def selection(sel_idx: Tensor, l_sel: int) -> MaskSpec:
     "full" test count each selected block once per position)."""
     B, H, T, n = sel_idx.shape
     sel_idx = sel_idx.sort(dim=-1).values
-    repeat = torch.zeros_like(sel_idx, dtype=torch.bool)
-    repeat[..., 1:] = sel_idx[..., 1:] == sel_idx[..., :-1]
-    sel_idx = torch.where(repeat, -1, sel_idx)
+    slot = torch.arange(n, device=sel_idx.device)
+    repeat = (sel_idx == sel_idx.roll(1, dims=-1)) & (slot > 0)
+    sel_idx = captured(torch.where(repeat, -1, sel_idx))
 
     def mask_mod(b, h, q_idx, kv_idx):
         blk = kv_idx // l_sel

@@ -25,6 +25,22 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+@torch.library.custom_op("nsa_masks::captured", mutates_args=())
+def captured(x: Tensor) -> Tensor:
+    """Identity (a copy) for a tensor a mask_mod reads. Under torch.compile an opaque op, so the
+    tensor is a realized buffer when flex_attention's template inlines the mask_mod. Without it
+    Inductor may inline the pointwise chain that computes the tensor into the attention kernel;
+    with a masked op in that chain (slice assignment, cat, pad) the template failed to lower
+    (torch 2.11, selection mask at T=64k: "'function' object has no attribute 'graph'"). Costs one
+    copy of the captured tensor ([B, H, T, n] int64 for the selection)."""
+    return x.clone()
+
+
+@captured.register_fake
+def _(x):
+    return torch.empty_like(x)
 Interval = Callable[[Tensor], tuple[Tensor, Tensor]]
 
 
