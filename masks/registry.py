@@ -131,12 +131,15 @@ def pick_blocks(scores: Tensor, valid: Tensor, forced: Tensor, n: int) -> Tensor
 def hash_uniform(B: int, H: int, T: int, N: int, step, device) -> Tensor:
     """Reproducible uniform [0, 1) numbers [B, H, T, N] from a counter hash of (index, step):
     tensor ops only, so it traces into a compiled graph (no generator state)."""
+    # every literal fits in int32: Inductor may index with int32 and Triton rejects a larger
+    # scalar there ("Scalar 2654435761 is out of range for type int32", H100 ablation run)
+    m = 0x7FFFFFFF
     i = torch.arange(B * H * T * N, device=device, dtype=torch.long).view(B, H, T, N)
-    x = (i + 1) * 0x9E3779B1 + torch.as_tensor(step, device=device) * 0x85EBCA77
+    x = ((i + 1) * 0x1E3779B1 + torch.as_tensor(step, device=device) * 0x05EBCA77) & m
     for _ in range(2):
-        x = (x ^ (x >> 15)) * 0x2C1B3C6D % (1 << 32)
-        x = (x ^ (x >> 12)) * 0x297A2D39 % (1 << 32)
-    return (x % (1 << 24)).float() / float(1 << 24)
+        x = ((x ^ (x >> 15)) * 0x2C1B3C6D) & m
+        x = ((x ^ (x >> 12)) * 0x297A2D39) & m
+    return (x & 0xFFFFFF).float() / float(1 << 24)
 
 
 def _random(ctx):
