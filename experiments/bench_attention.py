@@ -2,19 +2,49 @@
 
     python experiments/bench_attention.py --out experiments/results/bench      # H100, full sweep
     python experiments/bench_attention.py --quick --out /tmp/bench             # CPU, tiny, CI
+    # one long T, every item capped at 150 s per phase, the stages first:
+    python experiments/bench_attention.py --configs paper --T 65536 --item-limit 150 --out OUT
+    # memory check: only the whole layer's forward+backward
+    python experiments/bench_attention.py --configs paper --T 131072 --only nsa_layer \\
+        --modes fwd_bwd --out OUT
+    # layer + baselines, no stages
+    python experiments/bench_attention.py --configs paper --T 4096,16384 --stages-at "" --out OUT
 
-Every timed function is compiled and warmed up first (compile excluded); times are medians of
-triton's do_bench (CUDA events) on fresh random inputs (never zeros), rotating between several
-input sets. Baselines run in the same process: SDPA full causal, flex full causal and, when
-installed, fla-core's `parallel_nsa` (compression + top-k + selection; run with window 0 since
-its window path needs flash_attn). Writes bench.csv and bench.png (speedup against T, and the
-per-stage breakdown at the largest T).
+Items, in the order they run for each (config, T): the per-stage breakdown (projections,
+compression, score_topn, mask_build, attn_compressed, attn_selected, attn_window, gate_out; only
+at the --stages-at T values), the baselines of the same shape (sdpa_causal, flex_causal and, when
+fla-core is installed, fla_parallel_nsa_w0: its `parallel_nsa` = compression + top-k + selection,
+run with window 0 since its window path needs flash_attn), then the whole layer (nsa_layer), the
+slowest to compile, last. --only picks a subset, --modes fwd / fwd_bwd the modes (fwd+bwd only on
+CUDA: CPU flex has no backward).
+
+Each item runs in phases: setup (weights, inputs, masks), then per mode the first call (compile
+included; CSV fwd_first_s / fwd_bwd_first_s) and the timing. Every phase prints a timestamped start
+and end line to stdout (flushed), so a log cut off by `timeout` shows where the time went; the CSV
+is rewritten before every phase (the running item reads "unfinished: <phase>") and after every row.
+Times are medians of triton's do_bench (CUDA events) on fresh random inputs (never zeros),
+rotating between several input sets (passed to the compiled functions as arguments), compile
+excluded.
+
+--item-limit S arms SIGALRM (setitimer) for S seconds around each phase; on expiry a TimeoutError
+subclass is raised in the main thread, the row gets e.g. error="fwd(no_grad) timeout after 150s
+(first call)", the traceback at that moment goes to errors.log, and the sweep goes on. The signal
+fires again every few seconds until the phase ends, in case a broad `except Exception` (e.g. in
+autotuning) swallows it. Caveat: Python runs the handler only between bytecodes, so a hang inside
+one C call (a CUDA sync on a kernel that never ends, a blocking native call) is not interrupted;
+inductor's compile workers are subprocesses, and waiting on them is interruptible. Use an outer
+`timeout` as well.
+
+Writes bench.csv, errors.log (tracebacks) and bench.png (speedup against T, and the per-stage
+breakdown at the largest T).
 """
 
 import argparse
+import contextlib
 import csv
 import math
 import os
+import signal
 import statistics
 import sys
 import time
@@ -35,15 +65,89 @@ CONFIGS = {
     "tiny": dict(n_heads=4, n_kv_heads=2, d_qk=16, d_v=16, dim=64, l=8, d=4, l_sel=16, n_sel=4,
                  window=32),
 }
+STAGES = ["projections", "compression", "score_topn", "mask_build", "attn_compressed",
+          "attn_selected", "attn_window", "gate_out"]
+BASELINES = ["sdpa_causal", "flex_causal", "fla_parallel_nsa_w0"]
+ITEMS = STAGES + BASELINES + ["nsa_layer"]  # the order items run in
+MODES = ("fwd", "fwd_bwd")
+REFIRE_S = 5.0  # after the limit, SIGALRM again every REFIRE_S until the phase ends
+
+T0 = time.perf_counter()
+CSV_PATH = None
+ERR_LOG = None
+
+
+def log(msg):
+    print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
+
+
+# ---- per-phase wall-clock limit
+
+class ItemTimeout(TimeoutError):
+    """A phase of an item ran past --item-limit (raised from the SIGALRM handler)."""
+
+
+_fired = [False]  # set by the handler: the running phase hit its limit
+
+
+def _on_alarm(signum, frame):
+    _fired[0] = True
+    raise ItemTimeout()
+
+
+@contextlib.contextmanager
+def time_limit(seconds):
+    """Raise ItemTimeout in the main thread after `seconds` (0: no limit), then every REFIRE_S."""
+    _fired[0] = False
+    if not seconds:
+        yield
+        return
+    old = signal.signal(signal.SIGALRM, _on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds, REFIRE_S)
+    try:
+        yield
+    finally:
+        for _ in range(3):  # a re-fire landing in here raises once more: disarm again
+            try:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, old)
+                break
+            except ItemTimeout:
+                pass
+
+
+def phase(what, fn, limit):
+    """fn() under the limit, between a timestamped start and end line; (result, seconds). An
+    error raised after the alarm fired is a timeout too (compilers wrap what they catch)."""
+    log(f"start {what}")
+    t0 = time.perf_counter()
+    try:
+        with time_limit(limit):
+            out = fn()
+    except BaseException as e:
+        log(f"fail  {what} after {time.perf_counter() - t0:.1f}s: {type(e).__name__}")
+        if _fired[0] and not isinstance(e, ItemTimeout):
+            raise ItemTimeout(f"surfaced as {type(e).__name__}") from e
+        raise
+    dt = time.perf_counter() - t0
+    log(f"done  {what} in {dt:.1f}s")
+    return out, dt
+
+
+# ---- timing
+
+def first_call(fn, dev):
+    """The first call: compile (and autotuning) included."""
+    fn()
+    if dev == "cuda":
+        torch.cuda.synchronize()
 
 
 def bench(fn, dev, reps=3):
-    """Median ms of fn over fresh calls (fn rotates its own inputs)."""
-    fn()
+    """Median ms of fn over fresh calls (fn rotates its own inputs); call first_call before."""
     if dev == "cuda":
         from triton.testing import do_bench
 
-        torch.cuda.synchronize()
         return do_bench(fn, warmup=10, rep=max(50, reps * 10), return_mode="median")
     ts = []
     for _ in range(reps):
@@ -54,7 +158,8 @@ def bench(fn, dev, reps=3):
 
 
 class Rot:
-    """Cycle through k input sets so repeated calls don't just hit the cache."""
+    """Cycle through k input sets so repeated calls don't just hit the cache. Call it outside
+    compiled code: traced, its counter would be a guarded constant (a recompile every call)."""
 
     def __init__(self, make, k=3):
         self.sets = [make() for _ in range(k)]
@@ -65,174 +170,295 @@ class Rot:
         return self.sets[self.i % len(self.sets)]
 
 
+class Lazy:
+    """A setup value made on first use and shared by items; a failure (timeout included) is kept,
+    so the items that need it fail at once instead of each retrying it."""
+
+    def __init__(self, make):
+        self.make, self.done, self.val, self.err = make, False, None, None
+
+    def __call__(self):
+        if self.err:
+            raise RuntimeError(f"shared setup failed before: {self.err}")
+        if not self.done:
+            try:
+                self.val = self.make()
+            except BaseException as e:
+                self.err = f"{type(e).__name__}: {str(e)[:150]}".rstrip(": ")
+                raise
+            self.done = True
+        return self.val
+
+
 def rnd(*shape, dev, dtype, grad=False):
     return torch.randn(*shape, device=dev, dtype=dtype).requires_grad_(grad)
 
 
-def timed(name, fwd, with_bwd, dev, rows, meta):
-    """fwd() returns an output; fwd+bwd runs backward of out.float().sum()."""
-    def fb():
-        out = fwd()
-        out.float().sum().backward()
+def _fail(name, meta, mode, e, limit=0):
+    """One line for the CSV; the whole traceback to ERR_LOG."""
+    import traceback
 
+    if isinstance(e, ItemTimeout):
+        msg = f"{mode} timeout after {limit:g}s"
+        where = getattr(e, "phase", "")
+        msg += f" ({where})" if where else ""
+    else:
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        msg = f"{mode} {type(e).__name__}: {first}".rstrip(": ")
+    if ERR_LOG:
+        with open(ERR_LOG, "a") as f:
+            f.write(f"==== {meta['config']} T={meta['T']} {name} {mode}: {msg}\n"
+                    f"{traceback.format_exc()}\n")
+    return msg
+
+
+def save(rows):
+    if CSV_PATH:
+        write_csv(rows, CSV_PATH)
+
+
+def timed(name, make, with_bwd, dev, rows, meta, modes=MODES, limit=0):
+    """One item: setup (make() -> fwd; fwd() returns an output), then for each mode its first
+    call (compile included) and its timing, each phase under `limit` seconds. fwd: inference
+    forward (no_grad); fwd_bwd: forward + backward of out.float().sum()."""
+    where = f"{meta['config']} T={meta['T']} {name}"
     rec = dict(meta, stage=name)
+    errs, timeouts = [], []
+    rows.append(rec)
+    t_item = time.perf_counter()
     if dev == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    try:  # inference forward
-        with torch.no_grad():
-            rec["fwd_ms"] = bench(fwd, dev)
-    except Exception as e:  # keep the sweep going; the CSV says what failed, ERR_LOG the traceback
-        rec["error"] = _fail(name, meta, "fwd(no_grad)", e)
-        if with_bwd:  # the training forward (grad mode) is a separate graph: time it instead
-            try:
-                rec["fwd_ms"] = bench(fwd, dev)
-                rec["fwd_mode"] = "grad"
-            except Exception as e2:
-                rec["error"] += " | " + _fail(name, meta, "fwd(grad)", e2)
-    if with_bwd:
+
+    def attempt(label, fn):
+        """fn() -> True; a failure -> False, its line in errs (a timeout: tagged with its phase)."""
+        rec["error"] = " | ".join(errs + [f"unfinished: {label}"])  # what a killed run keeps
+        save(rows)
         try:
-            rec["fwd_bwd_ms"] = bench(fb, dev)
-        except Exception as e:
-            rec["error"] = (rec.get("error", "") + " | " + _fail(name, meta, "fwd+bwd", e)).strip(" |")
+            fn()
+            return True
+        except Exception as e:  # keep the sweep going; the CSV says what failed
+            errs.append(_fail(name, meta, label, e, limit))
+            timeouts.append(isinstance(e, ItemTimeout))
+            return False
+
+    def run_mode(key, label, fn, grad):
+        with torch.enable_grad() if grad else torch.no_grad():
+            for what, run in (("compile+first call", lambda: first_call(fn, dev)),
+                              ("timing", lambda: bench(fn, dev))):
+                try:
+                    out, dt = phase(f"{where} {label} {what}", run, limit)
+                except ItemTimeout as e:
+                    e.phase = what
+                    raise
+                if what == "compile+first call":
+                    rec[f"{key}_first_s"] = dt
+                else:
+                    rec[f"{key}_ms"] = out
+
+    got = []
+    if attempt("setup", lambda: got.append(phase(f"{where} setup", make, limit))):
+        fwd, rec["setup_s"] = got[0]
+
+        def fb():
+            fwd().float().sum().backward()
+
+        if "fwd" in modes and not attempt("fwd(no_grad)",
+                                          lambda: run_mode("fwd", "fwd(no_grad)", fwd, False)):
+            if with_bwd and not timeouts[-1]:
+                # the training forward (grad mode) is a separate graph: time it instead
+                if attempt("fwd(grad)", lambda: run_mode("fwd", "fwd(grad)", fwd, True)):
+                    rec["fwd_mode"] = "grad"
+        if with_bwd and "fwd_bwd" in modes:
+            attempt("fwd+bwd", lambda: run_mode("fwd_bwd", "fwd+bwd", fb, True))
+        del fwd, fb
+    got.clear()
+    rec.pop("error")
+    if errs:
+        rec["error"] = " | ".join(errs)
+    rec["item_s"] = time.perf_counter() - t_item
     if dev == "cuda":
         rec["peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30
         torch.cuda.empty_cache()
-    rows.append(rec)
-    if CSV_PATH:
-        write_csv(rows, CSV_PATH)  # after every row: a killed run keeps what it measured
+    save(rows)  # after every row: a killed run keeps what it measured
     fmt = lambda k: f"{rec[k]:9.3f}" if k in rec else "        -"
     print(f"{meta['config']:6s} T={meta['T']:6d} {name:22s} fwd {fmt('fwd_ms')} ms  "
           f"fwd+bwd {fmt('fwd_bwd_ms')} ms  {rec.get('error', '')}", flush=True)
     return rec
 
 
-CSV_PATH = None
-ERR_LOG = None
-
-
-def _fail(name, meta, mode, e):
-    """One line for the CSV; the whole traceback to ERR_LOG."""
-    import traceback
-
-    msg = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-    if ERR_LOG:
-        with open(ERR_LOG, "a") as f:
-            f.write(f"==== {meta['config']} T={meta['T']} {name} {mode}\n{traceback.format_exc()}\n")
-    return f"{mode} {type(e).__name__}: {msg}"
-
-
 def write_csv(rows, path):
-    keys = sorted({k for r in rows for k in r}, key=lambda k: (k not in (
-        "config", "T", "stage", "fwd_ms", "fwd_bwd_ms", "peak_GiB"), k))
+    first = ("config", "T", "stage", "fwd_ms", "fwd_bwd_ms", "peak_GiB", "fwd_first_s",
+             "fwd_bwd_first_s", "setup_s", "item_s", "error")
+    keys = sorted({k for r in rows for k in r},
+                  key=lambda k: (first.index(k) if k in first else len(first), k))
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         w.writerows(rows)
 
 
-def run_config(cname, T, dev, dtype, rows, stages, baselines, compile_=True):
-    base = CONFIGS[cname]
-    cfg = NSAConfig(**base, backend="flex")
-    meta = dict(config=cname, T=T, device=torch.cuda.get_device_name() if dev == "cuda" else "cpu")
+# ---- the items
+
+def build_items(cname, T, dev, dtype, compile_=True):
+    """[(name, has_backward, make)] in ITEMS order; make() does the item's setup (shared parts
+    through Lazy) and returns its fwd(). Nothing is allocated or compiled before make()."""
+    cfg = NSAConfig(**CONFIGS[cname], backend="flex")
     train = dev == "cuda"  # CPU flex has no backward
     B, H, Hkv, dk, dv = 1, cfg.n_heads, cfg.n_kv_heads, cfg.d_qk, cfg.d_v
     comp = (lambda f: torch.compile(f, fullgraph=True, dynamic=False)) if compile_ else (lambda f: f)
+    R = lambda *shape, grad=True: rnd(*shape, dev=dev, dtype=dtype, grad=grad and train)
+    ddev = torch.device(dev)
 
-    # ---- whole layer
-    layer = NSAAttention(cfg).to(dev, dtype)
-    layer.init_weights(0.02)
-    clayer = comp(layer)
-    xs = Rot(lambda: rnd(B, T, cfg.dim, dev=dev, dtype=dtype, grad=train))
-    timed("nsa_layer", lambda: clayer(xs()), train, dev, rows, meta)
+    def make_layer():
+        layer = NSAAttention(cfg).to(dev, dtype)
+        layer.init_weights(0.02)
+        return layer
 
-    # ---- baselines: attention cores of the same shape
-    if baselines:
-        qkv = Rot(lambda: (rnd(B, H, T, dk, dev=dev, dtype=dtype, grad=train),
-                           rnd(B, Hkv, T, dk, dev=dev, dtype=dtype, grad=train),
-                           rnd(B, Hkv, T, dv, dev=dev, dtype=dtype, grad=train)))
-        sdpa = comp(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                                    enable_gqa=True))
-        timed("sdpa_causal", lambda: sdpa(*qkv()), train, dev, rows, meta)
-        causal = get_mask_builder("causal")(MaskContext(cfg, B, T, torch.device(dev)))
-        flex_c = comp(lambda q, k, v: attend_flex(q, k, v, causal)[0])
-        timed("flex_causal", lambda: flex_c(*qkv()), train, dev, rows, meta)
-        try:
-            from fla.ops.nsa import parallel_nsa
+    layer = Lazy(make_layer)
+    xs = Lazy(lambda: Rot(lambda: R(B, T, cfg.dim)))
+    x = Lazy(lambda: R(B, T, cfg.dim, grad=False))
+    qs = Lazy(lambda: Rot(lambda: R(B, H, T, dk)))
+    kvs = Lazy(lambda: Rot(lambda: (R(B, Hkv, T, dk), R(B, Hkv, T, dv))))
+    kc = Lazy(lambda: torch.no_grad()(layer().phi_k)(R(B, Hkv, T, dk, grad=False)))  # [.., Nc, dk]
+    ctx = Lazy(lambda: MaskContext(cfg, B, T, ddev))
+    cspec = Lazy(lambda: get_mask_builder("compressed_causal")(ctx()))
 
-            def fla_inputs():
-                q, k, v = qkv()
-                return (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                        torch.rand(B, T, H, device=dev, dtype=dtype),
-                        torch.rand(B, T, H, device=dev, dtype=dtype))
+    def make_score_inputs():
+        q = R(B, H, T, dk, grad=False)
+        vc = layer().phi_v(R(B, Hkv, T, dv, grad=False))
+        with torch.no_grad():
+            lse = attend_flex(q, kc(), vc, cspec())[1] if dev == "cuda" else None
+        return q, kc(), lse
 
-            fl = Rot(fla_inputs)
-            timed("fla_parallel_nsa_w0", lambda: parallel_nsa(*fl()[:3], g_cmp=fl.sets[0][3],
-                                                               g_slc=fl.sets[0][4],
-                                                               block_counts=cfg.n_sel,
-                                                               block_size=cfg.l_sel,
-                                                               window_size=0),
-                  train, dev, rows, meta)
-        except ImportError:
-            pass
+    score_in = Lazy(make_score_inputs)
+    # the top-n indices the mask items use: eager (no compile), so they don't hang on score_topn
+    sel_idx = Lazy(lambda: torch.no_grad()(select_topn)(*score_in(), cfg))
+    sspec = Lazy(lambda: get_mask_builder("topn")(MaskContext(cfg, B, T, ddev, topn=sel_idx)))
+    wspec = Lazy(lambda: get_mask_builder("sliding_window")(ctx()))
 
-    # ---- stages
-    if stages:
-        x = rnd(B, T, cfg.dim, dev=dev, dtype=dtype)
+    def projections():
+        lay, xr = layer(), xs()
+        f = comp(lambda x_: lay.wq(x_) + 0)
+        return lambda: f(xr())
 
-        def proj():
-            return layer.wq(x), [layer.wk[b](x) for b in ("cmp", "sel", "win")]
+    def compression():
+        lay, kr = layer(), Rot(lambda: R(B, Hkv, T, dk))
+        f = comp(lambda k_: lay.phi_k(k_))
+        return lambda: f(kr())
 
-        timed("projections", comp(lambda: layer.wq(xs()) + 0), train, dev, rows, meta)
-        kraw = Rot(lambda: rnd(B, Hkv, T, dk, dev=dev, dtype=dtype, grad=train))
-        timed("compression", comp(lambda: layer.phi_k(kraw())), train, dev, rows, meta)
+    def score_topn():
+        q, k, lse = score_in()
+        f = comp(lambda q_, kc_, lse_: select_topn(q_, kc_, lse_, cfg))
+        return lambda: f(q, k, lse)
 
-        q = rnd(B, H, T, dk, dev=dev, dtype=dtype)
-        kc = layer.phi_k(rnd(B, Hkv, T, dk, dev=dev, dtype=dtype))
-        vc = layer.phi_v(rnd(B, Hkv, T, dv, dev=dev, dtype=dtype))
-        ctx = MaskContext(cfg, B, T, torch.device(dev))
-        cspec = get_mask_builder("compressed_causal")(ctx)
-        if dev == "cuda":
-            o, lse = attend_flex(q, kc, vc, cspec)
-        else:
-            lse = None
-        score = comp(lambda: select_topn(q, kc, lse, cfg))
-        timed("score_topn", score, False, dev, rows, meta)
-        sel_idx = score()
+    def mask_build():
+        idx, cs, nc = sel_idx(), cspec(), kc().shape[2]
 
-        def build_masks():
-            c = MaskContext(cfg, B, T, torch.device(dev), topn=lambda: sel_idx)
-            sspec = get_mask_builder("topn")(c)
-            wspec = get_mask_builder("sliding_window")(c)
-            G = H // Hkv
-            bs = packed_block_size(G, sspec)
-            a = sspec.block_mask(B, T, T, device=dev, block_size=bs, q_pack=G)
-            b = wspec.block_mask(B, T, T, device=dev, block_size=128)
-            cc = cspec.block_mask(B, T, kc.shape[2], device=dev, block_size=128)
+        def build(idx_):
+            c = MaskContext(cfg, B, T, ddev, topn=lambda: idx_)
+            ss = get_mask_builder("topn")(c)
+            ws = get_mask_builder("sliding_window")(c)
+            a = ss.block_mask(B, T, T, device=dev, block_size=packed_block_size(H // Hkv, ss),
+                              q_pack=H // Hkv)
+            b = ws.block_mask(B, T, T, device=dev, block_size=128)
+            cc = cs.block_mask(B, T, nc, device=dev, block_size=128)
             return a.kv_indices.sum() + b.kv_indices.sum() + cc.kv_indices.sum()
 
-        timed("mask_build", comp(build_masks), False, dev, rows, meta)
+        f = comp(build)
+        return lambda: f(idx)
 
-        c = MaskContext(cfg, B, T, torch.device(dev), topn=lambda: sel_idx)
-        sspec, wspec = get_mask_builder("topn")(c), get_mask_builder("sliding_window")(c)
-        qs = Rot(lambda: rnd(B, H, T, dk, dev=dev, dtype=dtype, grad=train))
-        kvs = Rot(lambda: (rnd(B, Hkv, T, dk, dev=dev, dtype=dtype, grad=train),
-                           rnd(B, Hkv, T, dv, dev=dev, dtype=dtype, grad=train)))
-        kvc = Rot(lambda: (rnd(B, Hkv, kc.shape[2], dk, dev=dev, dtype=dtype, grad=train),
-                           rnd(B, Hkv, kc.shape[2], dv, dev=dev, dtype=dtype, grad=train)))
-        for name, spec, kvr in (("attn_compressed", cspec, kvc), ("attn_selected", sspec, kvs),
-                                ("attn_window", wspec, kvs)):
-            f = comp(lambda q_, k_, v_, s=spec: attend_flex(q_, k_, v_, s)[0])
-            timed(name, lambda f=f, kvr=kvr: f(qs(), *kvr()), train, dev, rows, meta)
-        outs = Rot(lambda: [rnd(B, H, T, dv, dev=dev, dtype=dtype, grad=train) for _ in range(3)])
+    def attention(spec, kv):
+        def make():
+            s, q, kvr = spec(), qs(), kv()
+            f = comp(lambda q_, k_, v_: attend_flex(q_, k_, v_, s)[0])
+            return lambda: f(q(), *kvr())
 
-        def gate_out():
-            o3 = outs()
-            g = torch.sigmoid(layer.gate(x)).view(B, T, H, 3).permute(0, 2, 1, 3)
+        return make
+
+    kvc = Lazy(lambda: Rot(lambda: (R(B, Hkv, kc().shape[2], dk), R(B, Hkv, kc().shape[2], dv))))
+
+    def gate_out():
+        lay, x_, outs = layer(), x(), Rot(lambda: [R(B, H, T, dv) for _ in range(3)])
+
+        def f(o3):
+            g = torch.sigmoid(lay.gate(x_)).view(B, T, H, 3).permute(0, 2, 1, 3)
             o = sum(g[..., i:i + 1] * o3[i] for i in range(3))
-            return layer.wo(o.transpose(1, 2).reshape(B, T, H * dv))
+            return lay.wo(o.transpose(1, 2).reshape(B, T, H * dv))
 
-        timed("gate_out", comp(gate_out), train, dev, rows, meta)
-    del layer, clayer
+        cf = comp(f)
+        return lambda: cf(outs())
+
+    qkv = Lazy(lambda: Rot(lambda: (R(B, H, T, dk), R(B, Hkv, T, dk), R(B, Hkv, T, dv))))
+
+    def sdpa_causal():
+        r = qkv()
+        f = comp(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                enable_gqa=True))
+        return lambda: f(*r())
+
+    def flex_causal():
+        r, causal = qkv(), get_mask_builder("causal")(ctx())
+        f = comp(lambda q, k, v: attend_flex(q, k, v, causal)[0])
+        return lambda: f(*r())
+
+    def fla_nsa():
+        from fla.ops.nsa import parallel_nsa
+
+        r = qkv()
+        g = (torch.rand(B, T, H, device=dev, dtype=dtype),
+             torch.rand(B, T, H, device=dev, dtype=dtype))
+
+        def f():
+            q, k, v = r()
+            return parallel_nsa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                g_cmp=g[0], g_slc=g[1], block_counts=cfg.n_sel,
+                                block_size=cfg.l_sel, window_size=0)
+
+        return f
+
+    def nsa_layer():
+        lay, xr = layer(), xs()
+        f = comp(lay)
+        return lambda: f(xr())
+
+    items = [("projections", train, projections), ("compression", train, compression),
+             ("score_topn", False, score_topn), ("mask_build", False, mask_build),
+             ("attn_compressed", train, attention(cspec, kvc)),
+             ("attn_selected", train, attention(sspec, kvs)),
+             ("attn_window", train, attention(wspec, kvs)), ("gate_out", train, gate_out),
+             ("sdpa_causal", train, sdpa_causal), ("flex_causal", train, flex_causal)]
+    if _has_fla():
+        items.append(("fla_parallel_nsa_w0", train, fla_nsa))
+    items.append(("nsa_layer", train, nsa_layer))
+    assert [n for n, _, _ in items] == [n for n in ITEMS if n in {m for m, _, _ in items}]
+    return items
+
+
+def _has_fla():
+    try:
+        from fla.ops.nsa import parallel_nsa  # noqa: F401
+    except ImportError:
+        return False
+    except Exception as e:  # installed but broken: say so, keep the sweep
+        log(f"fla-core not usable ({type(e).__name__}: {e}): no fla_parallel_nsa_w0")
+        return False
+    return True
+
+
+def run_config(cname, T, dev, dtype, rows, stages, baselines, compile_=True, only=None,
+               modes=MODES, limit=0):
+    """Stages (if `stages`), then baselines (if `baselines`), then the layer; `only`: a set of
+    item names to keep."""
+    meta = dict(config=cname, T=T, device=torch.cuda.get_device_name() if dev == "cuda" else "cpu")
+    log(f"config {cname} T={T} on {meta['device']}")
+    for name, has_bwd, make in build_items(cname, T, dev, dtype, compile_):
+        if (only is not None and name not in only) or (name in STAGES and not stages) or (
+                name in BASELINES and not baselines):
+            continue
+        if not ("fwd" in modes or (has_bwd and "fwd_bwd" in modes)):
+            log(f"skip  {cname} T={T} {name}: no requested mode applies")
+            continue
+        timed(name, make, has_bwd, dev, rows, meta, modes, limit)
     if dev == "cuda":
         torch.cuda.empty_cache()
 
@@ -290,15 +516,31 @@ def plot(rows, path):
     print("wrote", path)
 
 
-def main():
+def _names(text, allowed, what, ap):
+    names = [n for n in text.split(",") if n]
+    bad = [n for n in names if n not in allowed]
+    if bad or not names:
+        ap.error(f"{what}: unknown {bad or 'empty list'}; choose from {','.join(allowed)}")
+    return names
+
+
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny CPU run (CI)")
     ap.add_argument("--configs", default="paper,d128")
     ap.add_argument("--T", default="4096,8192,16384,32768,65536,131072")
     ap.add_argument("--stages-at", default="65536", help="T values with the per-stage breakdown")
     ap.add_argument("--no-baselines", action="store_true")
+    ap.add_argument("--only", default=",".join(ITEMS),
+                    help="comma list of items to run (stages still only at --stages-at, baselines "
+                         "not with --no-baselines); default all:\n" + ",".join(ITEMS))
+    ap.add_argument("--modes", default=",".join(MODES), help="fwd,fwd_bwd (default both)")
+    ap.add_argument("--item-limit", type=float, default=0,
+                    help="seconds per phase of an item (setup, first call, timing); 0: none")
     ap.add_argument("--out", default="experiments/results/bench")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    only = set(_names(args.only, ITEMS, "--only", ap))
+    modes = _names(args.modes, MODES, "--modes", ap)
     os.makedirs(args.out, exist_ok=True)
     dev = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
     if args.quick:
@@ -313,20 +555,24 @@ def main():
     rows = []
     path = CSV_PATH = os.path.join(args.out, "bench.csv")
     ERR_LOG = os.path.join(args.out, "errors.log")
+    log(f"start: configs={configs} T={Ts} stages at {sorted(stages_at)} only={args.only} "
+        f"modes={modes} item limit={args.item_limit:g}s")
     for cname in configs:
         for T in Ts:
             torch._dynamo.reset()
             # CPU: inductor's CPU flex template can't lower the packed selection inside a larger
             # graph, so --quick times eager code around the (separately compiled) flex calls
             run_config(cname, T, dev, dtype, rows, stages=T in stages_at,
-                       baselines=not args.no_baselines, compile_=dev == "cuda")
-    print("wrote", path)
+                       baselines=not args.no_baselines, compile_=dev == "cuda", only=only,
+                       modes=modes, limit=args.item_limit)
+    log(f"wrote {path}")
     plot(rows, os.path.join(args.out, "bench.png"))
     print("\nsummary (ms):")
     for r in rows:
         if r["stage"] in ("nsa_layer", "sdpa_causal", "flex_causal", "fla_parallel_nsa_w0"):
             print(f"  {r['config']:6s} T={r['T']:6d} {r['stage']:22s} fwd={r.get('fwd_ms', math.nan):8.2f}"
                   f" fwd+bwd={r.get('fwd_bwd_ms', math.nan):8.2f} peak={r.get('peak_GiB', math.nan):6.1f}GiB")
+    return rows
 
 
 if __name__ == "__main__":

@@ -1,22 +1,37 @@
 #!/usr/bin/env bash
-# Issue 4 GPU run (one H100 call, <= ~9.5 min): scorer CUDA tests + check, then the layer/stage
-# benchmark at 64k (stages + baselines), 128k (layer: memory), 4k, and d128 at 64k if time is left.
-# Usage (device machine, repo root, torchtitan/fla wheels on PYTHONPATH): bash experiments/perf_gpu_run.sh OUT [BUDGET_S]
+# Issue 4 GPU run (one H100 call, <= ~9.5 min): bench_attention.py item by item, every phase of an
+# item (setup, compile+first call, timing) capped by --item-limit, timestamped start/end lines in
+# the logs. 1) paper config at T=65536: the 8 stages first, then the baselines, then the layer
+# (item limit 150 s); 2) T=131072, layer fwd+bwd only (memory check); 3) T=4096,16384, layer +
+# baselines. Steps 2-3 run only if the budget has time left.
+# Usage (device machine, repo root, torchtitan/fla wheels on PYTHONPATH):
+#   bash experiments/perf_gpu_run.sh OUT [BUDGET_S]      # e.g. OUT 560
+# Only 8 files come back from the device ($OUT and its subfolders together), so OUT gets at most
+# 6: summary.txt (step lines, result rows, where each log ended), bench_paper_64k.log, one CSV per
+# step (STEP.csv) and perf.tgz, a tar of the work folder (kept outside OUT: every log, CSV,
+# errors.log traceback, plot), re-packed after every step. 2 are left for the caller (a tee'd log).
 set -u
 OUT=${1:?out dir}; BUDGET=${2:-560}; mkdir -p "$OUT"
+W=$(mktemp -d "${TMPDIR:-/tmp}/perf_gpu_run.XXXXXX")/work; mkdir -p "$W"
 export PYTHONUNBUFFERED=1
-step() {  # cap_s name cmd...
+say() { echo "$@" | tee -a "$OUT/summary.txt"; }
+pack() { tar czf "$OUT/perf.tgz.part" -C "$W/.." work && mv "$OUT/perf.tgz.part" "$OUT/perf.tgz"; }
+step() {  # cap_s name cmd... ; the command gets --out $W/name, its output goes to $W/name.log
   local cap=$1 name=$2; shift 2
-  local left=$((BUDGET - SECONDS)); [ "$left" -lt 30 ] && { echo "== skip $name (budget)"; return; }
+  local left=$((BUDGET - SECONDS)); [ "$left" -lt 30 ] && { say "== skip $name (budget)"; return; }
   [ "$cap" -gt "$left" ] && cap=$left
-  echo "== $name (cap ${cap}s, t=${SECONDS}s)"
-  timeout "$cap" "$@" > "$OUT/$name.log" 2>&1; echo "   rc=$? t=${SECONDS}s"; tail -4 "$OUT/$name.log"
+  say "== $name (cap ${cap}s, t=${SECONDS}s)"
+  timeout "$cap" "$@" --out "$W/$name" > "$W/$name.log" 2>&1; say "   rc=$? t=${SECONDS}s"
+  grep -E '^[a-z0-9]+ +T= *[0-9]+ ' "$W/$name.log" | tee -a "$OUT/summary.txt"  # result rows
+  say "   log ends:"; tail -n 3 "$W/$name.log" | cut -c1-300 | tee -a "$OUT/summary.txt"
+  [ -f "$W/$name/bench.csv" ] && cp "$W/$name/bench.csv" "$OUT/$name.csv"
+  pack
 }
-nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-step 70 pytest_scorer python -m pytest -q -x tests/test_scorer_triton.py
-step 100 scorer_check python experiments/scorer_check.py --out "$OUT/scorer" --T 65536 --docs 0 --no-sweep --no-layer
-step 300 bench_paper_64k python experiments/bench_attention.py --configs paper --T 65536 --stages-at 65536 --out "$OUT/bench_paper_64k"
-step 110 bench_paper_128k python experiments/bench_attention.py --configs paper --T 131072 --stages-at "" --no-baselines --out "$OUT/bench_paper_128k"
-step 100 bench_paper_4k python experiments/bench_attention.py --configs paper --T 4096 --stages-at "" --out "$OUT/bench_paper_4k"
-step 120 bench_d128_64k python experiments/bench_attention.py --configs d128 --T 65536 --stages-at "" --out "$OUT/bench_d128_64k"
-echo "== done t=${SECONDS}s"
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee -a "$OUT/summary.txt"
+B="python experiments/bench_attention.py --configs paper"
+step 330 bench_paper_64k $B --T 65536 --stages-at 65536 --item-limit 150
+cp "$W/bench_paper_64k.log" "$OUT/" 2>/dev/null
+step 110 bench_paper_128k $B --T 131072 --stages-at "" --no-baselines --only nsa_layer \
+  --modes fwd_bwd --item-limit 90
+step 110 bench_paper_4k_16k $B --T 4096,16384 --stages-at "" --item-limit 60
+say "== done t=${SECONDS}s"
