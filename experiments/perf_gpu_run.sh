@@ -5,7 +5,7 @@
 # (item limit 150 s); 2) T=131072, layer fwd+bwd only (memory check); 3) T=4096,16384, layer +
 # baselines. Steps 2-3 run only if the budget has time left.
 # Usage (device machine, repo root, torchtitan/fla wheels on PYTHONPATH):
-#   bash experiments/perf_gpu_run.sh OUT [BUDGET_S]      # e.g. OUT 560
+#   [PLAN="layer64k bwd64k"] bash experiments/perf_gpu_run.sh OUT [BUDGET_S]   # e.g. OUT 560
 # Only 8 files come back from the device ($OUT and its subfolders together), so OUT gets at most
 # 6: summary.txt (step lines, result rows, where each log ended), bench_paper_64k.log, one CSV per
 # step (STEP.csv) and perf.tgz, a tar of the work folder (kept outside OUT: every log, CSV,
@@ -29,9 +29,24 @@ step() {  # cap_s name cmd... ; the command gets --out $W/name, its output goes 
 }
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee -a "$OUT/summary.txt"
 B="python experiments/bench_attention.py --configs paper"
-step 330 bench_paper_64k $B --T 65536 --stages-at 65536 --item-limit 150
-cp "$W/bench_paper_64k.log" "$OUT/" 2>/dev/null
-step 110 bench_paper_128k $B --T 131072 --stages-at "" --no-baselines --only nsa_layer \
-  --modes fwd_bwd --item-limit 90
-step 110 bench_paper_4k_16k $B --T 4096,16384 --stages-at "" --item-limit 60
+# Named steps, run in the order of PLAN (default: all of them, as below); each gets a cap (the
+# budget left caps it further). Run 1 (session 4) did stages64k, layer128k, small4k16k: every
+# 64k stage but the selected/window/gate backward, nothing of the layer (its compile exceeded the
+# caps, then the flex backward autotune was fixed).
+run_step() {
+  case $1 in
+    stages64k)  step 330 bench_paper_64k $B --T 65536 --stages-at 65536 --item-limit 150 ;;
+    layer64k)   step 420 layer_64k $B --T 65536 --stages-at "" --only sdpa_causal,nsa_layer \
+                  --item-limit 300 ;;
+    bwd64k)     step 200 stages_bwd_64k $B --T 65536 --stages-at 65536 --no-baselines \
+                  --only attn_selected,attn_window,gate_out,score_topn --item-limit 120 ;;
+    fla64k)     step 200 fla_64k $B --T 65536 --stages-at "" --only fla_parallel_nsa_w0 \
+                  --item-limit 180 ;;
+    layer128k)  step 200 bench_paper_128k $B --T 131072 --stages-at "" --no-baselines \
+                  --only nsa_layer --modes fwd_bwd --item-limit 180 ;;
+    small4k16k) step 110 bench_paper_4k_16k $B --T 4096,16384 --stages-at "" --item-limit 60 ;;
+    *) say "== unknown step $1" ;;
+  esac
+}
+for s in ${PLAN:-stages64k layer64k bwd64k fla64k layer128k small4k16k}; do run_step "$s"; done
 say "== done t=${SECONDS}s"

@@ -7,10 +7,16 @@ Group-centric packing makes the selection branch's q block small (one position's
 
 torch <= 2.13 filters the backward configs by the sparse block size *before* applying
 kernel_options (pytorch #176025), so a 16-row block finds no backward config on GPU.
-`install_small_block_bwd_configs()` appends backward configs that divide 16-row blocks to the
-candidates of `InductorChoices.get_flex_attention_bwd_configs` (the hook inductor documents for
-custom heuristics); they come after the defaults, so masks with large blocks keep the default
-choice. Newer torch (PR #184797) applies kernel_options first; the extra configs are harmless.
+`install_small_block_bwd_configs()` wraps `InductorChoices.get_flex_attention_bwd_configs` (the
+hook inductor documents for custom heuristics): when none of inductor's own candidates divides
+the mask's sparse block sizes, it adds the first small config that does, and nothing otherwise.
+The block sizes are read from the calling lowering's locals (SPARSE_Q_BLOCK_SIZE /
+SPARSE_KV_BLOCK_SIZE, guarded ints by then). Adding configs unconditionally (our first version)
+made every flex backward -- compressed, window, even the flex baseline -- autotune over 4
+candidates, one of them 16x16 tiles: 121 s to compile the compressed branch's backward at 64k on
+H100 (experiments/NOTES.md 15). Where the locals are not found (another torch layout) the small
+configs are appended as before. Newer torch (PR #184797) applies kernel_options first; there the
+default candidates already fit and nothing is added.
 """
 
 import math
@@ -47,27 +53,59 @@ def flex_kernel_options(q: torch.Tensor, block_size: tuple[int, int]) -> dict | 
 _installed = False
 
 
+def _small_block_configs(head_dim: int):
+    from torch._inductor.template_heuristics.triton import FlexBwDConfig
+    stages = 1 if head_dim > 128 else 2
+    return [FlexBwDConfig(16, 64, 16, 16, stages, 4), FlexBwDConfig(16, 32, 16, 16, stages, 4),
+            FlexBwDConfig(16, 16, 16, 16, 1, 4)]
+
+
+def _fits(conf, q_block: int, kv_block: int) -> bool:
+    return (kv_block % conf.block_n1 == 0 and q_block % conf.block_m1 == 0
+            and kv_block % conf.block_n2 == 0 and q_block % conf.block_m2 == 0)
+
+
+def _caller_block_sizes(frame) -> tuple[int, int] | None:
+    """(SPARSE_Q_BLOCK_SIZE, SPARSE_KV_BLOCK_SIZE) from inductor's flex backward lowering."""
+    while frame is not None:
+        loc = frame.f_locals
+        if "SPARSE_Q_BLOCK_SIZE" in loc and "SPARSE_KV_BLOCK_SIZE" in loc:
+            try:
+                return int(loc["SPARSE_Q_BLOCK_SIZE"]), int(loc["SPARSE_KV_BLOCK_SIZE"])
+            except (TypeError, ValueError):  # still symbolic: cannot decide here
+                return None
+        frame = frame.f_back
+    return None
+
+
+def with_small_block_configs(confs: list, head_dim: int, block_sizes: tuple[int, int] | None):
+    """inductor's candidates, plus one small config only when none of them fits the blocks
+    (block_sizes None: unknown, so all small configs are appended after the defaults)."""
+    small = _small_block_configs(head_dim)
+    if block_sizes is None:
+        return confs + [c for c in small if c not in confs]
+    qb, kb = block_sizes
+    if any(_fits(c, qb, kb) for c in confs):
+        return confs
+    return confs + [next(c for c in small if _fits(c, qb, kb))]
+
+
 def install_small_block_bwd_configs():
-    """Append small-block backward configs to inductor's flex backward candidates (all threads:
-    the backward graph is compiled on autograd's thread, so a thread-local choices handler set
-    here would not be seen there; we wrap the method on InductorChoices itself, once)."""
+    """Wrap inductor's flex backward candidates (on InductorChoices itself, once: the backward
+    graph is compiled on autograd's thread, where a thread-local choices handler set here would
+    not be seen)."""
     global _installed
     if _installed:
         return
+    import sys
+
     from torch._inductor.choices import InductorChoices
-    from torch._inductor.template_heuristics.triton import FlexBwDConfig
 
     original = InductorChoices.get_flex_attention_bwd_configs
 
     def get_flex_attention_bwd_configs(self, head_dim, dtype, device_type="cuda"):
         confs = list(original(self, head_dim, dtype, device_type))
-        stages = 1 if head_dim > 128 else 2
-        for extra in (FlexBwDConfig(16, 64, 16, 16, stages, 4),
-                      FlexBwDConfig(16, 32, 16, 16, stages, 4),
-                      FlexBwDConfig(16, 16, 16, 16, 1, 4)):
-            if extra not in confs:
-                confs.append(extra)
-        return confs
+        return with_small_block_configs(confs, head_dim, _caller_block_sizes(sys._getframe(1)))
 
     InductorChoices.get_flex_attention_bwd_configs = get_flex_attention_bwd_configs
     _installed = True

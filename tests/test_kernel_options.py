@@ -1,0 +1,65 @@
+"""Flex backward candidates: one small config is added only where inductor's own do not fit the
+mask's sparse blocks (else every flex backward autotunes over several candidates)."""
+
+import pytest
+import torch
+
+from nsa_flex.kernel_options import (
+    _caller_block_sizes, _fits, flex_kernel_options, packed_block_size, with_small_block_configs,
+)
+from torch._inductor.choices import InductorChoices
+from torch._inductor.template_heuristics.triton import FlexBwDConfig
+
+SM90_192 = FlexBwDConfig(64, 64, 64, 64, 2, 4)  # inductor's sm90 default for head_dim 192
+
+
+@pytest.mark.parametrize("qb,kb,added", [(128, 128, 0), (64, 64, 0), (16, 64, 1), (16, 32, 1),
+                                         (16, 16, 1), (32, 64, 1)])
+def test_small_config_only_when_defaults_do_not_fit(qb, kb, added):
+    out = with_small_block_configs([SM90_192], 192, (qb, kb))
+    assert out[0] == SM90_192 and len(out) == 1 + added
+    assert any(_fits(c, qb, kb) for c in out)
+    if added:
+        assert _fits(out[-1], qb, kb) and out[-1].block_m1 == 16
+
+
+def test_unknown_block_sizes_append_all_small_configs():
+    out = with_small_block_configs([SM90_192], 192, None)
+    assert out[0] == SM90_192 and len(out) == 4 and out[1].block_n1 == 64
+
+
+def test_block_sizes_read_from_the_lowering_frame():
+    def lowering(SPARSE_Q_BLOCK_SIZE, SPARSE_KV_BLOCK_SIZE):
+        import sys
+        return _caller_block_sizes(sys._getframe(0))
+
+    def nested():
+        import sys
+        return _caller_block_sizes(sys._getframe(0))
+
+    assert lowering(16, 64) == (16, 64)
+    assert nested() is None
+
+
+def test_hook_installed_on_inductor_choices():
+    def lowering(SPARSE_Q_BLOCK_SIZE, SPARSE_KV_BLOCK_SIZE):
+        return InductorChoices().get_flex_attention_bwd_configs(192, torch.bfloat16, "cpu")
+
+    big, small = lowering(128, 128), lowering(16, 64)
+    assert len(small) == len(big) + (0 if any(_fits(c, 16, 64) for c in big) else 1)
+    assert any(_fits(c, 16, 64) for c in small)
+
+
+def test_kernel_options_tiles_divide_packed_blocks():
+    class Spec:
+        kv_block = 64
+    qb, kb = packed_block_size(16, Spec)
+    assert (qb, kb) == (16, 64)
+    assert flex_kernel_options(torch.empty(1), (qb, kb)) is None  # CPU: inductor's own choice
+
+    class CudaQ:
+        device = torch.device("cuda", 0)
+    opts = flex_kernel_options(CudaQ, (qb, kb))
+    assert qb % opts["fwd_BLOCK_M"] == 0 and kb % opts["fwd_BLOCK_N"] == 0
+    assert kb % opts["bwd_BLOCK_N1"] == 0 and opts["bwd_BLOCK_N1"] % opts["bwd_BLOCK_M1"] == 0
+    assert qb % opts["bwd_BLOCK_M2"] == 0 and opts["bwd_BLOCK_M2"] % opts["bwd_BLOCK_N2"] == 0
