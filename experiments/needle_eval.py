@@ -18,7 +18,8 @@ Prompts (generated offline, deterministic in --seed):
     the asked one at the given depth, the others at random depths; the question asks for that name.
   Filler (--filler): ``synthetic`` = the training corpus's sentences; ``fineweb`` = real text from
   the FineWeb sample (--fineweb, one haystack per trial, the same for every depth); ``auto`` =
-  fineweb when the file exists, else synthetic. Depth d% puts the needle after d% of the filler.
+  fineweb when the file exists and the config trains on text, synthetic for a model trained on the
+  passkey corpus alone (it has never seen real text) or without the file. Depth d% puts the needle after d% of the filler.
 
 Model: flavor, [nsa] section and tokenizer from the TOML config (plus --override flags), weights from
 the checkpoint (nsa_flex.generate's loaders). Greedy answer: prefill + token-by-token decode with the
@@ -58,7 +59,7 @@ DEFAULT_CONFIG = os.path.join(ROOT, "titan_configs", "debug_nsa.toml")
 NAMES = ("Alice", "Bob", "Carol", "David", "Emma", "Frank", "Grace", "Henry", "Irene", "Jack",
          "Karen", "Louis", "Maria", "Nora", "Oscar", "Peter")
 MULTI_NEEDLE = " The pass key of {name} is {key}. Remember it. {key} is the pass key of {name}. "
-MULTI_QUESTION = "\nWhat is the pass key of {name}? The pass key of {name} is "
+MULTI_QUESTION = "\nWhat is the pass key of {name}? The pass key of {name} is"  # + " {key}."
 
 
 class EvalError(ValueError):
@@ -103,11 +104,14 @@ class Filler:
         self._cache: dict[int, list[int]] = {}
 
     @staticmethod
-    def resolve(choice: str, path: str) -> str:
+    def resolve(choice: str, path: str, text_trained: bool = True) -> str:
+        """``auto``: fineweb when the file exists and the model was trained on text
+        (``text_trained``); a model trained on the passkey corpus alone has never seen real text,
+        so its in-distribution haystack is the synthetic filler."""
         if choice not in ("auto", "synthetic", "fineweb"):
             raise EvalError(f"--filler: {choice!r} not in ['auto', 'synthetic', 'fineweb']")
         if choice == "auto":
-            return "fineweb" if path and os.path.isfile(path) else "synthetic"
+            return "fineweb" if text_trained and path and os.path.isfile(path) else "synthetic"
         if choice == "fineweb" and not (path and os.path.isfile(path)):
             raise EvalError(f"--filler fineweb: --fineweb {path!r} does not exist")
         return choice
@@ -217,6 +221,7 @@ def load(args):
     if args.checkpoint is not None and not os.path.exists(args.checkpoint):
         raise EvalError(f"--checkpoint {args.checkpoint!r}: no such file or folder")
     job_config = load_job_config(args.config, args.override)
+    args.train_dataset = job_config.training.dataset  # for --filler auto
     model, tok = build_model(job_config, args.device, getattr(torch, args.dtype))
     if args.checkpoint is None:
         torch.manual_seed(args.seed)
@@ -385,7 +390,8 @@ def evaluate(args) -> dict:
         raise EvalError(f"--dtype: {args.dtype!r} not in ['float32', 'bfloat16']")
     t0 = time.perf_counter()
     model, tok, desc = load(args)
-    filler = Filler(Filler.resolve(args.filler, args.fineweb), tok, args.fineweb)
+    text_trained = str(getattr(args, "train_dataset", "")).lower() != "passkey"
+    filler = Filler(Filler.resolve(args.filler, args.fineweb, text_trained), tok, args.fineweb)
     mode = decode_mode(model, args.decode)
     # all prompts first: argument errors (too short a length) before any generation
     jobs = {(k, L): [make_prompt(tok, k, L, d, t, filler, args.n_keys, args.seed) | {"depth": d, "trial": t}

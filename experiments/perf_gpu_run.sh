@@ -44,6 +44,8 @@ run_step() {
                   --item-limit 180 ;;
     layer128k)  step 200 bench_paper_128k $B --T 131072 --stages-at "" --no-baselines \
                   --only nsa_layer --modes fwd_bwd --item-limit 180 ;;
+    fold64k)    step 460 fold_64k $B --T 65536 --stages-at 65536 \
+                  --only attn_compressed,attn_selected,sdpa_causal,nsa_layer --item-limit 200 ;;
     small4k16k) step 110 bench_paper_4k_16k $B --T 4096,16384 --stages-at "" --item-limit 60 ;;
     *) say "== unknown step $1" ;;
   esac

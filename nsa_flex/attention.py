@@ -19,8 +19,9 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import flex_attention
 
 from masks import MaskSpec
+from masks.core import fold_block_mask
 
-from .kernel_options import flex_kernel_options, packed_block_size
+from .kernel_options import flex_kernel_options, packed_block_size, query_chunks
 
 _compiled_flex = None
 
@@ -84,23 +85,55 @@ def attend_reference(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec,
     return out.reshape(B, Hq, T, -1), lse.reshape(B, Hq, T)
 
 
-def attend_flex(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec,
-                scale: float | None = None) -> tuple[Tensor, Tensor]:
+def _fold_q(x: Tensor, C: int) -> Tensor:  # [B, H, R, D] -> [B*C, H, R/C, D]
+    B, H, R, D = x.shape
+    return x.view(B, H, C, R // C, D).transpose(1, 2).reshape(B * C, H, R // C, D)
+
+
+def _unfold_q(x: Tensor, C: int) -> Tensor:  # [B*C, H, R/C, ...] -> [B, H, R, ...]
+    BC, H, Rc = x.shape[:3]
+    rest = x.shape[3:]
+    x = x.view(BC // C, C, H, Rc, *rest).transpose(1, 2)
+    return x.reshape(BC // C, H, C * Rc, *rest)
+
+
+def _fold_kv(x: Tensor, C: int) -> Tensor:  # [B, H, S, D] -> [B*C, H, S, D] (a copy per chunk)
+    B = x.shape[0]
+    return x.unsqueeze(1).expand(B, C, *x.shape[1:]).reshape(B * C, *x.shape[1:])
+
+
+def _flex_folded(q, k, v, bm, scale, enable_gqa, kernel_options, C):
+    """flex with the queries folded into C batch chunks (see masks.core.fold_block_mask): the
+    same function, C times the programs for the dK/dV pass."""
+    if C == 1:
+        return _flex_lse(q, k, v, bm, scale, enable_gqa, kernel_options)
+    bm = fold_block_mask(bm, C, q.shape[0])
+    out, lse = _flex_lse(_fold_q(q, C), _fold_kv(k, C), _fold_kv(v, C), bm, scale, enable_gqa,
+                         kernel_options)
+    return _unfold_q(out, C), (None if lse is None else _unfold_q(lse.unsqueeze(-1), C)[..., 0])
+
+
+def attend_flex(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, scale: float | None = None,
+                q_chunks: int | None = None) -> tuple[Tensor, Tensor]:
+    """q_chunks: fold the queries into this many batch chunks (None: `query_chunks` picks it
+    from the shapes; 1: no folding)."""
     if k.shape[2] == 0:
         return empty_attention(q, v)
     B, Hq, T, Dk, Hkv, S, G, scale = _dims(q, k, scale)
     if spec.per_group:
         # group-centric packing: [B, Hkv, G, T, D] -> [B, Hkv, T*G, D], row = t*G + g
         bs = packed_block_size(G, spec)
+        C = query_chunks(T * G, bs[0], q.device, per_group=True) if q_chunks is None else q_chunks
         qp = q.view(B, Hkv, G, T, Dk).transpose(2, 3).reshape(B, Hkv, T * G, Dk).contiguous()
         bm = spec.block_mask(B, T, S, device=q.device, block_size=bs, q_pack=G)
-        out, lse = _flex_lse(qp, k, v, bm, scale, False, flex_kernel_options(q, bs))
+        out, lse = _flex_folded(qp, k, v, bm, scale, False, flex_kernel_options(q, bs), C)
         out = out.view(B, Hkv, T, G, -1).transpose(2, 3).reshape(B, Hq, T, -1)
         if lse is not None:
             lse = lse.view(B, Hkv, T, G).transpose(2, 3).reshape(B, Hq, T)
         return out, lse
+    C = query_chunks(T, 128, q.device, kv_len=S) if q_chunks is None else q_chunks
     bm = spec.block_mask(B, T, S, device=q.device, block_size=128)
-    return _flex_lse(q, k, v, bm, scale, Hq != Hkv, None)
+    return _flex_folded(q, k, v, bm, scale, Hq != Hkv, None, C)
 
 
 BACKENDS = {"reference": attend_reference, "flex": attend_flex}

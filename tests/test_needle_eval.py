@@ -61,9 +61,9 @@ def test_passkey_prompt_is_the_training_document(tok):
             toks, ans = corpus.build(int(p["expected"]), d / 100)
             assert p["tokens"] == toks[:ans] and len(toks) == L + 1
             assert p["answer_tokens"] == len(toks) - 1 - ans
-            assert tok.decode(toks[ans:-1]) == p["expected"] + "."
+            assert tok.decode(toks[ans:-1]) == " " + p["expected"] + "."
             text = tok.decode(p["tokens"])
-            assert text.endswith("What is the pass key? The pass key is ")
+            assert text.endswith("What is the pass key? The pass key is")
             pos = text.index(f"The pass key is {p['expected']}.")
             if L >= 1000:  # the needle sits at d% of the filler
                 assert abs(pos / len(text) - d / 100) < 0.15, (L, d, pos / len(text))
@@ -81,7 +81,7 @@ def test_multikey_prompt(tok):
         names = {ne.re.search(r"of (\w+) is", m).group(1) for _, m in needles}
         keys = {ne.re.search(r"is (\d+)\.", m).group(1) for _, m in needles}
         assert len(names) == 4 and len(keys) == 4 and p["expected"] in keys
-        asked = ne.re.search(r"What is the pass key of (\w+)\? The pass key of \1 is $", text).group(1)
+        asked = ne.re.search(r"What is the pass key of (\w+)\? The pass key of \1 is$", text).group(1)
         pos = text.index(f"The pass key of {asked} is {p['expected']}.")
         assert abs(pos / len(text) - d / 100) < 0.2, (d, pos / len(text))
     assert ne.make_prompt(tok, "multikey", 1500, 100, 1, syn, 4, 3) == p  # deterministic
@@ -100,6 +100,9 @@ def test_fineweb_filler_haystack_per_trial():
     assert strip(a) == strip(b) != strip(c)  # same haystack for every depth of a trial
     assert "grass is green" not in strip(a) and len(a["tokens"]) == len(b["tokens"])
     assert ne.Filler.resolve("auto", "/nonexistent.parquet") == "synthetic"
+    # a model trained on the passkey corpus alone gets its training filler under auto
+    assert ne.Filler.resolve("auto", str(FINEWEB), text_trained=False) == "synthetic"
+    assert ne.Filler.resolve("fineweb", str(FINEWEB), text_trained=False) == "fineweb"
 
 
 def test_score():

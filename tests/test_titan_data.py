@@ -52,10 +52,26 @@ def test_passkey_documents_exact_length_and_answer(seq_len):
         text = tok.decode(toks)
         assert text.count(f"The pass key is {key}. Remember it.") == 1
         assert text.endswith(f"What is the pass key? The pass key is {key}.")
-        assert tok.decode(toks[ans:-1]) == f"{key}."
+        assert tok.decode(toks[ans:-1]) == f" {key}."  # the space before the key is the answer's
         assert 10000 <= key <= 99999
         # deterministic
         assert passkey_document(tok, seq_len, i, seed=3) == (toks, ans, key)
+
+
+@needs_shared
+@pytest.mark.parametrize("name", ["byte", "gpt2", "cl100k_base"])
+def test_passkey_answer_tokens_copy_the_needle(name, offline):
+    """The answer's key tokens occur verbatim (same ids) in the needle, for byte and BPE tokenizers:
+    retrieval is a plain copy. (With the question ending in "is " and the answer "12345." encoded
+    alone, gpt2 gave "12","345" after a lone " " while the needle had " 12","345" -- never a copy.)"""
+    tok = build_tokenizer_from_name(name)
+    for seq_len in (256, 2048):
+        for i in range(200):
+            toks, ans, key = passkey_document(tok, seq_len, i)
+            key_toks = toks[ans:-2]  # the answer without "." and EOS
+            assert tok.decode(key_toks) == f" {key}"
+            hits = [j for j in range(ans - len(key_toks)) if toks[j:j + len(key_toks)] == key_toks]
+            assert len(hits) >= 2, (name, seq_len, i, key)  # both needle mentions
 
 
 def test_passkey_varies_with_index_seed_and_split():
@@ -80,7 +96,7 @@ def test_passkey_with_gpt2_any_length(offline):
     for seq_len in (200, 4096, 32768):
         toks, ans, key = passkey_document(tok, seq_len, 7)
         assert len(toks) == seq_len + 1 and toks[-1] == tok.eos_id
-        assert tok.decode(toks[ans:-1]) == f"{key}."
+        assert tok.decode(toks[ans:-1]) == f" {key}."  # the space before the key is the answer's
 
 
 def test_passkey_samples_are_whole_documents():

@@ -5,7 +5,8 @@ Chosen by ``[training] dataset`` / ``dataset_path`` (and ``[validation]`` likewi
   * ``passkey`` (default, built in, no files): a deterministic long-context retrieval corpus. Document i
     (seeded by ``dataset_seed`` and i) is exactly ``seq_len + 1`` tokens: [BOS] intro, filler text with a
     needle "The pass key is 12345. Remember it. 12345 is the pass key." at a random depth, then
-    "What is the pass key? The pass key is 12345." and EOS; so every training sample is one document,
+    "What is the pass key? The pass key is 12345." and EOS (the answer " 12345." with its
+    leading space, tokenized as in the needle); so every training sample is one document,
     for any sequence length and tokenizer. :func:`passkey_document` returns one with its answer span.
   * ``fineweb_edu``: HuggingFaceFW/fineweb-edu, streaming, config ``[training] dataset_config``
     (default sample-10BT). With ``dataset_path`` set, that local file / folder / glob (or hub id) is
@@ -60,8 +61,12 @@ PASSKEY_INTRO = (
 )
 PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 PASSKEY_NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key. "
-PASSKEY_QUESTION = "\nWhat is the pass key? The pass key is "
-PASSKEY_ANSWER = "{key}."
+# The space before the key belongs to the answer, as in the needle (" is {key}."): with a BPE
+# tokenizer (gpt2) the answer's key tokens are then exactly the needle's (" 60", "494"), so the
+# answer is a plain copy; "is " + "60494." gave different tokens ("60", "494" after a lone " ";
+# a 1-in-4 different digit split too) and no copy to learn.
+PASSKEY_QUESTION = "\nWhat is the pass key? The pass key is"
+PASSKEY_ANSWER = " {key}."
 
 
 class PasskeyCorpus:
@@ -94,7 +99,8 @@ class PasskeyCorpus:
         return (self.tok.encode(PASSKEY_NEEDLE.format(key=key)), self.tok.encode(PASSKEY_ANSWER.format(key=key)))
 
     def document(self, index: int) -> tuple[list[int], int, int]:
-        """(tokens, answer_start, key) of document ``index``; tokens[answer_start:-1] is the answer."""
+        """(tokens, answer_start, key) of document ``index``; tokens[answer_start:-1] is the answer
+        (" 12345.", the space included)."""
         rng = random.Random(f"passkey:{self.split}:{self.seed}:{index}")
         key = rng.randint(10000, 99999)
         depth = rng.random()

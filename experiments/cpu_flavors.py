@@ -1,0 +1,18 @@
+"""Extra tiny flavors for CPU retrieval checks (NOTES entry 15), registered on import.
+
+    PYTHONPATH=experiments nsa-train --job.config_file titan_configs/debug_nsa.toml \
+        --experimental.custom_import cpu_flavors --model.flavor debug4l ...
+
+Importing this module registers the nsa_flex TrainSpec (as nsa_flex.titan.train_spec does) and adds
+``debug4l`` (the debugmodel with 4 layers) and ``debug4l128`` (4 layers, dim 128, 8 heads) to the
+flavor table; an evaluation process must import it too before building the model.
+"""
+
+import dataclasses
+
+import nsa_flex.titan.train_spec  # noqa: F401  (registers the spec, CPU shim)
+from nsa_flex.titan.args import nsa_flex_args
+
+_base = nsa_flex_args["debugmodel"]
+nsa_flex_args._table.setdefault("debug4l", dataclasses.replace(_base, n_layers=4))
+nsa_flex_args._table.setdefault("debug4l128", dataclasses.replace(_base, n_layers=4, dim=128, n_heads=8))
