@@ -190,10 +190,11 @@ def make_prompt(tok, kind: str, length: int, depth: int, trial: int, filler: Fil
         raise EvalError(f"--lengths: {length} is too short for a {n_keys}-key prompt "
                         f"(needs >= {len(head) + fixed + 7} tokens with this tokenizer)")
     fill = filler.tokens(n_fill, trial)[:n_fill]
-    order = sorted(range(n_keys), key=lambda i: (int(depths[i] * n_fill), i))
+    at = lambda d: min(int(d * (n_fill + 1)), n_fill)  # insertion point, as PasskeyCorpus.build
+    order = sorted(range(n_keys), key=lambda i: (at(depths[i]), i))
     body, prev = [], 0
     for i in order:
-        cut = int(depths[i] * n_fill)
+        cut = at(depths[i])
         body += fill[prev:cut] + needles[i]
         prev = cut
     body += fill[prev:]

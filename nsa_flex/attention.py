@@ -97,9 +97,12 @@ def _unfold_q(x: Tensor, C: int) -> Tensor:  # [B*C, H, R/C, ...] -> [B, H, R, .
     return x.reshape(BC // C, H, C * Rc, *rest)
 
 
-def _fold_kv(x: Tensor, C: int) -> Tensor:  # [B, H, S, D] -> [B*C, H, S, D] (a copy per chunk)
+def _fold_kv(x: Tensor, C: int) -> Tensor:
+    """[B, H, S, D] -> [B*C, H, S, D], a real copy per chunk. With B = 1 the reshape of the
+    expanded view is itself a view with batch stride 0; flex's backward allocates dK/dV with the
+    key's strides, so all chunks wrote one buffer (H100: cudaErrorInvalidAddressSpace)."""
     B = x.shape[0]
-    return x.unsqueeze(1).expand(B, C, *x.shape[1:]).reshape(B * C, *x.shape[1:])
+    return x.unsqueeze(1).expand(B, C, *x.shape[1:]).reshape(B * C, *x.shape[1:]).contiguous()
 
 
 def _flex_folded(q, k, v, bm, scale, enable_gqa, kernel_options, C):

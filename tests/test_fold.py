@@ -101,3 +101,12 @@ def test_query_chunks_heuristic():
     assert query_chunks(65536 * 16, 16, "cuda", per_group=True) == 16  # selection, G=16
     assert query_chunks(8192, 128, "cuda", kv_len=511) == 2
     assert query_chunks(4096, 128, "cuda", kv_len=255) == 1
+
+
+@pytest.mark.parametrize("B", [1, 2])
+def test_fold_kv_is_a_real_copy(B):
+    from nsa_flex.attention import _fold_kv
+    k = torch.randn(B, 2, 8, 4)
+    f = _fold_kv(k, 4)
+    assert f.shape == (B * 4, 2, 8, 4) and f.is_contiguous() and f.stride(0) == 2 * 8 * 4
+    assert torch.equal(f.view(B, 4, 2, 8, 4)[:, 3], k)

@@ -121,7 +121,10 @@ class PasskeyCorpus:
             n_fill = self.length - len(head) - len(needle) - len(tail)
         if len(filler) < n_fill:
             raise DatasetError(f"passkey: filler of {len(filler)} tokens, the document needs {n_fill}")
-        cut = int(depth * n_fill)
+        # n_fill + 1 insertion points, from right after the head (depth 0) to right before the
+        # question (depth 1: the evaluation's 100%); a uniform depth in [0, 1) draws each alike
+        # (int(depth * n_fill) never put the needle next to the question in training)
+        cut = min(int(depth * (n_fill + 1)), n_fill)
         toks = head + filler[:cut] + needle + filler[cut:n_fill] + tail
         assert len(toks) == self.length, (len(toks), self.length)
         return toks, self.length - len(answer) - len(self._eos)
