@@ -95,12 +95,14 @@ def test_folded_flex_equals_unfolded_and_reference(which):
 
 
 def test_query_chunks_heuristic():
-    assert query_chunks(65536, 128, "cpu", kv_len=4095) == 1  # CPU: never
-    assert query_chunks(65536, 128, "cuda", kv_len=4095) == 16  # compressed keys at 64k
-    assert query_chunks(65536, 128, "cuda", kv_len=65536) == 1  # window / causal: no
-    assert query_chunks(65536 * 16, 16, "cuda", per_group=True) == 16  # selection, G=16
-    assert query_chunks(8192, 128, "cuda", kv_len=511) == 2
-    assert query_chunks(4096, 128, "cuda", kv_len=255) == 1
+    qc = lambda *a, **k: query_chunks(*a, max_chunks=16, **k)  # noqa: E731
+    assert qc(65536, 128, "cpu", kv_len=4095) == 1  # CPU: never
+    assert qc(65536, 128, "cuda", kv_len=4095) == 16  # compressed keys at 64k
+    assert qc(65536, 128, "cuda", kv_len=65536) == 1  # window / causal: no
+    assert qc(65536 * 16, 16, "cuda", per_group=True) == 16  # selection, G=16
+    assert qc(8192, 128, "cuda", kv_len=511) == 2
+    assert qc(4096, 128, "cuda", kv_len=255) == 1
+    assert query_chunks(65536, 128, "cuda", kv_len=4095) == 1  # default: off (NOTES 16)
 
 
 @pytest.mark.parametrize("B", [1, 2])

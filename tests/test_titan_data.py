@@ -74,6 +74,21 @@ def test_passkey_answer_tokens_copy_the_needle(name, offline):
             assert len(hits) >= 2, (name, seq_len, i, key)  # both needle mentions
 
 
+def test_passkey_depth_covers_both_ends():
+    """Depth 0 puts the needle right after the head, depth 1 (the evaluation's 100%) right before
+    the question, and a training draw just below 1 reaches that insertion point too (it never did
+    with int(depth * n_fill): no training document had the needle next to the question)."""
+    from nsa_flex.titan.data import PASSKEY_NEEDLE, PASSKEY_QUESTION, PasskeyCorpus
+
+    tok = ByteTokenizer()
+    c = PasskeyCorpus(tok, 257)
+    needle_q = PASSKEY_NEEDLE.format(key=12345) + PASSKEY_QUESTION
+    assert needle_q in tok.decode(c.build(12345, 1.0)[0])
+    assert c.build(12345, 1 - 1e-9) == c.build(12345, 1.0)
+    assert needle_q not in tok.decode(c.build(12345, 0.5)[0])
+    assert tok.decode(c.build(12345, 0.0)[0][1:]).startswith(PASSKEY_NEEDLE.format(key=12345))
+
+
 def test_passkey_varies_with_index_seed_and_split():
     tok = ByteTokenizer()
     keys = [passkey_document(tok, 512, i)[2] for i in range(20)]
