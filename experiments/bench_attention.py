@@ -516,6 +516,30 @@ def plot(rows, path):
     print("wrote", path)
 
 
+def merge(paths, out):
+    """Merge result CSVs of several runs (each may hold a subset of items) into one, and plot."""
+    rows = {}
+    for p in paths:
+        with open(p) as f:
+            for r in csv.DictReader(f):
+                r = {k: v for k, v in r.items() if v not in ("", None)}
+                r["T"] = int(r["T"])
+                for k in ("fwd_ms", "fwd_bwd_ms", "peak_GiB"):
+                    if k in r:
+                        r[k] = float(r[k])
+                key = (r["config"], r["T"], r["stage"])
+                old = rows.get(key, {})
+                if "fwd_ms" in r or "fwd_bwd_ms" in r or not old:
+                    if "error" not in r:
+                        old = {k: v for k, v in old.items() if k != "error"}
+                    rows[key] = {**old, **r}
+    rows = sorted(rows.values(), key=lambda r: (r["config"], r["T"], r["stage"]))
+    os.makedirs(out, exist_ok=True)
+    write_csv(rows, os.path.join(out, "bench.csv"))
+    plot(rows, os.path.join(out, "bench.png"))
+    return rows
+
+
 def _names(text, allowed, what, ap):
     names = [n for n in text.split(",") if n]
     bad = [n for n in names if n not in allowed]
@@ -538,7 +562,13 @@ def main(argv=None):
     ap.add_argument("--item-limit", type=float, default=0,
                     help="seconds per phase of an item (setup, first call, timing); 0: none")
     ap.add_argument("--out", default="experiments/results/bench")
+    ap.add_argument("--merge", default="",
+                    help="comma list of bench.csv files from earlier runs: rows merged (a later "
+                         "file's row for the same config/T/stage wins when it has a time), "
+                         "written to OUT/bench.csv + bench.png; nothing is run")
     args = ap.parse_args(argv)
+    if args.merge:
+        return merge(args.merge.split(","), args.out)
     only = set(_names(args.only, ITEMS, "--only", ap))
     modes = _names(args.modes, MODES, "--modes", ap)
     os.makedirs(args.out, exist_ok=True)
