@@ -10,8 +10,8 @@
 
 Prompts (generated offline, deterministic in --seed):
   * passkey: exactly the training passkey document of nsa_flex/titan/data.py
-    (``PasskeyCorpus.build``: [BOS] intro, filler, the needle "The pass key is 12345. Remember it.
-    12345 is the pass key." at the given depth, "What is the pass key? The pass key is "), cut before
+    (``PasskeyCorpus.build``: [BOS] intro, filler, the needle "The pass key is: 12345. Remember it.
+    The pass key is: 12345." at the given depth, "What is the pass key? The pass key is:"), cut before
     the answer. A prompt of length L is the training document of seq_len L: with the synthetic
     filler, a model trained on the passkey corpus at seq_len L is evaluated in distribution at L.
   * multikey: --n-keys needles "The pass key of <name> is <key>. ..." with distinct names and keys,
@@ -58,8 +58,8 @@ DEFAULT_FINEWEB = os.path.join(os.path.dirname(ROOT), "shared", "data", "fineweb
 DEFAULT_CONFIG = os.path.join(ROOT, "titan_configs", "debug_nsa.toml")
 NAMES = ("Alice", "Bob", "Carol", "David", "Emma", "Frank", "Grace", "Henry", "Irene", "Jack",
          "Karen", "Louis", "Maria", "Nora", "Oscar", "Peter")
-MULTI_NEEDLE = " The pass key of {name} is {key}. Remember it. {key} is the pass key of {name}. "
-MULTI_QUESTION = "\nWhat is the pass key of {name}? The pass key of {name} is"  # + " {key}."
+MULTI_NEEDLE = " The pass key of {name} is: {key}. Remember it. The pass key of {name} is: {key}. "
+MULTI_QUESTION = "\nWhat is the pass key of {name}? The pass key of {name} is:"  # + " {key}."
 
 
 class EvalError(ValueError):

@@ -63,8 +63,8 @@ def test_passkey_prompt_is_the_training_document(tok):
             assert p["answer_tokens"] == len(toks) - 1 - ans
             assert tok.decode(toks[ans:-1]) == " " + p["expected"] + "."
             text = tok.decode(p["tokens"])
-            assert text.endswith("What is the pass key? The pass key is")
-            pos = text.index(f"The pass key is {p['expected']}.")
+            assert text.endswith("What is the pass key? The pass key is:")
+            pos = text.index(f"The pass key is: {p['expected']}.")
             if L >= 1000:  # the needle sits at d% of the filler
                 assert abs(pos / len(text) - d / 100) < 0.15, (L, d, pos / len(text))
 
@@ -76,13 +76,13 @@ def test_multikey_prompt(tok):
         p = ne.make_prompt(tok, "multikey", 1500, d, 1, syn, n_keys=4, seed=3)
         assert len(p["tokens"]) + p["answer_tokens"] + 1 == 1501
         text = tok.decode(p["tokens"])
-        needles = [(text.index(m), m) for m in ne.re.findall(r"The pass key of \w+ is \d+\.", text)]
+        needles = [(text.index(m), m) for m in ne.re.findall(r"The pass key of \w+ is: \d+\. Remember", text)]
         assert len(needles) == 4
         names = {ne.re.search(r"of (\w+) is", m).group(1) for _, m in needles}
-        keys = {ne.re.search(r"is (\d+)\.", m).group(1) for _, m in needles}
+        keys = {ne.re.search(r"is: (\d+)\.", m).group(1) for _, m in needles}
         assert len(names) == 4 and len(keys) == 4 and p["expected"] in keys
-        asked = ne.re.search(r"What is the pass key of (\w+)\? The pass key of \1 is$", text).group(1)
-        pos = text.index(f"The pass key of {asked} is {p['expected']}.")
+        asked = ne.re.search(r"What is the pass key of (\w+)\? The pass key of \1 is:$", text).group(1)
+        pos = text.index(f"The pass key of {asked} is: {p['expected']}.")
         assert abs(pos / len(text) - d / 100) < 0.2, (d, pos / len(text))
     assert ne.make_prompt(tok, "multikey", 1500, 100, 1, syn, 4, 3) == p  # deterministic
     assert ne.make_prompt(tok, "multikey", 1500, 100, 2, syn, 4, 3)["expected"] != p["expected"]
@@ -95,8 +95,8 @@ def test_fineweb_filler_haystack_per_trial():
     a = ne.make_prompt(BYTE, "passkey", 3000, 20, 0, fw)
     b = ne.make_prompt(BYTE, "passkey", 3000, 80, 0, fw)
     c = ne.make_prompt(BYTE, "passkey", 3000, 20, 1, fw)
-    strip = lambda p: BYTE.decode(p["tokens"]).replace(f" The pass key is {p['expected']}. Remember it. "
-                                                       f"{p['expected']} is the pass key. ", "")
+    strip = lambda p: BYTE.decode(p["tokens"]).replace(f" The pass key is: {p['expected']}. Remember it. "
+                                                       f"The pass key is: {p['expected']}. ", "")
     assert strip(a) == strip(b) != strip(c)  # same haystack for every depth of a trial
     assert "grass is green" not in strip(a) and len(a["tokens"]) == len(b["tokens"])
     assert ne.Filler.resolve("auto", "/nonexistent.parquet") == "synthetic"
@@ -178,12 +178,12 @@ def test_quick_run_outputs(tmp_path, monkeypatch):
         out = []
         for p, g in zip(prompts, gens):
             text = BYTE.decode([t for t in p if t < 256])
-            key = ne.re.findall(r"The pass key (?:of \w+ )?is (\d+)\.", text)
+            key = ne.re.findall(r"The pass key (?:of \w+ )?is: (\d+)\.", text)
             asked = ne.re.search(r"pass key of (\w+)\? ", text)
             if asked:
-                key = ne.re.findall(rf"The pass key of {asked.group(1)} is (\d+)\.", text)
+                key = ne.re.findall(rf"The pass key of {asked.group(1)} is: (\d+)\.", text)
             # depth 100: the asked needle is right before the question
-            depth_ok = ne.re.search(rf"{key[0]} is the pass key(?: of \w+)?\. \nWhat is", text) is not None
+            depth_ok = ne.re.search(rf"is: {key[0]}\. \nWhat is", text) is not None
             out.append(BYTE.encode(f"{key[0]}." if depth_ok else "00000.") + [BYTE.eos_id])
         return out
 

@@ -50,8 +50,9 @@ def test_passkey_documents_exact_length_and_answer(seq_len):
         assert len(toks) == seq_len + 1
         assert toks[0] == tok.bos_id and toks[-1] == tok.eos_id
         text = tok.decode(toks)
-        assert text.count(f"The pass key is {key}. Remember it.") == 1
-        assert text.endswith(f"What is the pass key? The pass key is {key}.")
+        assert text.count(f"The pass key is: {key}. Remember it. The pass key is: {key}.") == 1
+        assert text.count(":") == 3  # the cue: two needle mentions and the question
+        assert text.endswith(f"What is the pass key? The pass key is: {key}.")
         assert tok.decode(toks[ans:-1]) == f" {key}."  # the space before the key is the answer's
         assert 10000 <= key <= 99999
         # deterministic
@@ -98,6 +99,38 @@ def test_passkey_varies_with_index_seed_and_split():
     # the needle's depth varies
     depths = {tok.decode(passkey_document(tok, 2048, i)[0]).index("The pass key is") for i in range(10)}
     assert len(depths) > 5
+
+
+@pytest.mark.parametrize("seq_len", [512, 2048])
+def test_passkey_questions_asks_q_times_after_the_needle(seq_len):
+    """passkey_questions=q: the same document but q question+answer pairs (q-1 at random points after
+    the needle, the last at the end), exact length, deterministic; q=1 is the plain document."""
+    from nsa_flex.titan.data import PASSKEY_QUESTION
+
+    tok = ByteTokenizer()
+    for i in range(20):
+        toks, ans, key = passkey_document(tok, seq_len, i, questions=4)
+        assert len(toks) == seq_len + 1 and toks[-1] == tok.eos_id
+        text = tok.decode(toks)
+        qa = PASSKEY_QUESTION + f" {key}."
+        assert text.count(qa) == 4 and text.endswith(qa)
+        assert text.index(qa) > text.index(f"The pass key is: {key}. Remember it.")
+        assert tok.decode(toks[ans:-1]) == f" {key}."
+        assert passkey_document(tok, seq_len, i, questions=4) == (toks, ans, key)
+        one = passkey_document(tok, seq_len, i)
+        assert one[2] == key and tok.decode(one[0]).count(qa) == 1
+    # the extra questions sit at different distances from the needle
+    gaps = {tok.decode(passkey_document(tok, seq_len, i, questions=2)[0]).index(PASSKEY_QUESTION)
+            for i in range(10)}
+    assert len(gaps) > 5
+
+
+@pytest.mark.parametrize("bad", [0, 17, 2.0, True, "4"])
+def test_passkey_questions_out_of_range_errors(bad):
+    with pytest.raises(DatasetError, match=r"training.passkey_questions=.*must be an integer in \[1, 16\]"):
+        passkey_document(ByteTokenizer(), 512, 0, questions=bad)
+    with pytest.raises(DatasetError, match=r"passkey_questions=8 \(needs seq_len >= \d+"):
+        passkey_document(ByteTokenizer(), 256, 0, questions=8)
 
 
 def test_passkey_too_short_sequence_errors():

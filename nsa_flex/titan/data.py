@@ -4,10 +4,13 @@ Chosen by ``[training] dataset`` / ``dataset_path`` (and ``[validation]`` likewi
 
   * ``passkey`` (default, built in, no files): a deterministic long-context retrieval corpus. Document i
     (seeded by ``dataset_seed`` and i) is exactly ``seq_len + 1`` tokens: [BOS] intro, filler text with a
-    needle "The pass key is 12345. Remember it. 12345 is the pass key." at a random depth, then
-    "What is the pass key? The pass key is 12345." and EOS (the answer " 12345." with its
+    needle "The pass key is: 12345. Remember it. The pass key is: 12345." at a random depth, then
+    "What is the pass key? The pass key is: 12345." and EOS (the answer " 12345." with its
     leading space, tokenized as in the needle); so every training sample is one document,
     for any sequence length and tokenizer. :func:`passkey_document` returns one with its answer span.
+    ``[training] passkey_questions`` = q > 1 asks the question q times in training documents: q - 1
+    extra question + answer pairs replace filler at random points after the needle (more retrieval
+    targets per document; the evaluation asks once, at the end).
   * ``fineweb_edu``: HuggingFaceFW/fineweb-edu, streaming, config ``[training] dataset_config``
     (default sample-10BT). With ``dataset_path`` set, that local file / folder / glob (or hub id) is
     read instead -- the offline way, e.g. ``--training.dataset_path ../shared/data/fineweb_sample_2800.parquet``.
@@ -60,23 +63,35 @@ PASSKEY_INTRO = (
     "Find it and memorize it. I will quiz you about the important information there.\n"
 )
 PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-PASSKEY_NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key. "
-# The space before the key belongs to the answer, as in the needle (" is {key}."): with a BPE
+# The key follows the cue ":" which nothing else in a synthetic document has: "is" alone occurs
+# three times per filler sentence, so retrieving after "... is" needs a two-token match, and small
+# models trained from scratch (NOTES entry 17) learned no copy at all; after ":" it is a one-token
+# match (an induction head). The needle states the key twice, the second a short-range copy of the
+# same pattern.
+PASSKEY_NEEDLE = " The pass key is: {key}. Remember it. The pass key is: {key}. "
+# The space before the key belongs to the answer, as in the needle (": {key}."): with a BPE
 # tokenizer (gpt2) the answer's key tokens are then exactly the needle's (" 60", "494"), so the
-# answer is a plain copy; "is " + "60494." gave different tokens ("60", "494" after a lone " ";
+# answer is a plain copy; ": " + "60494." gave different tokens ("60", "494" after a lone " ";
 # a 1-in-4 different digit split too) and no copy to learn.
-PASSKEY_QUESTION = "\nWhat is the pass key? The pass key is"
+PASSKEY_QUESTION = "\nWhat is the pass key? The pass key is:"
 PASSKEY_ANSWER = " {key}."
+
+
+MAX_QUESTIONS = 16
 
 
 class PasskeyCorpus:
     """Deterministic passkey documents of exactly ``length`` tokens (``length = seq_len + 1``)."""
 
-    def __init__(self, tokenizer: BaseTokenizer, length: int, seed: int = 0, split: str = "train"):
+    def __init__(self, tokenizer: BaseTokenizer, length: int, seed: int = 0, split: str = "train",
+                 questions: int = 1):
+        if isinstance(questions, bool) or not isinstance(questions, int) or not 1 <= questions <= MAX_QUESTIONS:
+            raise DatasetError(f"training.passkey_questions={questions!r}: must be an integer in [1, {MAX_QUESTIONS}]")
         self.tok = tokenizer
         self.length = length
         self.seed = seed
         self.split = split
+        self.questions = questions
         self._intro = tokenizer.encode(PASSKEY_INTRO)
         self._question = tokenizer.encode(PASSKEY_QUESTION)
         reps = 1
@@ -88,11 +103,12 @@ class PasskeyCorpus:
         self._eos = [tokenizer.eos_id]
         # the longest needle/answer (5-digit keys) must fit, with at least some filler
         probe = self._parts(99999)
-        fixed = len(self._bos) + len(probe[0]) + len(probe[1]) + len(self._question) + len(self._eos)
+        fixed = (len(self._bos) + len(probe[0]) + questions * (len(probe[1]) + len(self._question))
+                 + len(self._eos))
         if fixed + 8 > length:
             raise DatasetError(
-                f"passkey: seq_len={length - 1} is too short for a passkey document "
-                f"(needs seq_len >= {fixed + 7} with this tokenizer)"
+                f"passkey: seq_len={length - 1} is too short for a passkey document with "
+                f"passkey_questions={questions} (needs seq_len >= {fixed + 7} with this tokenizer)"
             )
 
     def _parts(self, key: int) -> tuple[list[int], list[int]]:
@@ -104,18 +120,23 @@ class PasskeyCorpus:
         rng = random.Random(f"passkey:{self.split}:{self.seed}:{index}")
         key = rng.randint(10000, 99999)
         depth = rng.random()
-        toks, answer_start = self.build(key, depth)
+        extra = [rng.random() for _ in range(self.questions - 1)]
+        toks, answer_start = self.build(key, depth, extra_questions=extra)
         return toks, answer_start, key
 
-    def build(self, key: int, depth: float, filler: list[int] | None = None) -> tuple[list[int], int]:
+    def build(self, key: int, depth: float, filler: list[int] | None = None,
+              extra_questions: list[float] = ()) -> tuple[list[int], int]:
         """(tokens, answer_start) of the document with pass key ``key`` whose needle sits at
         ``depth`` (0..1) of the filler; ``filler`` (token ids, at least ``length`` of them) replaces
-        the synthetic filler text (the needle-in-a-haystack evaluation passes real text)."""
+        the synthetic filler text (the needle-in-a-haystack evaluation passes real text).
+        ``extra_questions`` (each in [0, 1)): one more question + answer per value, placed at that
+        fraction of the filler that follows the needle (training documents, passkey_questions)."""
         filler = self._filler if filler is None else filler
         needle, answer = self._parts(key)
+        qa = self._question + answer
         head = self._bos + self._intro
         tail = self._question + answer + self._eos
-        n_fill = self.length - len(head) - len(needle) - len(tail)
+        n_fill = self.length - len(head) - len(needle) - len(tail) - len(qa) * len(extra_questions)
         if n_fill < 8:  # drop the intro when the sequence is short
             head = list(self._bos)
             n_fill = self.length - len(head) - len(needle) - len(tail)
@@ -125,14 +146,19 @@ class PasskeyCorpus:
         # question (depth 1: the evaluation's 100%); a uniform depth in [0, 1) draws each alike
         # (int(depth * n_fill) never put the needle next to the question in training)
         cut = min(int(depth * (n_fill + 1)), n_fill)
-        toks = head + filler[:cut] + needle + filler[cut:n_fill] + tail
+        after = filler[cut:n_fill]
+        for f in sorted(extra_questions, reverse=True):  # from the back: earlier cuts stay valid
+            at = min(int(f * (n_fill - cut + 1)), n_fill - cut)
+            after = after[:at] + qa + after[at:]
+        toks = head + filler[:cut] + needle + after + tail
         assert len(toks) == self.length, (len(toks), self.length)
         return toks, self.length - len(answer) - len(self._eos)
 
 
-def passkey_document(tokenizer: BaseTokenizer, seq_len: int, index: int, seed: int = 0, split: str = "train"):
+def passkey_document(tokenizer: BaseTokenizer, seq_len: int, index: int, seed: int = 0, split: str = "train",
+                     questions: int = 1):
     """Document ``index`` of the passkey corpus for ``seq_len``: (tokens [seq_len+1], answer_start, key)."""
-    return PasskeyCorpus(tokenizer, seq_len + 1, seed, split).document(index)
+    return PasskeyCorpus(tokenizer, seq_len + 1, seed, split, questions).document(index)
 
 
 class PasskeySource:
@@ -323,6 +349,7 @@ def build_source(
     text_column: str = "text",
     seed: int = 0,
     split: str = "train",
+    passkey_questions: int = 1,
 ):
     """The document source of dataset ``name`` (see module docstring); validates name and path."""
     name = name.lower()
@@ -331,7 +358,8 @@ def build_source(
     if name == "passkey":
         if path:
             raise DatasetError("dataset 'passkey' is generated: leave dataset_path unset")
-        return PasskeySource(PasskeyCorpus(tokenizer, seq_len + 1, seed=seed, split=split))
+        return PasskeySource(PasskeyCorpus(tokenizer, seq_len + 1, seed=seed, split=split,
+                                           questions=passkey_questions))
 
     from datasets import load_dataset
 
@@ -451,6 +479,10 @@ class PackedTokenDataset(IterableDataset, Stateful):
 def _build(section, job_config, dp_world_size, dp_rank, tokenizer, infinite, split):
     training = job_config.training
     mix = getattr(training, "passkey_mix", 0.0) if split == "train" else 0.0
+    questions = getattr(training, "passkey_questions", 1)
+    if isinstance(questions, bool) or not isinstance(questions, int) or not 1 <= questions <= MAX_QUESTIONS:
+        raise DatasetError(f"training.passkey_questions={questions!r}: must be an integer in [1, {MAX_QUESTIONS}]")
+    questions = questions if split == "train" else 1
     if isinstance(mix, bool) or not isinstance(mix, (int, float)) or not 0.0 <= mix <= 1.0:
         raise DatasetError(f"training.passkey_mix={mix!r}: must be a number in [0, 1]")
     if mix > 0 and section.dataset.lower() == "passkey":
@@ -466,11 +498,12 @@ def _build(section, job_config, dp_world_size, dp_rank, tokenizer, infinite, spl
         text_column=getattr(training, "dataset_text_column", "text"),
         seed=getattr(training, "dataset_seed", 0),
         split=split,
+        passkey_questions=questions,
     )
     passkey = None
     if mix > 0:
         passkey = PasskeyCorpus(tokenizer, section.seq_len + 1, seed=getattr(training, "dataset_seed", 0),
-                                split=split)
+                                split=split, questions=questions)
         logger.info(f"Dataset {section.dataset}: {100 * mix:g}% of the sequences are passkey documents")
     ds = PackedTokenDataset(source, section.seq_len, dp_rank, dp_world_size, infinite=infinite,
                             restart_each_iter=split == "validation", passkey=passkey, passkey_mix=mix)

@@ -10,7 +10,7 @@ Sections:
   [nsa]       NSA attention settings. ``None`` (the default) keeps the value of the model flavor;
               plus telemetry: ``telemetry_every``, ``gate_collapse_threshold``, ``gate_collapse_steps``.
   [model]     + ``tokenizer``; defaults name="nsa_flex", flavor="debugmodel".
-  [training]  + ``dataset_config``, ``dataset_text_column``, ``dataset_seed``, ``passkey_mix``; default
+  [training]  + ``dataset_config``, ``dataset_text_column``, ``dataset_seed``, ``passkey_mix``, ``passkey_questions``; default
               dataset "passkey".
   [validation] default dataset "passkey" (validation stream uses its own seed).
   [metrics]   + ``jsonl_file``: per-step metrics (full-precision loss, grad norm, tps, memory) as JSONL.
@@ -98,6 +98,10 @@ class Training:
     passkey_mix: float = 0.0
     """fraction (0..1) of the training sequences of a text dataset (fineweb_edu / local) replaced by
     generated passkey documents, chosen per sequence index by a seeded hash (0 = none)"""
+    passkey_questions: int = 1
+    """training passkey documents ask the question this many times (1..16): the extra question +
+    answer pairs replace filler at random points after the needle (more retrieval targets per
+    document, at shorter distances too); validation and evaluation documents ask once"""
 
 
 @dataclass
