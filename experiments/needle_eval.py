@@ -95,8 +95,9 @@ def kinds_list(text: str) -> list[str]:
 
 # ---------------------------------------------------------------------- filler
 class Filler:
-    """Filler tokens: ``synthetic`` (the training corpus's) or ``fineweb`` (real text, one haystack
-    per trial)."""
+    """Filler tokens, one haystack per trial (the same for every depth and length of a trial):
+    ``synthetic`` (the training corpus's kind: a random passage repeated, unseen in training) or
+    ``fineweb`` (real text)."""
 
     def __init__(self, kind: str, tok, path: str | None = None):
         self.kind, self.tok, self.path = kind, tok, path
@@ -117,14 +118,12 @@ class Filler:
         return choice
 
     def tokens(self, n: int, trial: int) -> list[int]:
-        if self.kind == "synthetic":
-            from nsa_flex.titan.data import PASSKEY_FILLER
+        if self.kind == "synthetic":  # the training documents' kind of filler, one passage per trial
+            from nsa_flex.titan.data import synthetic_filler
 
-            got, reps = self._cache.get(-1, []), 1
-            while len(got) < n:  # as PasskeyCorpus: the sentences repeated, tokenized at once
-                got = self.tok.encode(PASSKEY_FILLER * reps)
-                reps *= 2
-            self._cache[-1] = got
+            got = self._cache.get(trial, [])
+            if len(got) < n:
+                got = self._cache[trial] = synthetic_filler(self.tok, n, f"eval:{trial}")
             return got
         got = self._cache.get(trial, [])
         if len(got) < n:
@@ -165,8 +164,7 @@ def make_prompt(tok, kind: str, length: int, depth: int, trial: int, filler: Fil
             corpus = PasskeyCorpus(tok, length + 1)
         except DatasetError as e:
             raise EvalError(f"--lengths: {length} is too short for a passkey prompt ({e})") from None
-        fill = None if filler.kind == "synthetic" else filler.tokens(length + 1, trial)
-        toks, ans = corpus.build(key, depth / 100.0, filler=fill)
+        toks, ans = corpus.build(key, depth / 100.0, filler=filler.tokens(length + 1, trial))
         return {"tokens": toks[:ans], "expected": str(key), "answer_tokens": len(toks) - 1 - ans}
     if kind != "multikey":
         raise EvalError(f"--kinds: {kind!r} not in {list(KINDS)}")

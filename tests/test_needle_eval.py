@@ -46,8 +46,11 @@ def _tokenizers():
 # ---------------------------------------------------------------------- prompts
 @pytest.mark.parametrize("tok", _tokenizers(), ids=lambda t: type(t).__name__)
 def test_passkey_prompt_is_the_training_document(tok):
-    """Synthetic filler: prompt + answer + EOS == the training corpus's document for the same key and
-    depth; and the corpus's own documents are build(key, depth) of its seeded draws."""
+    """Synthetic filler: prompt + answer + EOS == the training corpus's document for the same key,
+    depth and filler passage; and the corpus's own documents are build(key, depth, filler) of their
+    seeded draws (the filler a repeated passage of the document's own seed)."""
+    from nsa_flex.titan.data import synthetic_filler
+
     syn = ne.Filler("synthetic", tok)
     for L in (300, 1000, 4096):
         corpus = PasskeyCorpus(tok, L + 1, seed=5)
@@ -55,10 +58,11 @@ def test_passkey_prompt_is_the_training_document(tok):
             rng = random.Random(f"passkey:train:5:{i}")
             key, depth = rng.randint(10000, 99999), rng.random()
             toks, ans, k = corpus.document(i)
-            assert k == key and (toks, ans) == corpus.build(key, depth)
+            fill = synthetic_filler(tok, L + 1, f"train:5:{i}")
+            assert k == key and (toks, ans) == corpus.build(key, depth, fill)
         for d in (0, 30, 100):
             p = ne.make_prompt(tok, "passkey", L, d, 0, syn)
-            toks, ans = corpus.build(int(p["expected"]), d / 100)
+            toks, ans = corpus.build(int(p["expected"]), d / 100, syn.tokens(L + 1, 0))
             assert p["tokens"] == toks[:ans] and len(toks) == L + 1
             assert p["answer_tokens"] == len(toks) - 1 - ans
             assert tok.decode(toks[ans:-1]) == " " + p["expected"] + "."

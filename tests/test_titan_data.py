@@ -125,6 +125,25 @@ def test_passkey_questions_asks_q_times_after_the_needle(seq_len):
     assert len(gaps) > 5
 
 
+def test_synthetic_filler_is_a_repeated_passage_per_document():
+    """The filler of a document repeats one passage of random sentences (period 3..100 sentences),
+    different per document (seed) and deterministic; so most filler tokens are copies of earlier ones."""
+    from nsa_flex.titan.data import synthetic_filler
+
+    tok = ByteTokenizer()
+    periods = set()
+    for i in range(30):
+        f = synthetic_filler(tok, 4000, f"train:0:{i}")
+        assert len(f) >= 4000 and f == synthetic_filler(tok, 4000, f"train:0:{i}")
+        text = tok.decode(f)
+        period = next(p for p in range(20, len(text)) if text[p:p + 200] == text[:200])
+        assert text[:len(text) - period] == text[period:]  # periodic
+        periods.add(period)
+    assert len(periods) > 20 and min(periods) < 300 and max(periods) > 1500
+    docs = [tok.decode(passkey_document(tok, 1024, i)[0]) for i in range(5)]
+    assert len({d[200:300] for d in docs}) == 5  # each document its own passage
+
+
 @pytest.mark.parametrize("bad", [0, 17, 2.0, True, "4"])
 def test_passkey_questions_out_of_range_errors(bad):
     with pytest.raises(DatasetError, match=r"training.passkey_questions=.*must be an integer in \[1, 16\]"):

@@ -4,7 +4,8 @@ Chosen by ``[training] dataset`` / ``dataset_path`` (and ``[validation]`` likewi
 
   * ``passkey`` (default, built in, no files): a deterministic long-context retrieval corpus. Document i
     (seeded by ``dataset_seed`` and i) is exactly ``seq_len + 1`` tokens: [BOS] intro, filler text with a
-    needle "The pass key is: 12345. Remember it. The pass key is: 12345." at a random depth, then
+    needle "The pass key is: 12345. Remember it. The pass key is: 12345." at a random depth in a
+    filler passage of random sentences that repeats (``synthetic_filler``, new in every document), then
     "What is the pass key? The pass key is: 12345." and EOS (the answer " 12345." with its
     leading space, tokenized as in the needle); so every training sample is one document,
     for any sequence length and tokenizer. :func:`passkey_document` returns one with its answer span.
@@ -35,6 +36,7 @@ resumed run continues the stream where it stopped, without repeats.
 
 import glob
 import json
+import math
 import os
 import random
 from dataclasses import asdict
@@ -63,6 +65,36 @@ PASSKEY_INTRO = (
     "Find it and memorize it. I will quiz you about the important information there.\n"
 )
 PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+# Synthetic filler: a passage of random sentences, different in every document, repeated until the
+# document is full. A fixed filler (PASSKEY_FILLER, the classic one) is memorized in the weights and
+# teaches nothing about the context; a per-document passage repeated at a period of ~20 to ~600
+# tokens can only be predicted by copying from earlier in the context -- the induction circuit that
+# retrieval of the key needs, trained on most tokens instead of the key's few (NOTES entry 17), and
+# at distances inside and beyond the sliding window.
+_NOUNS = ("grass", "sky", "sun", "river", "house", "garden", "road", "cloud", "tree", "stone", "bird",
+          "field", "lake", "hill", "door", "lamp", "boat", "bridge", "forest", "window", "city", "cat")
+_ADJS = ("green", "blue", "yellow", "quiet", "old", "small", "bright", "dark", "warm", "cold", "wide",
+         "tall", "calm", "red", "soft", "long", "wet", "round", "empty", "busy", "still", "white")
+_VERBS = ("walked to", "looked at", "painted", "found", "passed", "watched", "left", "crossed", "saw")
+_NAMES = ("Anna", "Ben", "Clara", "David", "Ella", "Frank", "Grace", "Hugo", "Iris", "Jack", "Lena")
+
+
+def _sentence(rng: random.Random) -> str:
+    if rng.random() < 0.5:
+        return f"The {rng.choice(_NOUNS)} is {rng.choice(_ADJS)}. "
+    return f"{rng.choice(_NAMES)} {rng.choice(_VERBS)} the {rng.choice(_ADJS)} {rng.choice(_NOUNS)}. "
+
+
+def synthetic_filler(tokenizer: BaseTokenizer, n: int, seed: str) -> list[int]:
+    """At least ``n`` filler tokens for ``seed``: a passage of 3..100 random sentences (log-uniform),
+    repeated, tokenized at once. Deterministic in (seed, tokenizer)."""
+    rng = random.Random(f"filler:{seed}")
+    unit = "".join(_sentence(rng) for _ in range(int(math.exp(rng.uniform(math.log(3), math.log(100))))))
+    reps, got = 1, tokenizer.encode(unit)
+    while len(got) < n:
+        reps *= 2
+        got = tokenizer.encode(unit * reps)
+    return got
 # The key follows the cue ":" which nothing else in a synthetic document has: "is" alone occurs
 # three times per filler sentence, so retrieving after "... is" needs a two-token match, and small
 # models trained from scratch (NOTES entry 17) learned no copy at all; after ":" it is a one-token
@@ -94,11 +126,6 @@ class PasskeyCorpus:
         self.questions = questions
         self._intro = tokenizer.encode(PASSKEY_INTRO)
         self._question = tokenizer.encode(PASSKEY_QUESTION)
-        reps = 1
-        self._filler = tokenizer.encode(PASSKEY_FILLER)
-        while len(self._filler) < length:
-            reps *= 2
-            self._filler = tokenizer.encode(PASSKEY_FILLER * reps)
         self._bos = [tokenizer.bos_id] if getattr(tokenizer, "bos_id", None) is not None else []
         self._eos = [tokenizer.eos_id]
         # the longest needle/answer (5-digit keys) must fit, with at least some filler
@@ -121,17 +148,19 @@ class PasskeyCorpus:
         key = rng.randint(10000, 99999)
         depth = rng.random()
         extra = [rng.random() for _ in range(self.questions - 1)]
-        toks, answer_start = self.build(key, depth, extra_questions=extra)
+        filler = synthetic_filler(self.tok, self.length, f"{self.split}:{self.seed}:{index}")
+        toks, answer_start = self.build(key, depth, filler, extra_questions=extra)
         return toks, answer_start, key
 
     def build(self, key: int, depth: float, filler: list[int] | None = None,
               extra_questions: list[float] = ()) -> tuple[list[int], int]:
         """(tokens, answer_start) of the document with pass key ``key`` whose needle sits at
-        ``depth`` (0..1) of the filler; ``filler`` (token ids, at least ``length`` of them) replaces
-        the synthetic filler text (the needle-in-a-haystack evaluation passes real text).
+        ``depth`` (0..1) of the filler; ``filler``: token ids, at least ``length`` of them (default:
+        ``synthetic_filler`` of seed "build"; documents use their own seed, the needle-in-a-haystack
+        evaluation passes one per trial, or real text).
         ``extra_questions`` (each in [0, 1)): one more question + answer per value, placed at that
         fraction of the filler that follows the needle (training documents, passkey_questions)."""
-        filler = self._filler if filler is None else filler
+        filler = synthetic_filler(self.tok, self.length, "build") if filler is None else filler
         needle, answer = self._parts(key)
         qa = self._question + answer
         head = self._bos + self._intro
