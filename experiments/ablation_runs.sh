@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Issue 6 ablation: the six titan_configs/ablation_*.toml (identical but for [nsa] masks: nsa,
 # full_causal, sliding_only, random_selection, local_selection, no_compressed) trained on one GPU
-# (30M flavor, gpt2, FineWeb sample + 50% passkey documents, seq 2048, bf16, torch.compile, the same
-# STEPS x 8 x 2048 tokens each), then experiments/needle_eval.py on each final checkpoint at 1x, 2x
-# and 4x the trained length, then one table (loss, tokens/s, accuracy per length) and a plot.
+# (flavor 30M_kv4, byte tokenizer, FineWeb sample + 90% passkey documents, seq 1024, bf16,
+# torch.compile, the same STEPS x 16 x 1024 tokens each), then experiments/needle_eval.py on each
+# final checkpoint at 1x, 2x and 4x the trained length (SEQ, default 1024: keep it equal to the
+# TOMLs' seq_len), then one table (loss, tokens/s, accuracy per length) and a plot.
 #
 # Usage (device machine, repo root):
 #   bash experiments/ablation_runs.sh OUT DATA STEPS [EXPORT]
@@ -16,7 +17,7 @@
 #     EXPORT  optional folder (e.g. $OUT of the device tool: at most 8 files come back) that gets,
 #             refreshed after every run: ablation.csv, ablation.png, timeline.txt, ablation_runs.tgz
 #             (all of OUT but the checkpoints)
-#   e.g.  bash experiments/ablation_runs.sh /tmp/abl .data 300 "$OUT"
+#   e.g.  bash experiments/ablation_runs.sh /tmp/abl .data 6000 "$OUT"   (run 5, README "Results")
 #
 # Time: built for ONE device call (<= 9 min on an H100): the runs train CONCURRENTLY (JOBS=6 at once:
 # the compiles overlap on the 16 CPU cores, the small models share the GPU), so tokens/s in the table
@@ -29,8 +30,8 @@
 # and the others go on. Checkpoints (~120 MB each) go to RUNS_DIR (default /tmp/nsa_ablation_runs), off
 # OUT. Timings per stage are printed and kept in OUT/timeline.txt.
 #
-# Knobs (environment): BUDGET, EVAL_RESERVE (150), JOBS (6), PRESETS (the six), LENGTHS (1x,2x,4x of
-# seq 2048), DEPTHS (0,10,..,100), TRIALS (1), KINDS (passkey,multikey), FILLER (synthetic: the training
+# Knobs (environment): BUDGET, EVAL_RESERVE (150), JOBS (6), PRESETS (the six), SEQ, LENGTHS (1x,2x,4x of
+# SEQ), DEPTHS (0,10,..,100), TRIALS (1), KINDS (passkey,multikey), FILLER (synthetic: the training
 # passkey documents' filler, i.e. in distribution; fineweb for real-text haystacks), CKPT_EVERY,
 # RUNS_DIR, TRAIN_ARGS / EVAL_ARGS (extra flags, the same for every run; e.g. TRAIN_ARGS="--nsa.scorer torch"
 # and EVAL_ARGS="--override=--nsa.scorer=torch --decode-backend torch" pin the torch reference paths
@@ -45,7 +46,7 @@ BUDGET=${BUDGET:-520}
 EVAL_RESERVE=${EVAL_RESERVE:-150}
 JOBS=${JOBS:-6}
 PRESETS=${PRESETS:-"nsa full_causal sliding_only random_selection local_selection no_compressed"}
-SEQ=2048
+SEQ=${SEQ:-1024}
 LENGTHS=${LENGTHS:-$SEQ,$((2 * SEQ)),$((4 * SEQ))}
 DEPTHS=${DEPTHS:-0,10,20,30,40,50,60,70,80,90,100}
 TRIALS=${TRIALS:-1}

@@ -280,14 +280,14 @@ def test_ablation_configs_differ_only_in_masks():
         assert d["nsa"].pop("masks") == p
         cfgs[p] = d
         args = nsa_flex_args[c.model.flavor]
-        job = ConfigManager().parse_args(["--job.config_file", str(path), "--model.tokenizer", "byte"])
-        args.update_from_config(job)  # the [nsa] section is valid for the 30M flavor
-        assert args.masks == p and (args.dim, args.n_layers, args.n_heads, args.n_kv_heads) == (256, 4, 16, 1)
+        args.update_from_config(c)  # the [nsa] section is valid for the 30M_kv4 flavor
+        assert args.masks == p and (args.dim, args.n_layers, args.n_heads, args.n_kv_heads) == (256, 4, 16, 4)
     ref = cfgs["nsa"]
     for p, d in cfgs.items():
         assert d == ref, p
     t = ref["training"]
-    assert (t["dataset"], t["passkey_mix"], t["seq_len"]) == ("fineweb_edu", 0.5, 2048)
+    assert (t["dataset"], t["passkey_mix"], t["passkey_questions"], t["seq_len"]) == ("fineweb_edu", 0.9, 4, 1024)
+    assert ref["model"]["tokenizer"] == "byte" and t["local_batch_size"] == 16
     assert ref["compile"]["enable"] and ref["checkpoint"]["enable"] and ref["nsa"]["telemetry_every"] > 0
     assert ref["training"]["mixed_precision_param"] == "bfloat16"
 
