@@ -165,10 +165,11 @@ class PasskeyCorpus:
         qa = self._question + answer
         head = self._bos + self._intro
         tail = self._question + answer + self._eos
-        n_fill = self.length - len(head) - len(needle) - len(tail) - len(qa) * len(extra_questions)
+        fixed = len(needle) + len(tail) + len(qa) * len(extra_questions)
+        n_fill = self.length - len(head) - fixed
         if n_fill < 8:  # drop the intro when the sequence is short
             head = list(self._bos)
-            n_fill = self.length - len(head) - len(needle) - len(tail)
+            n_fill = self.length - len(head) - fixed
         if len(filler) < n_fill:
             raise DatasetError(f"passkey: filler of {len(filler)} tokens, the document needs {n_fill}")
         # n_fill + 1 insertion points, from right after the head (depth 0) to right before the
