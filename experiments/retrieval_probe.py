@@ -57,7 +57,7 @@ p.add_argument("--out", default=None)
 args = p.parse_args()
 
 if args.flavor not in ("debugmodel",):
-    import cpu_flavors  # noqa: F401  (registers debug4l / debug4l128)
+    import cpu_flavors  # noqa: F401  (registers debug4l / debug4l128 / debug_l32)
 
 logf = open(args.out, "w") if args.out else None
 
