@@ -64,10 +64,10 @@ PASSKEY_INTRO = (
     "There is an important info hidden inside a lot of irrelevant text. "
     "Find it and memorize it. I will quiz you about the important information there.\n"
 )
-PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 # Synthetic filler: a passage of random sentences, different in every document, repeated until the
-# document is full. A fixed filler (PASSKEY_FILLER, the classic one) is memorized in the weights and
-# teaches nothing about the context; a per-document passage repeated at a period of ~20 to ~600
+# document is full. A fixed filler (the classic "The grass is green. The sky is blue. ...", used
+# in ablation runs 1-2) is memorized in the weights and teaches nothing about the context; a
+# per-document passage repeated at a period of ~20 to ~600
 # tokens can only be predicted by copying from earlier in the context -- the induction circuit that
 # retrieval of the key needs, trained on most tokens instead of the key's few (NOTES entry 17), and
 # at distances inside and beyond the sliding window.
@@ -95,6 +95,8 @@ def synthetic_filler(tokenizer: BaseTokenizer, n: int, seed: str) -> list[int]:
         reps *= 2
         got = tokenizer.encode(unit * reps)
     return got
+
+
 # The key follows the cue ":" which nothing else in a synthetic document has: "is" alone occurs
 # three times per filler sentence, so retrieving after "... is" needs a two-token match, and small
 # models trained from scratch (NOTES entry 17) learned no copy at all; after ":" it is a one-token
@@ -112,13 +114,19 @@ PASSKEY_ANSWER = " {key}."
 MAX_QUESTIONS = 16
 
 
+def check_questions(questions) -> int:
+    """``[training] passkey_questions``: an int in [1, MAX_QUESTIONS], else DatasetError."""
+    if isinstance(questions, bool) or not isinstance(questions, int) or not 1 <= questions <= MAX_QUESTIONS:
+        raise DatasetError(f"training.passkey_questions={questions!r}: must be an integer in [1, {MAX_QUESTIONS}]")
+    return questions
+
+
 class PasskeyCorpus:
     """Deterministic passkey documents of exactly ``length`` tokens (``length = seq_len + 1``)."""
 
     def __init__(self, tokenizer: BaseTokenizer, length: int, seed: int = 0, split: str = "train",
                  questions: int = 1):
-        if isinstance(questions, bool) or not isinstance(questions, int) or not 1 <= questions <= MAX_QUESTIONS:
-            raise DatasetError(f"training.passkey_questions={questions!r}: must be an integer in [1, {MAX_QUESTIONS}]")
+        check_questions(questions)
         self.tok = tokenizer
         self.length = length
         self.seed = seed
@@ -164,7 +172,7 @@ class PasskeyCorpus:
         needle, answer = self._parts(key)
         qa = self._question + answer
         head = self._bos + self._intro
-        tail = self._question + answer + self._eos
+        tail = qa + self._eos
         fixed = len(needle) + len(tail) + len(qa) * len(extra_questions)
         n_fill = self.length - len(head) - fixed
         if n_fill < 8:  # drop the intro when the sequence is short
@@ -509,10 +517,7 @@ class PackedTokenDataset(IterableDataset, Stateful):
 def _build(section, job_config, dp_world_size, dp_rank, tokenizer, infinite, split):
     training = job_config.training
     mix = getattr(training, "passkey_mix", 0.0) if split == "train" else 0.0
-    questions = getattr(training, "passkey_questions", 1)
-    if isinstance(questions, bool) or not isinstance(questions, int) or not 1 <= questions <= MAX_QUESTIONS:
-        raise DatasetError(f"training.passkey_questions={questions!r}: must be an integer in [1, {MAX_QUESTIONS}]")
-    questions = questions if split == "train" else 1
+    questions = check_questions(getattr(training, "passkey_questions", 1)) if split == "train" else 1
     if isinstance(mix, bool) or not isinstance(mix, (int, float)) or not 0.0 <= mix <= 1.0:
         raise DatasetError(f"training.passkey_mix={mix!r}: must be a number in [0, 1]")
     if mix > 0 and section.dataset.lower() == "passkey":
