@@ -30,6 +30,10 @@
 # and the others go on. Checkpoints (~120 MB each) go to RUNS_DIR (default /tmp/nsa_ablation_runs), off
 # OUT. Timings per stage are printed and kept in OUT/timeline.txt.
 #
+# Runs: PRESETS lists them, each a preset name (titan_configs/ablation_<preset>.toml, the run is named
+# after it) or NAME=PRESET:FLAG,FLAG,... -- a diagnostic variant of a preset with extra torchtitan
+# flags, given to its training and (as --override) to its evaluation, e.g.
+#   PRESETS="nsa_n16=nsa:--nsa.n_sel=16 nsa_mlp=nsa:--nsa.phi=mlp"
 # Knobs (environment): BUDGET, EVAL_RESERVE (150), JOBS (6), PRESETS (the six), SEQ, LENGTHS (1x,2x,4x of
 # SEQ), DEPTHS (0,10,..,100), TRIALS (1), KINDS (passkey,multikey), FILLER (synthetic: the training
 # passkey documents' filler, i.e. in distribution; fineweb for real-text haystacks), CKPT_EVERY,
@@ -60,8 +64,21 @@ PY=${PYTHON:-python}
 
 [ -f "$DATA/fineweb_sample_2800.parquet" ] || { echo "DATA=$DATA has no fineweb_sample_2800.parquet" >&2; exit 2; }
 [ -d "$DATA/tiktoken_cache" ] || { echo "DATA=$DATA has no tiktoken_cache/" >&2; exit 2; }
-for p in $PRESETS; do
-  [ -f "titan_configs/ablation_$p.toml" ] || { echo "no titan_configs/ablation_$p.toml (PRESETS='$PRESETS')" >&2; exit 2; }
+parse_run() {  # spec -> RUN_NAME RUN_PRESET RUN_FLAGS (space separated)
+  local spec=$1 rest
+  if [[ "$spec" == *=* ]]; then RUN_NAME=${spec%%=*}; rest=${spec#*=}; else RUN_NAME=$spec; rest=$spec; fi
+  RUN_PRESET=${rest%%:*}
+  RUN_FLAGS=""
+  [[ "$rest" == *:* ]] && RUN_FLAGS=${rest#*:} && RUN_FLAGS=${RUN_FLAGS//,/ }
+  return 0
+}
+for spec in $PRESETS; do
+  parse_run "$spec"
+  [[ "$RUN_NAME" =~ ^[A-Za-z0-9_.-]+$ ]] || { echo "PRESETS entry '$spec': run name '$RUN_NAME' must be [A-Za-z0-9_.-]+" >&2; exit 2; }
+  [ -f "titan_configs/ablation_$RUN_PRESET.toml" ] || { echo "PRESETS entry '$spec': no titan_configs/ablation_$RUN_PRESET.toml" >&2; exit 2; }
+  for f in $RUN_FLAGS; do
+    [[ "$f" == --*=* ]] || { echo "PRESETS entry '$spec': flag '$f' must look like --section.field=value" >&2; exit 2; }
+  done
 done
 DATA=$(cd "$DATA" && pwd)
 mkdir -p "$OUT" "$RUNS_DIR" ${EXPORT:+"$EXPORT"}
@@ -86,17 +103,21 @@ export_results() {  # refresh the summary and the few files that EXPORT gets bac
 }
 
 run_one() {
-  local p=$1 d=$OUT/$1 dump=$RUNS_DIR/$1 t rc t0
+  parse_run "$1"
+  local p=$RUN_NAME preset=$RUN_PRESET flags=$RUN_FLAGS d=$OUT/$RUN_NAME dump=$RUNS_DIR/$RUN_NAME t rc t0 f
+  local eflags=""
+  for f in $flags; do eflags="$eflags --override=$f"; done
   mkdir -p "$d"
+  [ -n "$flags" ] && echo "$preset $flags" > "$d/variant"
   rm -rf "$dump"
   t=$(( BUDGET - EVAL_RESERVE - $(elapsed) ))
   if [ "$t" -lt 30 ]; then note "$p: no time left to train (skipped)"; echo "train skipped" > "$d/status"; return; fi
   note "$p: train start (steps $STEPS, limit ${t}s)"
   t0=$(date +%s)
   # shellcheck disable=SC2086
-  timeout --kill-after=15 "$t" $PY -m nsa_flex.titan.cli --job.config_file "titan_configs/ablation_$p.toml" \
+  timeout --kill-after=15 "$t" $PY -m nsa_flex.titan.cli --job.config_file "titan_configs/ablation_$preset.toml" \
     --job.dump_folder "$dump" --training.dataset_path "$DATA/fineweb_sample_2800.parquet" \
-    --training.steps "$STEPS" --checkpoint.interval "$CKPT_EVERY" $TRAIN_ARGS > "$d/train.log" 2>&1
+    --training.steps "$STEPS" --checkpoint.interval "$CKPT_EVERY" $flags $TRAIN_ARGS > "$d/train.log" 2>&1
   rc=$?
   echo $(( $(date +%s) - t0 )) > "$d/train_seconds"
   [ -f "$dump/metrics.jsonl" ] && cp "$dump/metrics.jsonl" "$d/"
@@ -115,7 +136,7 @@ run_one() {
     note "$p: eval start (limit ${te}s)"
     local t1; t1=$(date +%s)
     # shellcheck disable=SC2086
-    timeout --kill-after=10 "$te" $PY experiments/needle_eval.py --config "titan_configs/ablation_$p.toml" \
+    timeout --kill-after=10 "$te" $PY experiments/needle_eval.py --config "titan_configs/ablation_$preset.toml" $eflags \
       --checkpoint "$ckpt" --lengths "$LENGTHS" --depths "$DEPTHS" --trials "$TRIALS" --kinds "$KINDS" \
       --filler "$FILLER" --fineweb "$DATA/fineweb_sample_2800.parquet" --backend reference --mem-fraction 0.5 --tag "$p" \
       --out "$d/needle" $EVAL_ARGS > "$d/eval.log" 2>&1
@@ -131,9 +152,9 @@ run_one() {
 : > "$OUT/timeline.txt"
 note "ablation: presets [$PRESETS], $STEPS steps, JOBS=$JOBS, BUDGET=${BUDGET}s, eval lengths $LENGTHS, filler $FILLER"
 command -v nvidia-smi > /dev/null && nvidia-smi -L | tee -a "$OUT/timeline.txt"
-for p in $PRESETS; do
+for spec in $PRESETS; do
   while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do sleep 1; done
-  run_one "$p" &
+  run_one "$spec" &
   sleep 2  # stagger the starts (imports, dataset open)
 done
 wait

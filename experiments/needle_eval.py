@@ -207,6 +207,13 @@ def score(text: str, expected: str) -> tuple[bool, str]:
     return got == expected, got
 
 
+def digit_score(text: str, expected: str) -> float:
+    """Partial credit: the fraction of the key's digits the answer has at the right place (a model
+    that half-retrieves shows here before it gets exact matches; chance is ~0.1 per digit)."""
+    _, got = score(text, expected)
+    return sum(a == b for a, b in zip(got, expected)) / len(expected)
+
+
 # ---------------------------------------------------------------------- model
 def load(args):
     """(model, tokenizer, description) from --config / --checkpoint (or random weights)."""
@@ -323,13 +330,15 @@ def generate_batch(model, prompts, max_new, mode, eos_id, device) -> list[list[i
 
 # ---------------------------------------------------------------------- outputs
 def write_summary(rows: list[dict], out: str) -> list[dict]:
-    agg: dict[tuple[str, int], list[int]] = {}
+    agg: dict[tuple[str, int], list[tuple[int, float]]] = {}
     for r in rows:
-        agg.setdefault((r["kind"], int(r["length"])), []).append(int(r["correct"]))
-    summ = [{"kind": k, "length": L, "n": len(v), "correct": sum(v), "accuracy": sum(v) / len(v)}
+        agg.setdefault((r["kind"], int(r["length"])), []).append(
+            (int(r["correct"]), digit_score(r["answer"], str(r["expected"]))))
+    summ = [{"kind": k, "length": L, "n": len(v), "correct": sum(c for c, _ in v),
+             "accuracy": sum(c for c, _ in v) / len(v), "digits": round(sum(d for _, d in v) / len(v), 4)}
             for (k, L), v in sorted(agg.items())]
     with open(os.path.join(out, "summary.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["kind", "length", "n", "correct", "accuracy"])
+        w = csv.DictWriter(f, fieldnames=["kind", "length", "n", "correct", "accuracy", "digits"])
         w.writeheader()
         w.writerows(summ)
     return summ
@@ -452,7 +461,8 @@ def evaluate(args) -> dict:
             meta["seconds"][L] = round(time.perf_counter() - tL, 2)
     summ = write_summary(rows, args.out)
     for s in summ:
-        print(f"{s['kind']:8s} length {s['length']:6d}: {s['correct']}/{s['n']} = {s['accuracy']:.3f}")
+        print(f"{s['kind']:8s} length {s['length']:6d}: {s['correct']}/{s['n']} = {s['accuracy']:.3f}"
+              f" (digits right {s['digits']:.2f})")
     png = os.path.join(args.out, "needle_heatmap.png")
     plotted = plot_heatmap(rows, png, args.tag or "")
     meta["total_s"] = round(time.perf_counter() - t0, 2)
@@ -507,11 +517,12 @@ def collect(out: str) -> list[dict]:
                 if rows:
                     got = write_summary(rows, os.path.join(rd, "needle"))
         if not got:
-            table.append({**base, "kind": "", "length": "", "n": 0, "correct": "", "accuracy": ""})
+            table.append({**base, "kind": "", "length": "", "n": 0, "correct": "", "accuracy": "", "digits": ""})
         for s in got:
             table.append({**base, "kind": s["kind"], "length": int(s["length"]), "n": int(s["n"]),
-                          "correct": int(s["correct"]), "accuracy": round(float(s["accuracy"]), 4)})
-    fields = ["run", "kind", "length", "n", "correct", "accuracy", "steps", "final_loss", "loss_last5", "tps",
+                          "correct": int(s["correct"]), "accuracy": round(float(s["accuracy"]), 4),
+                          "digits": round(float(s["digits"]), 4) if s.get("digits") not in (None, "") else ""})
+    fields = ["run", "kind", "length", "n", "correct", "accuracy", "digits", "steps", "final_loss", "loss_last5", "tps",
               "train_s", "gate_cmp", "gate_sel", "gate_win"]
     with open(os.path.join(out, "ablation.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields)

@@ -114,6 +114,8 @@ def test_score():
     assert ne.score(" 12345. The", "12345")[0]
     assert not ne.score("1234.", "12345")[0] and not ne.score("123456", "12345")[0]
     assert ne.score("x12345", "12345") == (False, "")
+    assert ne.digit_score(" 12345.", "12345") == 1.0 and ne.digit_score(" 19945.", "12345") == 0.6
+    assert ne.digit_score("1234", "12345") == 0.8 and ne.digit_score("wide", "12345") == 0.0
 
 
 # ---------------------------------------------------------------------- errors
@@ -308,6 +310,12 @@ def test_ablation_script_checks_its_arguments(tmp_path):
     r = subprocess.run(["bash", str(script), str(tmp_path / "o"), str(tmp_path), "10"], cwd=ROOT,
                        capture_output=True, text=True, env={**os.environ, "PRESETS": "nsa bogus"})
     assert r.returncode == 2 and "no titan_configs/ablation_bogus.toml" in r.stderr
+    for presets, msg in [("v=bogus:--nsa.n_sel=16", "no titan_configs/ablation_bogus.toml"),
+                         ("v=nsa:--nsa.n_sel", "flag '--nsa.n_sel' must look like --section.field=value"),
+                         ("a/b=nsa:--nsa.n_sel=16", "run name 'a/b' must be")]:
+        r = subprocess.run(["bash", str(script), str(tmp_path / "o"), str(tmp_path), "10"], cwd=ROOT,
+                           capture_output=True, text=True, env={**os.environ, "PRESETS": f"nsa {presets}"})
+        assert r.returncode == 2 and msg in r.stderr, (presets, r.stderr)
 
 
 def test_out_of_memory_halves_the_batch(tmp_path, monkeypatch):
