@@ -16,6 +16,8 @@ folder, so a rerun never silently replaces a number.
 
 import argparse
 import csv
+import gzip
+import json
 import os
 import sys
 
@@ -37,6 +39,24 @@ def digits_from_rows(path: str, kind: str, length: int) -> float | None:
     return round(sum(got) / len(got), 4) if got else None
 
 
+def loss_curve(run_dir: str) -> list[tuple[int, float]]:
+    """(step, loss) from a run's metrics.jsonl (or the .gz committed under experiments/results)."""
+    for name, opener in (("metrics.jsonl", open), ("metrics.jsonl.gz", gzip.open)):
+        path = os.path.join(run_dir, name)
+        if os.path.isfile(path):
+            pts = {}
+            with opener(path, "rt") as f:
+                for line in f:
+                    try:
+                        r = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue
+                    if "loss_metrics/global_avg_loss" in r:
+                        pts[r["step"]] = r["loss_metrics/global_avg_loss"]
+            return sorted(pts.items())
+    return []
+
+
 def read_runs(folders: list[str]) -> list[dict]:
     """[{label, folder, run, steps, loss, tps, gates, acc: {(kind, L): (correct, n, acc, digits)}}]."""
     runs: dict[tuple[str, str], dict] = {}
@@ -50,7 +70,7 @@ def read_runs(folders: list[str]) -> list[dict]:
                 "folder": os.path.basename(os.path.normpath(folder)), "run": r["run"], "steps": r["steps"],
                 "loss": r["loss_last5"], "tps": r["tps"],
                 "gates": "/".join(f"{float(r[g]):.2f}" if r.get(g) else "-" for g in ("gate_cmp", "gate_sel", "gate_win")),
-                "acc": {}})
+                "acc": {}, "curve": loss_curve(os.path.join(folder, r["run"]))})
             if r.get("kind"):
                 digits = float(r["digits"]) if r.get("digits") not in (None, "") else \
                     digits_from_rows(os.path.join(folder, r["run"], "needle", "needle.csv"), r["kind"], int(r["length"]))
@@ -112,8 +132,25 @@ def plot(runs: list[dict], cols: list[tuple[str, int]], path: str) -> bool:
     except ImportError:
         return False
     kinds = sorted({k for k, _ in cols}, key=lambda k: k != "passkey")
-    fig, axes = plt.subplots(len(kinds), 1, figsize=(max(7.0, 0.75 * len(runs) + 2), 3.6 * len(kinds)),
-                             squeeze=False)
+    curves = any(d["curve"] for d in runs)
+    fig, axes = plt.subplots(len(kinds) + curves, 1,
+                             figsize=(max(7.0, 0.75 * len(runs) + 2), 3.6 * (len(kinds) + curves)), squeeze=False)
+    if curves:  # training loss, smoothed over 25 logs (single-batch losses are noisy)
+        ax = axes[-1, 0]
+        shown = []  # y range: all but the first 5% of each curve (the initial drop)
+        for d in runs:
+            if d["curve"]:
+                steps, loss = zip(*d["curve"])
+                k = min(25, len(loss))
+                smooth = [sum(loss[max(0, i - k + 1): i + 1]) / len(loss[max(0, i - k + 1): i + 1])
+                          for i in range(len(loss))]
+                ax.plot(steps, smooth, label=d["label"], lw=1)
+                shown += smooth[len(smooth) // 20:]
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss (25-log mean)")
+        if shown:
+            ax.set_ylim(0.95 * min(shown), 1.05 * max(shown))
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     for ax, kind in zip(axes[:, 0], kinds):
         lengths = [L for k, L in cols if k == kind]
         width = 0.8 / max(1, len(lengths))

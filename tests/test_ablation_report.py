@@ -58,8 +58,18 @@ def test_digits_from_per_prompt_rows_for_old_tables(tmp_path):
         w.writerow(["passkey", 1024, 0, 0, 1, " 12345.", "12345"])
         w.writerow(["passkey", 1024, 50, 0, 0, " 12000.", "12345"])
         w.writerow(["passkey", 2048, 50, 0, 0, " 12345.", "12345"])
+    import gzip
+    import json
+
+    with gzip.open(tmp_path / "a" / "nsa" / "metrics.jsonl.gz", "wt") as f:
+        for step, loss in [(1, 5.0), (2, 4.0), (2, 3.5), (3, 3.0)]:  # a resumed run logs step 2 twice
+            f.write(json.dumps({"step": step, "loss_metrics/global_avg_loss": loss}) + "\n")
+        f.write("{not json\n")
     runs = ar.read_runs([str(tmp_path / "a")])
     assert runs[0]["acc"][("passkey", 1024)][3] == 0.7
+    assert runs[0]["curve"] == [(1, 5.0), (2, 3.5), (3, 3.0)]
+    assert ar.main([str(tmp_path / "a"), "--out", str(tmp_path / "r")]) == 0
+    assert (tmp_path / "r" / "report.png").stat().st_size > 0
 
 
 def test_report_errors(tmp_path, capsys):
