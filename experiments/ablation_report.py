@@ -16,12 +16,11 @@ folder, so a rerun never silently replaces a number.
 
 import argparse
 import csv
-import gzip
-import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # needle_eval (digit_score)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import needle_eval as ne  # noqa: E402  (the per-prompt summary and the metrics reader)
 
 
 class ReportError(ValueError):
@@ -32,29 +31,16 @@ def digits_from_rows(path: str, kind: str, length: int) -> float | None:
     """Digits right from a run's per-prompt needle.csv (tables written before that column existed)."""
     if not os.path.isfile(path):
         return None
-    from needle_eval import digit_score
-
-    got = [digit_score(r["answer"], r["expected"]) for r in csv.DictReader(open(path, newline=""))
-           if r["kind"] == kind and int(r["length"]) == length and r.get("correct") in ("0", "1")]
-    return round(sum(got) / len(got), 4) if got else None
+    rows = [r for r in csv.DictReader(open(path, newline="")) if r.get("correct") in ("0", "1")]
+    got = [x["digits"] for x in ne.summarize(rows) if x["kind"] == kind and x["length"] == length]
+    return got[0] if got else None
 
 
 def loss_curve(run_dir: str) -> list[tuple[int, float]]:
     """(step, loss) from a run's metrics.jsonl (or the .gz committed under experiments/results)."""
-    for name, opener in (("metrics.jsonl", open), ("metrics.jsonl.gz", gzip.open)):
-        path = os.path.join(run_dir, name)
-        if os.path.isfile(path):
-            pts = {}
-            with opener(path, "rt") as f:
-                for line in f:
-                    try:
-                        r = json.loads(line)
-                    except json.JSONDecodeError:
-                        continue
-                    if "loss_metrics/global_avg_loss" in r:
-                        pts[r["step"]] = r["loss_metrics/global_avg_loss"]
-            return sorted(pts.items())
-    return []
+    return [(s, r["loss_metrics/global_avg_loss"]) for s, r in
+            sorted(ne._metrics(os.path.join(run_dir, "metrics.jsonl")).items())
+            if "loss_metrics/global_avg_loss" in r]
 
 
 def read_runs(folders: list[str]) -> list[dict]:

@@ -329,14 +329,19 @@ def generate_batch(model, prompts, max_new, mode, eos_id, device) -> list[list[i
 
 
 # ---------------------------------------------------------------------- outputs
-def write_summary(rows: list[dict], out: str) -> list[dict]:
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per-prompt rows -> one row per (kind, length): n, correct, accuracy, digits (right, mean)."""
     agg: dict[tuple[str, int], list[tuple[int, float]]] = {}
     for r in rows:
         agg.setdefault((r["kind"], int(r["length"])), []).append(
             (int(r["correct"]), digit_score(r["answer"], str(r["expected"]))))
-    summ = [{"kind": k, "length": L, "n": len(v), "correct": sum(c for c, _ in v),
+    return [{"kind": k, "length": L, "n": len(v), "correct": sum(c for c, _ in v),
              "accuracy": sum(c for c, _ in v) / len(v), "digits": round(sum(d for _, d in v) / len(v), 4)}
             for (k, L), v in sorted(agg.items())]
+
+
+def write_summary(rows: list[dict], out: str) -> list[dict]:
+    summ = summarize(rows)
     with open(os.path.join(out, "summary.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=["kind", "length", "n", "correct", "accuracy", "digits"])
         w.writeheader()
@@ -475,9 +480,16 @@ def evaluate(args) -> dict:
 
 # ---------------------------------------------------------------------- ablation table
 def _metrics(path: str) -> dict:
+    """step -> merged record of a metrics.jsonl (or, when only that exists, its committed .gz)."""
     recs = {}
+    if not os.path.isfile(path) and os.path.isfile(path + ".gz"):
+        import gzip
+
+        path, opener = path + ".gz", gzip.open
+    else:
+        opener = open
     if os.path.isfile(path):
-        for line in open(path):
+        for line in opener(path, "rt"):
             try:
                 r = json.loads(line)
             except json.JSONDecodeError:
