@@ -27,7 +27,7 @@ from torch import Tensor
 
 from masks import forced_and_valid, pick_blocks
 
-from .ops import HAS_TRITON, group_slc_scores, triton_interpreted
+from .ops import HAS_TRITON, group_slc_scores, topn_blocks, triton_interpreted
 
 
 def overlap_kernel(l: int, d: int, l_sel: int, device=None) -> Tensor:
@@ -115,13 +115,18 @@ def select_topn(q: Tensor, k_cmp: Tensor, lse: Tensor | None, cfg, doc_starts: T
     starts = doc_starts if doc_starts is not None else torch.zeros(1, T, dtype=torch.long,
                                                                    device=q.device)
     chunk = chunk or cfg.score_chunk
-    if use_triton_scorer(cfg, q, lse):
+    fused = use_triton_scorer(cfg, q, lse) and Nc > 0
+    if fused:
         # the fused kernel keeps only [B, Hkv, chunk, Ns] fp32: at most MAX_CHUNKS chunks
         chunk = max(chunk, -(-T // MAX_CHUNKS))
     out = []
     for t0 in range(0, T, chunk):
         t1 = min(T, t0 + chunk)
         p = block_scores(q, k_cmp, lse, cfg, doc_starts, t0, t1)
+        if fused:  # the same rule as pick_blocks, without [.., Ns] int64 keys in memory
+            out.append(topn_blocks(p, doc_starts, t0, cfg.l_sel, cfg.n_sel, cfg.n_init,
+                                   cfg.n_local))
+            continue
         valid, forced = forced_and_valid(cfg, T, starts, q.device, t0, t1)
         out.append(pick_blocks(p, valid.unsqueeze(1), forced.unsqueeze(1), cfg.n_sel))
     return cat_tree(out, dim=2)

@@ -175,12 +175,41 @@ def check_case(c, device="cpu", dtype=torch.float32, rtol=1e-5):
     assert torch.equal(a, b), c
 
 
+def check_topn(seed, device="cpu"):
+    """topn_blocks == masks.pick_blocks on forced_and_valid: scores with many exact ties (small
+    integers), zeros, documents, n_init / n_local of 0, more slots than blocks, a chunk offset."""
+    from nsa_flex.ops import topn_blocks
+
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    l_sel, T = rng.choice([1, 4, 16]), rng.randint(1, 90)
+    n_init, n_local = rng.choice([0, 1]), rng.choice([0, 1, 2])
+    n_sel = rng.choice([max(1, n_init + n_local), 3, 7, 40])
+    cfg = make_cfg("torch", l=l_sel, d=l_sel, l_sel=l_sel, n_sel=n_sel, n_init=n_init,
+                   n_local=n_local)
+    B, Hkv, ns = rng.choice([1, 2]), rng.choice([1, 3]), -(-T // l_sel)
+    t0 = rng.randint(0, T - 1)
+    p = torch.randint(0, 4, (B, Hkv, T - t0, ns), generator=g).float() * rng.choice([1.0, 0.37])
+    docs = None
+    if rng.random() < 0.5 and T > 2:
+        cuts = sorted(rng.sample(range(1, T), rng.randint(1, min(3, T - 1))))
+        docs = masks.doc_start(torch.tensor([[sum(c <= t for c in cuts) for t in range(T)]] * B))
+    starts = docs if docs is not None else torch.zeros(1, T, dtype=torch.long)
+    valid, forced = masks.forced_and_valid(cfg, T, starts, "cpu", t0, T)
+    want = masks.pick_blocks(p, valid.unsqueeze(1), forced.unsqueeze(1), n_sel)
+    mv = (lambda x: None if x is None else x.to(device))
+    got = topn_blocks(p.to(device), mv(docs), t0, l_sel, n_sel, n_init, n_local).cpu()
+    assert torch.equal(got, want), (seed, l_sel, T, t0, n_sel, n_init, n_local, got, want)
+
+
 def _interpreter_main():
     torch.set_num_threads(1)
     assert triton_interpreted(), "run with TRITON_INTERPRET=1"
     cases = random_cases(8, 1234)
     for c in cases:
         check_case(c)
+    for seed in range(40):
+        check_topn(seed)
     print(f"OK {len(cases)} cases")
 
 
@@ -194,6 +223,12 @@ def test_kernel_matches_torch_under_interpreter():
 
 
 # ---------------------------------------------------------------------- CUDA
+@pytest.mark.skipif(not CUDA, reason="needs CUDA and triton")
+def test_cuda_topn_matches_pick_blocks():
+    for seed in range(40):
+        check_topn(seed, device="cuda")
+
+
 @pytest.mark.skipif(not CUDA, reason="needs CUDA and triton")
 @pytest.mark.parametrize("i", range(6))
 def test_cuda_fp32_matches_torch(i):

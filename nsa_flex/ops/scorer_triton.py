@@ -5,7 +5,7 @@ p_slc [B, Hkv, t1-t0, Ns] fp32, the same function as the torch path of
 `nsa_flex.selection.block_scores` (the naive reference kept beside it), without ever writing the
 per-head probabilities [B, Hkv, G, C, Nc] (nor the group sums [B, Hkv, C, Nc]) to memory.
 
-One program = (tile of BLOCK_M query positions, tile of BJ selection blocks, batch x KV group).
+One program = (tile of BJ selection blocks, tile of BLOCK_M query positions, batch x KV group).
 Selection blocks j0..j0+BJ-1 take their scores from compressed blocks i = j*r + m,
 m in [-(l/d - 1), r - 1] (r = l'/d), so the program loads the BLOCK_N compressed keys
 i_lo = j0*r - (l/d - 1) .. i_lo + BLOCK_N - 1 (BJ = (BLOCK_N - l/d + 1) // r, so every
@@ -59,8 +59,10 @@ def _group_slc_scores_kernel(
     HAS_DOCS: tl.constexpr, IEEE: tl.constexpr,
     QK_SCALE: tl.constexpr,  # Dk^-0.5 * log2(e); constexpr: Inductor would pass a float arg as fp64
 ):
-    pid_m = tl.program_id(0)
-    pid_j = tl.program_id(1)
+    # selection-block tiles vary fastest: the programs running at once share one query tile, so
+    # its G heads of q come from L2 instead of being re-read from memory once per j tile
+    pid_j = tl.program_id(0)
+    pid_m = tl.program_id(1)
     pid_bh = tl.program_id(2).to(tl.int64)
     b = pid_bh // Hkv
     h = pid_bh % Hkv
@@ -190,7 +192,7 @@ def group_slc_scores(q: Tensor, k_cmp: Tensor, lse: Tensor, doc_starts: Optional
         ds = doc_starts
         sd_b = 0 if doc_starts.shape[0] == 1 else doc_starts.stride(0)
         sd_t = doc_starts.stride(1)
-    grid = (triton.cdiv(C, bm), triton.cdiv(ns, bj), B * Hkv)
+    grid = (triton.cdiv(ns, bj), triton.cdiv(C, bm), B * Hkv)
     wrap_triton(_group_slc_scores_kernel)[grid](
         q, k_cmp, lse, ds, out,
         q.stride(0), q.stride(1), q.stride(2), q.stride(3),
