@@ -48,6 +48,7 @@ import signal
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -66,9 +67,12 @@ CONFIGS = {
                  window=32),
 }
 STAGES = ["projections", "compression", "score_topn", "mask_build", "attn_compressed",
-          "attn_selected", "attn_window", "gate_out"]
-BASELINES = ["sdpa_causal", "flex_causal", "fla_parallel_nsa_w0"]
+          "attn_selected", "attn_selected_packed", "attn_window", "gate_out"]
+BASELINES = ["sdpa_causal", "flex_causal", "fla_parallel_nsa_w0", "full_layer"]
 ITEMS = STAGES + BASELINES + ["nsa_layer"]  # the order items run in
+# layer.csv (issue 14): item names there for the bench's own
+LAYER_ITEMS = {"nsa_layer": "nsa_layer", "full_layer": "full_layer", "sdpa_causal": "sdpa",
+               "flex_causal": "flex_causal", "fla_parallel_nsa_w0": "fla_parallel_nsa"}
 MODES = ("fwd", "fwd_bwd")
 REFIRE_S = 5.0  # after the limit, SIGALRM again every REFIRE_S until the phase ends
 
@@ -397,7 +401,8 @@ def build_items(cname, T, dev, dtype, compile_=True):
         return lambda: f(*r())
 
     def flex_causal():
-        r, causal = qkv(), get_mask_builder("causal")(ctx())
+        # the causal spec alone goes to SDPA in attend_flex: this row keeps flex
+        r, causal = qkv(), replace(get_mask_builder("causal")(ctx()), is_causal=False)
         f = comp(lambda q, k, v: attend_flex(q, k, v, causal)[0])
         return lambda: f(*r())
 
@@ -421,14 +426,28 @@ def build_items(cname, T, dev, dtype, compile_=True):
         f = comp(lay)
         return lambda: f(xr())
 
+    def full_layer():
+        # the same layer class with the full_causal preset: q/k/v/o projections (+ the tiny gate)
+        # around SDPA causal attention with GQA, what a user would otherwise run
+        lay = NSAAttention(NSAConfig(**CONFIGS[cname], backend="flex", masks="full_causal"))
+        lay = lay.to(dev, dtype)
+        lay.init_weights(0.02)
+        xr = xs()
+        f = comp(lay)
+        return lambda: f(xr())
+
     items = [("projections", train, projections), ("compression", train, compression),
              ("score_topn", False, score_topn), ("mask_build", False, mask_build),
              ("attn_compressed", train, attention(cspec, kvc)),
              ("attn_selected", train, attention(sspec, kvs)),
+             # the selection as one packed call, forced blocks included (before issue 14)
+             ("attn_selected_packed", train,
+              attention(lambda: replace(sspec(), parts=None), kvs)),
              ("attn_window", train, attention(wspec, kvs)), ("gate_out", train, gate_out),
              ("sdpa_causal", train, sdpa_causal), ("flex_causal", train, flex_causal)]
     if _has_fla():
         items.append(("fla_parallel_nsa_w0", train, fla_nsa))
+    items.append(("full_layer", train, full_layer))
     items.append(("nsa_layer", train, nsa_layer))
     assert [n for n, _, _ in items] == [n for n in ITEMS if n in {m for m, _, _ in items}]
     return items
@@ -536,8 +555,30 @@ def merge(paths, out):
     rows = sorted(rows.values(), key=lambda r: (r["config"], r["T"], r["stage"]))
     os.makedirs(out, exist_ok=True)
     write_csv(rows, os.path.join(out, "bench.csv"))
+    write_layer_csv(rows, os.path.join(out, "layer.csv"))
     plot(rows, os.path.join(out, "bench.png"))
     return rows
+
+
+def write_layer_csv(rows, path):
+    """layer.csv (issue 14): T,item,fwd_ms,fwd_bwd_ms,peak_GiB,compile_s,device for the layer
+    and baselines of the paper config; compile_s = first fwd+bwd call (else first fwd call)."""
+    out = []
+    for r in rows:
+        if r["stage"] not in LAYER_ITEMS or r.get("config", "paper") != "paper":
+            continue
+        first = r.get("fwd_bwd_first_s") or r.get("fwd_first_s")
+        out.append(dict(T=r["T"], item=LAYER_ITEMS[r["stage"]], fwd_ms=r.get("fwd_ms", ""),
+                        fwd_bwd_ms=r.get("fwd_bwd_ms", ""), peak_GiB=r.get("peak_GiB", ""),
+                        compile_s=first if first is not None else "",
+                        device=r.get("device", "")))
+    out.sort(key=lambda r: (int(r["T"]), list(LAYER_ITEMS.values()).index(r["item"])))
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["T", "item", "fwd_ms", "fwd_bwd_ms", "peak_GiB",
+                                          "compile_s", "device"])
+        w.writeheader()
+        w.writerows(out)
+    return out
 
 
 def _names(text, allowed, what, ap):
@@ -596,10 +637,11 @@ def main(argv=None):
                        baselines=not args.no_baselines, compile_=dev == "cuda", only=only,
                        modes=modes, limit=args.item_limit)
     log(f"wrote {path}")
+    write_layer_csv(rows, os.path.join(args.out, "layer.csv"))
     plot(rows, os.path.join(args.out, "bench.png"))
     print("\nsummary (ms):")
     for r in rows:
-        if r["stage"] in ("nsa_layer", "sdpa_causal", "flex_causal", "fla_parallel_nsa_w0"):
+        if r["stage"] in LAYER_ITEMS:
             print(f"  {r['config']:6s} T={r['T']:6d} {r['stage']:22s} fwd={r.get('fwd_ms', math.nan):8.2f}"
                   f" fwd+bwd={r.get('fwd_bwd_ms', math.nan):8.2f} peak={r.get('peak_GiB', math.nan):6.1f}GiB")
     return rows

@@ -47,6 +47,14 @@ run_step() {
     fold64k)    step 460 fold_64k $B --T 65536 --stages-at 65536 \
                   --only attn_compressed,attn_selected,sdpa_causal,nsa_layer --item-limit 200 ;;
     small4k16k) step 110 bench_paper_4k_16k $B --T 4096,16384 --stages-at "" --item-limit 60 ;;
+    # issue 14: correctness of the split selection / expanded compressed keys / SDPA causal
+    check4k)    step 150 check_4k python experiments/check_flex_gpu.py --T 4096 ;;
+    # issue 14: the changed stages, the old packed selection, and the layers at 64k
+    split64k)   step 480 split_64k $B --T 65536 --stages-at 65536 --item-limit 200 \
+                  --only score_topn,attn_compressed,attn_selected,attn_selected_packed,sdpa_causal,full_layer,nsa_layer ;;
+    # issue 14: the layer table (layer.csv) at the other lengths
+    layers)     step 560 layers $B --T ${LAYER_T:-8192,16384,32768,131072} --stages-at "" \
+                  --only sdpa_causal,flex_causal,fla_parallel_nsa_w0,full_layer,nsa_layer --item-limit 150 ;;
     *) say "== unknown step $1" ;;
   esac
 }

@@ -8,7 +8,7 @@ for `compressed_causal`, whose kv index is a compressed block i covering tokens
 import torch
 from torch import Tensor
 
-from .core import MaskSpec, captured
+from .core import MaskSpec, captured, or_masks
 
 
 def causal() -> MaskSpec:
@@ -18,7 +18,7 @@ def causal() -> MaskSpec:
     def interval(q):
         return torch.zeros_like(q).unsqueeze(0), q.unsqueeze(0)
 
-    return MaskSpec(mask_mod, interval=interval, name="causal")
+    return MaskSpec(mask_mod, interval=interval, name="causal", is_causal=True)
 
 
 def sliding_window(window: int) -> MaskSpec:
@@ -110,6 +110,55 @@ def selection(sel_idx: Tensor, l_sel: int) -> MaskSpec:
 
     return MaskSpec(mask_mod, heads=H, kv_blocks=kv_blocks, name=f"selection(n={n},l'={l_sel})",
                     kv_block=l_sel, compact=compact)
+
+
+def forced_blocks(l_sel: int, n_init: int, n_local: int, starts: Tensor | None = None
+                  ) -> MaskSpec | None:
+    """The selection blocks every query attends whatever the scores (paper §3.3.2): the first
+    block of the query's document (n_init = 1) and its n_local most recent blocks, as a token
+    mask: key s <= t with s // l_sel == starts[t] // l_sel or s // l_sel > t // l_sel - n_local.
+    A union of two bands (sink, local), so its BlockMask has ordinary q blocks and GQA.
+    starts [B|1, T]: first token of each position's document (None: block 0). None when nothing
+    is forced."""
+    if not n_init and not n_local:
+        return None
+    parts = []
+    if n_local:
+        def local_mod(b, h, q_idx, kv_idx):
+            return (kv_idx // l_sel > q_idx // l_sel - n_local) & (kv_idx <= q_idx)
+
+        def local_band(q):
+            return ((q // l_sel - n_local + 1) * l_sel).unsqueeze(0), q.unsqueeze(0)
+
+        parts.append(MaskSpec(local_mod, interval=local_band, name=f"local({n_local}x{l_sel})"))
+    if n_init:
+        st = None if starts is None else captured(starts.long())
+
+        def sink_mod(b, h, q_idx, kv_idx):
+            first = 0 if st is None else st[b, q_idx] // l_sel
+            return (kv_idx // l_sel == first) & (kv_idx <= q_idx)
+
+        def sink_band(q):
+            s0 = torch.zeros_like(q).unsqueeze(0) if st is None else st[:, q]
+            lo = torch.div(s0, l_sel, rounding_mode="floor") * l_sel
+            return lo, torch.minimum(lo + l_sel - 1, q.unsqueeze(0))
+
+        parts.append(MaskSpec(sink_mod, interval=sink_band, name=f"sink({l_sel})"))
+    return parts[0] if len(parts) == 1 else or_masks(*parts, name="forced_blocks")
+
+
+def drop_forced(sel_idx: Tensor, l_sel: int, n_init: int, n_local: int,
+                starts: Tensor | None = None) -> Tensor:
+    """sel_idx [B, H, T, n] with the blocks `forced_blocks` covers set to -1: the scored part of
+    the selection. Every picked block is valid, so a picked block is forced exactly when it is
+    the document's first block or one of the n_local most recent (masks.forced_and_valid)."""
+    T = sel_idx.shape[2]
+    cur = (torch.arange(T, device=sel_idx.device) // l_sel).view(1, 1, T, 1)
+    forced = (sel_idx > cur - n_local) & (sel_idx <= cur)
+    if n_init:
+        first = 0 if starts is None else (starts.long() // l_sel)[:, None, :, None]
+        forced = forced | (sel_idx == first)
+    return torch.where(forced, -1, sel_idx)
 
 
 def _slot_classes(sel_idx, l_sel, KB, KV_LEN, lo, hi):

@@ -58,6 +58,17 @@ class MaskSpec:
     # optional direct BlockMask builder for one position per q block (GPU: compact index width):
     # (Q_LEN, KV_LEN, block_size, q_pack, device, lo, hi, mask_mod) -> BlockMask
     compact: Callable | None = None
+    # a union of bands (`or_masks`): kv is visible iff it lies in one of them; the block flags are
+    # the union of the bands' flags (one call, one BlockMask)
+    bands: tuple[Interval, ...] | None = None
+    # the same mask split into disjoint parts (the selection: forced blocks + scored blocks), which
+    # the flex backend on GPU attends with one call each and merges exactly through the calls'
+    # log-sum-exps (nsa_flex.attention.merge_parts). mask_mod and the lists above describe the
+    # whole mask: the reference backend and CPU flex use them and ignore the parts.
+    parts: tuple["MaskSpec", ...] | None = None
+    # plain causal attention (the `causal` factory alone): the flex backend on GPU hands it to
+    # SDPA's fused causal kernels, what a user of full attention would otherwise run
+    is_causal: bool = False
 
     @property
     def per_group(self) -> bool:
@@ -79,10 +90,17 @@ class MaskSpec:
         """(any, full) block flags [B', H', NQB, NKB] of the (packed) layout."""
         if self.kv_blocks is not None:
             return self.kv_blocks(B, Q_LEN, KV_LEN, block_size, q_pack, device, None, None)
+        q = torch.arange(Q_LEN, device=device)
+        if self.bands is not None:
+            any_ = full = None
+            for band in self.bands:
+                a, f = band_block_flags(*band(q), Q_LEN, KV_LEN, block_size, q_pack)
+                any_, full = (a, f) if any_ is None else (any_ | a, full | f)
+            return any_, full
         if self.interval is None:
             raise ValueError(f"mask {self.name!r} has neither an interval nor block lists; "
                              "use create_block_mask on its mask_mod")
-        lo, hi = self.interval(torch.arange(Q_LEN, device=device))
+        lo, hi = self.interval(q)
         return band_block_flags(lo, hi, Q_LEN, KV_LEN, block_size, q_pack)
 
     def block_mask(self, B: int, Q_LEN: int, KV_LEN: int, device=None,
@@ -93,7 +111,7 @@ class MaskSpec:
         packed layout those are the query heads, as FlexAttention requires)."""
         bs = (block_size, block_size) if isinstance(block_size, int) else tuple(block_size)
         mod = self.mask_mod
-        if self.interval is None and self.kv_blocks is None:
+        if self.interval is None and self.kv_blocks is None and self.bands is None:
             from torch.nn.attention.flex_attention import create_block_mask
 
             return create_block_mask(packed_mask_mod(mod, q_pack), B, self.heads, Q_LEN * q_pack,
@@ -219,6 +237,25 @@ def _flags_to_indices(flags: Tensor) -> tuple[Tensor, Tensor]:
     return num, idx.contiguous()
 
 
+def or_masks(*specs: MaskSpec, name: str | None = None) -> MaskSpec:
+    """Union of band masks (like flex_attention.or_masks, for MaskSpecs): one mask whose block
+    lists are the union of the bands' lists. Bands may overlap."""
+    if any(s.interval is None and s.bands is None for s in specs):
+        raise ValueError("or_masks takes band masks (an interval or bands) only; got "
+                         + ", ".join(s.name for s in specs))
+    mods = [s.mask_mod for s in specs]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        m = mods[0](b, h, q_idx, kv_idx)
+        for f in mods[1:]:
+            m = m | f(b, h, q_idx, kv_idx)
+        return m
+
+    bands = tuple(band for s in specs for band in (s.bands or (s.interval,)))
+    return MaskSpec(mask_mod, heads=max(s.heads for s in specs), bands=bands,
+                    name=name or "|".join(s.name for s in specs))
+
+
 def and_masks(*specs: MaskSpec, name: str | None = None) -> MaskSpec:
     """Intersection of masks (like flex_attention.and_masks, for MaskSpecs).
 
@@ -237,7 +274,8 @@ def and_masks(*specs: MaskSpec, name: str | None = None) -> MaskSpec:
     heads = max(s.heads for s in specs)
     bands = [s.interval for s in specs if s.interval is not None]
     lists = [s.kv_blocks for s in specs if s.kv_blocks is not None]
-    interval = kv_blocks = compact = None
+    unions = [s.bands for s in specs if s.bands is not None]
+    interval = kv_blocks = compact = union = None
 
     def band(q):
         lo, hi = bands[0](q)
@@ -246,8 +284,18 @@ def and_masks(*specs: MaskSpec, name: str | None = None) -> MaskSpec:
             lo, hi = torch.maximum(lo, l2), torch.minimum(hi, h2)
         return lo, hi
 
+    def clip(u):  # one band of a union, intersected with the other specs' bands
+        def clipped(q):
+            lo, hi = u(q)
+            l2, h2 = band(q)
+            return torch.maximum(lo, l2), torch.minimum(hi, h2)
+
+        return clipped
+
     if len(lists) == 0 and len(bands) == len(specs):
         interval = band
+    elif len(lists) == 0 and len(unions) == 1 and len(bands) == len(specs) - 1:
+        union = tuple(clip(u) for u in unions[0])
     elif len(lists) == 1 and len(bands) == len(specs) - 1:
         inner = lists[0]
 
@@ -268,4 +316,4 @@ def and_masks(*specs: MaskSpec, name: str | None = None) -> MaskSpec:
     kv_block = next((s.kv_block for s in specs if s.kv_block is not None), None)
     return MaskSpec(mask_mod, heads=heads, interval=interval, kv_blocks=kv_blocks,
                     name=name or "&".join(s.name for s in specs), kv_block=kv_block,
-                    compact=compact)
+                    compact=compact, bands=union)

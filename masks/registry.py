@@ -12,13 +12,14 @@ for the selection branch, give every head of a GQA group the same mask (heads = 
 (per-group token mask), or "token" (token mask; accepted by the selection and window branches).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 from torch import Tensor
 
-from .builders import causal, compressed_causal, doc_start, document, selection, sliding_window
+from .builders import (causal, compressed_causal, doc_start, document, drop_forced, forced_blocks,
+                       selection, sliding_window)
 from .core import MaskSpec, and_masks
 
 
@@ -89,7 +90,22 @@ def _compressed(ctx):
 
 
 def _topn(ctx):
-    return ctx.with_docs(selection(ctx.topn(), ctx.cfg.l_sel))
+    return selection_parts(ctx, ctx.topn())
+
+
+def selection_parts(ctx, idx: Tensor) -> MaskSpec:
+    """The selection mask of the picked blocks idx [B, H, T, n] (forced ones included), with the
+    same mask as two disjoint parts: the forced blocks (a static sink + band, ordinary q blocks
+    and GQA) and the rest. Packed with the rest, block 0 made one dK/dV program walk every query
+    (two thirds of the branch's backward at 64k, experiments/NOTES.md 21)."""
+    c = ctx.cfg
+    whole = ctx.with_docs(selection(idx, c.l_sel))
+    starts = None if ctx.doc_ids is None else ctx.doc_start()
+    forced = forced_blocks(c.l_sel, c.n_init, c.n_local, starts)
+    if forced is None:
+        return whole
+    rest = selection(drop_forced(idx, c.l_sel, c.n_init, c.n_local, starts), c.l_sel)
+    return replace(whole, parts=(ctx.with_docs(forced), ctx.with_docs(rest)))
 
 
 def forced_and_valid(cfg, T: int, starts: Tensor, device, t0: int = 0, t1: int | None = None
@@ -149,7 +165,7 @@ def _random(ctx):
     ns = valid.shape[-1]
     scores = hash_uniform(ctx.batch, c.n_kv_heads, T, ns, ctx.step, ctx.device)
     idx = pick_blocks(scores, valid.unsqueeze(1), forced.unsqueeze(1), c.n_sel)
-    return ctx.with_docs(selection(idx, c.l_sel))
+    return selection_parts(ctx, idx)
 
 
 def _local(ctx):
@@ -160,7 +176,7 @@ def _local(ctx):
     recency = torch.arange(ns, device=ctx.device, dtype=torch.float32).expand(valid.shape)
     idx = pick_blocks(recency, valid, forced, c.n_sel).unsqueeze(1)
     idx = idx.expand(ctx.batch, c.n_kv_heads, T, c.n_sel)
-    return ctx.with_docs(selection(idx, c.l_sel))
+    return selection_parts(ctx, idx)
 
 
 register_mask_builder("none", "token", _none)

@@ -15,6 +15,7 @@ scorer then computes it itself).
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import flex_attention
 
@@ -116,13 +117,37 @@ def _flex_folded(q, k, v, bm, scale, enable_gqa, kernel_options, C):
     return _unfold_q(out, C), (None if lse is None else _unfold_q(lse.unsqueeze(-1), C)[..., 0])
 
 
+def merge_parts(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    """Attention over a union of disjoint key sets from the attention over each set:
+    out = sum_i exp(lse_i - lse) out_i with lse = log sum_i exp(lse_i). Exact (no key is counted
+    twice), differentiable in every out_i and lse_i; a part a row does not see (lse -inf) gets
+    weight 0, a row that sees nothing gives 0 and lse -inf, as a single call would."""
+    acc = torch.promote_types(parts[0][0].dtype, torch.float32)  # fp32, fp64 stays fp64
+    lse = torch.stack([p[1] for p in parts]).to(acc)  # [P, B, H, T]
+    m = lse.amax(0).detach()
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp(lse - m)
+    den = w.sum(0)
+    w = w / den.clamp_min(torch.finfo(acc).tiny)
+    out = sum(w[i].unsqueeze(-1) * o.to(acc) for i, (o, _) in enumerate(parts))
+    return out.to(parts[0][0].dtype), torch.log(den) + m
+
+
 def attend_flex(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, scale: float | None = None,
                 q_chunks: int | None = None) -> tuple[Tensor, Tensor]:
     """q_chunks: fold the queries into this many batch chunks (None: `query_chunks` picks it
     from the shapes; 1: no folding)."""
     if k.shape[2] == 0:
         return empty_attention(q, v)
+    if spec.parts is not None and q.is_cuda:  # CPU flex returns no lse: one call on the whole
+        return merge_parts([attend_flex(q, k, v, p, scale, q_chunks) for p in spec.parts])
     B, Hq, T, Dk, Hkv, S, G, scale = _dims(q, k, scale)
+    if spec.is_causal and q.is_cuda and S == T:
+        # full causal attention (the full_causal preset, the baseline): SDPA's fused kernels.
+        # No lse from SDPA: None, which every caller of a token branch ignores
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                             enable_gqa=Hq != Hkv)
+        return out, None
     if spec.per_group:
         # group-centric packing: [B, Hkv, G, T, D] -> [B, Hkv, T*G, D], row = t*G + g
         bs = packed_block_size(G, spec)
@@ -136,7 +161,20 @@ def attend_flex(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, scale: float | 
         return out, lse
     C = query_chunks(T, 128, q.device, kv_len=S) if q_chunks is None else q_chunks
     bm = spec.block_mask(B, T, S, device=q.device, block_size=128)
+    if expand_kv_heads(T, S, G, q.device):
+        # few keys for many queries (the compressed branch, S ~ T/d): one K/V copy per query
+        # head instead of GQA. flex's dK/dV pass runs one program per (kv tile, kv head) that
+        # loops over the group's G heads; per query head there are G times the programs, each G
+        # times shorter. The copies are small (S keys) and autograd sums their gradients.
+        k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+        return _flex_folded(q, k, v, bm, scale, False, None, C)
     return _flex_folded(q, k, v, bm, scale, Hq != Hkv, None, C)
+
+
+def expand_kv_heads(T: int, S: int, G: int, device) -> bool:
+    """Whether attend_flex gives every query head its own copy of K/V (see there): on GPU, for
+    grouped heads and at most a quarter as many keys as queries."""
+    return G > 1 and torch.device(device).type == "cuda" and S * 4 <= T
 
 
 BACKENDS = {"reference": attend_reference, "flex": attend_flex}
