@@ -117,11 +117,20 @@ def forced_blocks(l_sel: int, n_init: int, n_local: int, starts: Tensor | None =
     """The selection blocks every query attends whatever the scores (paper §3.3.2): the first
     block of the query's document (n_init = 1) and its n_local most recent blocks, as a token
     mask: key s <= t with s // l_sel == starts[t] // l_sel or s // l_sel > t // l_sel - n_local.
-    A union of two bands (sink, local), so its BlockMask has ordinary q blocks and GQA.
-    starts [B|1, T]: first token of each position's document (None: block 0). None when nothing
-    is forced."""
-    if not n_init and not n_local:
-        return None
+    One mask (the union of `forced_parts`); None when nothing is forced."""
+    parts = forced_parts(l_sel, n_init, n_local, starts)
+    return None if not parts else parts[0] if len(parts) == 1 else or_masks(*parts,
+                                                                            name="forced_blocks")
+
+
+def forced_parts(l_sel: int, n_init: int, n_local: int, starts: Tensor | None = None
+                 ) -> tuple[MaskSpec, ...]:
+    """`forced_blocks` as disjoint band masks with ordinary q blocks and GQA: the local band
+    (the n_local most recent blocks) and, without documents, the sink (block 0 where it is not
+    local), which reads only keys 0..l_sel-1 (kv_len: the flex backend slices K/V, so block 0's
+    gradient is one short program per query head instead of one that walks every query). With
+    documents (starts [B|1, T]: first token of each position's document) the sink moves with the
+    document and the two bands are one mask (or_masks)."""
     parts = []
     if n_local:
         def local_mod(b, h, q_idx, kv_idx):
@@ -131,20 +140,29 @@ def forced_blocks(l_sel: int, n_init: int, n_local: int, starts: Tensor | None =
             return ((q // l_sel - n_local + 1) * l_sel).unsqueeze(0), q.unsqueeze(0)
 
         parts.append(MaskSpec(local_mod, interval=local_band, name=f"local({n_local}x{l_sel})"))
-    if n_init:
-        st = None if starts is None else captured(starts.long())
-
-        def sink_mod(b, h, q_idx, kv_idx):
-            first = 0 if st is None else st[b, q_idx] // l_sel
-            return (kv_idx // l_sel == first) & (kv_idx <= q_idx)
+    if n_init and starts is None:
+        def sink_mod(b, h, q_idx, kv_idx):  # block 0, once it is no longer a local block
+            return (kv_idx < l_sel) & (kv_idx <= q_idx) & (q_idx // l_sel >= n_local)
 
         def sink_band(q):
-            s0 = torch.zeros_like(q).unsqueeze(0) if st is None else st[:, q]
-            lo = torch.div(s0, l_sel, rounding_mode="floor") * l_sel
+            far = q // l_sel >= n_local
+            hi = torch.where(far, torch.clamp(q, max=l_sel - 1), -1)
+            return torch.zeros_like(q).unsqueeze(0), hi.unsqueeze(0)
+
+        parts.append(MaskSpec(sink_mod, interval=sink_band, name=f"sink({l_sel})", kv_len=l_sel))
+    elif n_init:
+        st = captured(starts.long())
+
+        def doc_sink_mod(b, h, q_idx, kv_idx):
+            return (kv_idx // l_sel == st[b, q_idx] // l_sel) & (kv_idx <= q_idx)
+
+        def doc_sink_band(q):
+            lo = torch.div(st[:, q], l_sel, rounding_mode="floor") * l_sel
             return lo, torch.minimum(lo + l_sel - 1, q.unsqueeze(0))
 
-        parts.append(MaskSpec(sink_mod, interval=sink_band, name=f"sink({l_sel})"))
-    return parts[0] if len(parts) == 1 else or_masks(*parts, name="forced_blocks")
+        sink = MaskSpec(doc_sink_mod, interval=doc_sink_band, name=f"doc_sink({l_sel})")
+        parts = [or_masks(*parts, sink, name="forced_blocks") if parts else sink]
+    return tuple(parts)
 
 
 def drop_forced(sel_idx: Tensor, l_sel: int, n_init: int, n_local: int,

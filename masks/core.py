@@ -66,6 +66,9 @@ class MaskSpec:
     # log-sum-exps (nsa_flex.attention.merge_parts). mask_mod and the lists above describe the
     # whole mask: the reference backend and CPU flex use them and ignore the parts.
     parts: tuple["MaskSpec", ...] | None = None
+    # no key at or beyond this index is visible (the selection's sink block 0): the flex backend
+    # attends K/V[:kv_len] only
+    kv_len: int | None = None
     # plain causal attention (the `causal` factory alone): the flex backend on GPU hands it to
     # SDPA's fused causal kernels, what a user of full attention would otherwise run
     is_causal: bool = False

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .builders import (causal, compressed_causal, doc_start, document, drop_forced, forced_blocks,
+from .builders import (causal, compressed_causal, doc_start, document, drop_forced, forced_parts,
                        selection, sliding_window)
 from .core import MaskSpec, and_masks
 
@@ -94,18 +94,18 @@ def _topn(ctx):
 
 
 def selection_parts(ctx, idx: Tensor) -> MaskSpec:
-    """The selection mask of the picked blocks idx [B, H, T, n] (forced ones included), with the
-    same mask as two disjoint parts: the forced blocks (a static sink + band, ordinary q blocks
-    and GQA) and the rest. Packed with the rest, block 0 made one dK/dV program walk every query
+    """The selection mask of the picked blocks idx [B, H, T, n] (every forced block among them, as
+    `pick_blocks` guarantees), with the same mask as disjoint parts: the forced blocks (static
+    bands with ordinary q blocks and GQA, `forced_parts`) and the rest. Packed with the rest, block 0 made one dK/dV program walk every query
     (two thirds of the branch's backward at 64k, experiments/NOTES.md 21)."""
     c = ctx.cfg
     whole = ctx.with_docs(selection(idx, c.l_sel))
     starts = None if ctx.doc_ids is None else ctx.doc_start()
-    forced = forced_blocks(c.l_sel, c.n_init, c.n_local, starts)
-    if forced is None:
+    forced = forced_parts(c.l_sel, c.n_init, c.n_local, starts)
+    if not forced:
         return whole
     rest = selection(drop_forced(idx, c.l_sel, c.n_init, c.n_local, starts), c.l_sel)
-    return replace(whole, parts=(ctx.with_docs(forced), ctx.with_docs(rest)))
+    return replace(whole, parts=tuple(ctx.with_docs(p) for p in (*forced, rest)))
 
 
 def forced_and_valid(cfg, T: int, starts: Tensor, device, t0: int = 0, t1: int | None = None

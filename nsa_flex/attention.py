@@ -141,6 +141,8 @@ def attend_flex(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, scale: float | 
         return empty_attention(q, v)
     if spec.parts is not None and q.is_cuda:  # CPU flex returns no lse: one call on the whole
         return merge_parts([attend_flex(q, k, v, p, scale, q_chunks) for p in spec.parts])
+    if spec.kv_len is not None and spec.kv_len < k.shape[2]:  # keys past kv_len are never seen
+        k, v = k[:, :, :spec.kv_len], v[:, :, :spec.kv_len]
     B, Hq, T, Dk, Hkv, S, G, scale = _dims(q, k, scale)
     if spec.is_causal and q.is_cuda and S == T:
         # full causal attention (the full_causal preset, the baseline): SDPA's fused kernels.

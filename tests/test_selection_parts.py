@@ -57,15 +57,23 @@ def test_parts_are_a_disjoint_cover(B, T, l_sel, n_init, n_local, extra, seed, d
     if n_init + n_local == 0:
         assert spec.parts is None
         return
-    forced, rest = spec.parts
-    f = forced.dense(B, T, T).expand_as(whole)
-    r = rest.dense(B, T, T).expand_as(whole)
-    assert not bool((f & r).any()), "a key is in both parts"
-    assert torch.equal(f | r, whole), "the parts do not cover the selection"
-    # the forced part is every visible key of the forced blocks: never empty for a query
-    assert bool(f.any(-1).all())
-    for bs in [(4, 4), (8, 4), (3, 5), (128, 128)]:
-        check_block_mask(forced.block_mask(B, T, T, block_size=bs), forced.dense(B, T, T))
+    dense = [p.dense(B, T, T).expand_as(whole) for p in spec.parts]
+    seen = torch.zeros_like(whole)
+    for d in dense:
+        assert not bool((seen & d).any()), "a key is in two parts"
+        seen = seen | d
+    assert torch.equal(seen, whole), "the parts do not cover the selection"
+    # without documents the sink is its own part, with keys 0..l_sel-1 only
+    n_forced = (n_local > 0) + (n_init > 0) if not docs else 1
+    assert len(spec.parts) == 1 + n_forced
+    forced = dense[:-1]
+    # the forced parts hold every visible key of the forced blocks: never empty for a query
+    assert bool(torch.stack(forced).any(0).any(-1).all())
+    for p in spec.parts[:-1]:
+        if p.kv_len is not None:
+            assert not bool(p.dense(B, T, T)[..., p.kv_len:].any())
+        for bs in [(4, 4), (8, 4), (3, 5), (128, 128)]:
+            check_block_mask(p.block_mask(B, T, T, block_size=bs), p.dense(B, T, T))
 
 
 def test_selection_parts_used_by_every_selection_builder():
@@ -75,9 +83,9 @@ def test_selection_parts_used_by_every_selection_builder():
     ctx = MaskContext(cfg, 1, T, torch.device("cpu"), topn=lambda: idx)
     for name in ("topn", "random_selection", "local_selection"):
         spec = get_mask_builder(name)(ctx)
-        assert spec.parts is not None and len(spec.parts) == 2, name
-        f, r = (p.dense(1, T, T) for p in spec.parts)
-        assert torch.equal((f | r).expand(1, 2, T, T), spec.dense(1, T, T)), name
+        assert spec.parts is not None and len(spec.parts) == 3, name  # local, sink, scored
+        union = torch.stack([p.dense(1, T, T).expand(1, 2, T, T) for p in spec.parts]).any(0)
+        assert torch.equal(union, spec.dense(1, T, T)), name
 
 
 def test_forced_blocks_rule():
