@@ -50,12 +50,14 @@ from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.components.tokenizer import BaseTokenizer
 from torchtitan.tools.logging import logger
 
+from nsa_flex.config import UserError
+
 DATASET_CHOICES = ("passkey", "fineweb_edu", "local")
 FINEWEB_EDU_REPO = "HuggingFaceFW/fineweb-edu"
 LOCAL_FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".txt": "text"}
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError, ValueError):
     """Unknown dataset name, missing path, unreadable or corrupt data file (named in the message)."""
 
 
