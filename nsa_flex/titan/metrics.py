@@ -64,7 +64,8 @@ class JsonlLogger(BaseLogger):
             self._f.flush()
 
     def log(self, metrics: dict, step: int) -> None:
-        rec = {"step": step, "time": time.time(), **{k: _plain(v) for k, v in metrics.items()}}
+        rec = {"step": step, "time": time.time(), **{k: _plain(v) for k, v in metrics.items()
+                                                     if not (k == "mfu(%)" and v != v)}}  # NaN: no peak FLOPS
         self._f.write(json.dumps(rec) + "\n")
         self._f.flush()
 

@@ -16,7 +16,7 @@ import dataclasses
 from torchtitan.models.llama3 import get_train_spec as llama3_train_spec
 from torchtitan.protocols.train_spec import TrainSpec, _extra_train_specs, register_train_spec
 
-from . import checkpoint, cpu
+from . import checkpoint, console, cpu
 from .args import nsa_flex_args
 from .data import build_dataloader
 from .metrics import build_metrics_processor
@@ -50,5 +50,6 @@ def register() -> None:
 
 
 register()
+console.setup()  # readable console: config summary, no colour codes in files, no known noise
 cpu.maybe_apply()
 checkpoint.install()  # damaged latest checkpoint: set aside, resume from the previous one
