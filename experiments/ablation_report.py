@@ -115,7 +115,9 @@ def plot(runs: list[dict], cols: list[tuple[str, int]], path: str) -> bool:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError:
+    except ImportError as e:  # a feature, not an option: say why there is no plot
+        print(f"ablation_report: cannot plot {path}: matplotlib is not installed ({e}); "
+              "install it with pip install -e '.[plot]' (the test extra has it too)", file=sys.stderr)
         return False
     kinds = sorted({k for k, _ in cols}, key=lambda k: k != "passkey")
     curves = any(d["curve"] for d in runs)

@@ -12,7 +12,8 @@ for the selection branch, give every head of a GQA group the same mask (heads = 
 (per-group token mask), or "token" (token mask; accepted by the selection and window branches).
 """
 
-from dataclasses import dataclass, replace
+import dataclasses
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -48,13 +49,127 @@ class MaskContext:
 _REGISTRY: dict[str, tuple[str, Callable[[MaskContext], MaskSpec | None]]] = {}
 
 
-def register_mask_builder(name: str, kind: str, fn: Callable[[MaskContext], MaskSpec | None]):
+class MaskBuilderError(ValueError):
+    """A mask builder that cannot be registered: a name taken by another function, or a mask that
+    lets a query see a future key."""
+
+
+def register_mask_builder(name: str, kind: str, fn: Callable[[MaskContext], MaskSpec | None],
+                          replace: bool = False):
+    """Register ``fn`` as mask builder ``name`` for ``kind`` ("compressed", "selection", "token").
+
+    Registering the same function again under its name is a no-op (a notebook cell run twice); a
+    different function needs ``replace=True``. The builder is checked once, here, on a small
+    random case (:func:`check_causal`): a mask that lets a query see a future key, with either
+    backend's form of the mask, raises MaskBuilderError naming the builder and the first leaking
+    (query, key) pair."""
     if kind not in ("compressed", "selection", "token"):
         raise ValueError(f"kind={kind!r}: allowed values are 'compressed', 'selection', 'token'")
     if name in _REGISTRY:
-        raise ValueError(f"mask builder {name!r} is already registered")
+        if _REGISTRY[name] == (kind, fn):
+            return fn
+        if not replace:
+            raise MaskBuilderError(f"mask builder {name!r} is already registered with another function or "
+                                   "kind; pass replace=True to replace it")
+    check_causal(name, kind, fn)
     _REGISTRY[name] = (kind, fn)
     return fn
+
+
+def _register_builtin(name: str, kind: str, fn) -> None:
+    # built-ins: covered by tests/test_causality.py (hypothesis), not checked at import
+    _REGISTRY[name] = (kind, fn)
+
+
+def _random_topn(cfg, B: int, T: int, starts: Tensor, gen: torch.Generator) -> Tensor:
+    valid, forced = forced_and_valid(cfg, T, starts, "cpu")
+    scores = torch.rand(B, cfg.n_kv_heads, T, valid.shape[-1], generator=gen)
+    return pick_blocks(scores, valid.unsqueeze(1), forced.unsqueeze(1), cfg.n_sel)
+
+
+def _first_leak(allowed: Tensor, q_tok: Tensor, key_end: Tensor) -> tuple[int, int] | None:
+    """First (query token, key index) with allowed[..., row, key] where the key ends after the
+    query; allowed [B, H, rows, S], q_tok [rows] (token of each row), key_end [S]."""
+    leak = allowed.bool() & (key_end.view(1, 1, 1, -1) > q_tok.view(1, 1, -1, 1))
+    if not leak.any():
+        return None
+    _, _, r, k = leak.nonzero().unbind(-1)
+    i = torch.argmin(q_tok[r] * (key_end.numel() + 1) + k)
+    return int(q_tok[r[i]]), int(k[i])
+
+
+def check_causal(name: str, kind: str, fn, T: int = 19, seed: int = 0) -> None:
+    """Run builder ``fn`` on a small random case (B=2, T tokens, with and without documents, random
+    top-n blocks) and check both backends' forms of its mask: the dense mask of the reference
+    backend, and the BlockMask of flex (block lists, mask_mod inside partial blocks, the packed
+    layout of per-group masks). Key index = token for token masks, compressed block j (its last
+    token j*d + l - 1) for compressed masks. Raises MaskBuilderError naming the builder and the
+    first leaking (query, key) pair."""
+    from nsa_flex.config import NSAConfig
+
+    cfg = NSAConfig(dim=8, n_heads=4, n_kv_heads=2, d_qk=4, d_v=4, l=4, d=2, l_sel=4, n_sel=3, n_init=1,
+                    n_local=1, window=5)
+    gen = torch.Generator().manual_seed(seed)
+    B = 2
+    docs = torch.sort(torch.randint(0, 3, (B, T), generator=gen), dim=-1).values
+    for doc_ids in (None, docs):
+        starts = doc_start(doc_ids) if doc_ids is not None else torch.zeros(1, T, dtype=torch.long)
+        idx = _random_topn(cfg, B, T, starts, gen)
+        ctx = MaskContext(cfg, B, T, torch.device("cpu"), doc_ids=doc_ids, topn=lambda: idx)
+        try:
+            spec = fn(ctx)
+        except Exception as e:
+            raise MaskBuilderError(f"mask builder {name!r} failed on the causality check's small random case "
+                                   f"(B={B}, T={T}): {type(e).__name__}: {e}") from e
+        if spec is None:
+            continue
+        S = cfg.num_cmp(T) if kind == "compressed" else T
+        key_end = torch.arange(S) * (cfg.d if kind == "compressed" else 1) + (cfg.l - 1 if kind == "compressed" else 0)
+        where = "" if doc_ids is None else " (with documents)"
+        leak = _first_leak(spec.dense(B, T, S), torch.arange(T), key_end)
+        if leak is None:  # the flex form: block lists + mask_mod, packed rows for per-group masks
+            # (on GPU flex attends each part of a split mask on its own: every part is checked)
+            for form in (spec, *(spec.parts or ())):
+                leak = _first_leak_flex(form, cfg, B, T, S, key_end)
+                if leak is not None:
+                    break
+            where = " in flex's BlockMask" + where
+        else:
+            where = " in the reference backend's dense mask" + where
+        if leak is not None:
+            q, k = leak
+            what = f"compressed key {k} (tokens up to {int(key_end[k])})" if kind == "compressed" else f"key {k}"
+            raise MaskBuilderError(
+                f"mask builder {name!r} (kind {kind!r}) is not causal: query {q} sees {what}{where}, "
+                f"on a random case of B={B}, T={T}. A builder must never let a query see a later token")
+
+
+def _first_leak_flex(spec, cfg, B, T, S, key_end):
+    """First (query, key) that flex's BlockMask of `spec` lets through after its key's time."""
+    from nsa_flex.kernel_options import packed_block_size
+    from torch.nn.attention.flex_attention import BlockMask
+
+    G = cfg.group_size if spec.per_group else 1
+    bs = packed_block_size(G, spec) if spec.per_group else (16, 16)
+    bm = spec.block_mask(B, T, S, device="cpu", block_size=bs, q_pack=G)
+    QB, KB = bm.BLOCK_SIZE
+    rows = T * G
+
+    def expand(blocks):
+        return blocks.repeat_interleave(QB, -2).repeat_interleave(KB, -1)[..., :rows, :S].bool()
+
+    n_b, n_h = bm.kv_num_blocks.shape[:2]
+    b = torch.arange(n_b).view(-1, 1, 1, 1)
+    h = torch.arange(n_h).view(1, -1, 1, 1)
+    r = torch.arange(rows).view(1, 1, -1, 1)
+    kv = torch.arange(S).view(1, 1, 1, -1)
+    allowed = expand(BlockMask.from_kv_blocks(bm.kv_num_blocks, bm.kv_indices, BLOCK_SIZE=bm.BLOCK_SIZE,
+                                              seq_lengths=bm.seq_lengths).to_dense()) & bm.mask_mod(b, h, r, kv)
+    if bm.full_kv_num_blocks is not None:  # full blocks: mask_mod is not evaluated there
+        allowed = allowed | expand(BlockMask.from_kv_blocks(
+            bm.full_kv_num_blocks, bm.full_kv_indices, BLOCK_SIZE=bm.BLOCK_SIZE,
+            seq_lengths=bm.seq_lengths).to_dense())
+    return _first_leak(allowed, torch.arange(rows) // G, key_end)
 
 
 def get_mask_builder(name: str) -> Callable[[MaskContext], MaskSpec | None]:
@@ -105,7 +220,7 @@ def selection_parts(ctx, idx: Tensor) -> MaskSpec:
     if not forced:
         return whole
     rest = selection(drop_forced(idx, c.l_sel, c.n_init, c.n_local, starts), c.l_sel)
-    return replace(whole, parts=tuple(ctx.with_docs(p) for p in (*forced, rest)))
+    return dataclasses.replace(whole, parts=tuple(ctx.with_docs(p) for p in (*forced, rest)))
 
 
 def forced_and_valid(cfg, T: int, starts: Tensor, device, t0: int = 0, t1: int | None = None
@@ -179,13 +294,13 @@ def _local(ctx):
     return selection_parts(ctx, idx)
 
 
-register_mask_builder("none", "token", _none)
-register_mask_builder("causal", "token", _causal)
-register_mask_builder("sliding_window", "token", _sliding)
-register_mask_builder("compressed_causal", "compressed", _compressed)
-register_mask_builder("topn", "selection", _topn)
-register_mask_builder("random_selection", "selection", _random)
-register_mask_builder("local_selection", "selection", _local)
+_register_builtin("none", "token", _none)
+_register_builtin("causal", "token", _causal)
+_register_builtin("sliding_window", "token", _sliding)
+_register_builtin("compressed_causal", "compressed", _compressed)
+_register_builtin("topn", "selection", _topn)
+_register_builtin("random_selection", "selection", _random)
+_register_builtin("local_selection", "selection", _local)
 
 # preset name -> (compressed branch, selection branch, window branch) builder names
 PRESETS: dict[str, tuple[str, str, str]] = {

@@ -22,6 +22,7 @@ from torch.nn.attention.flex_attention import flex_attention
 from masks import MaskSpec
 from masks.core import fold_block_mask
 
+from .config import resolve_backend
 from .kernel_options import flex_kernel_options, packed_block_size, query_chunks
 
 _compiled_flex = None
@@ -183,4 +184,5 @@ BACKENDS = {"reference": attend_reference, "flex": attend_flex}
 
 
 def attend(q, k, v, spec: MaskSpec, backend: str, scale: float | None = None):
-    return BACKENDS[backend](q, k, v, spec, scale)
+    # "auto" picks per device (nsa_flex.config.resolve_backend): flex on CUDA, reference on CPU
+    return BACKENDS[resolve_backend(backend, q.device)](q, k, v, spec, scale)

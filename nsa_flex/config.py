@@ -7,13 +7,50 @@ groups, d_k=192, d_v=128, hidden size 2560.
 
 from dataclasses import asdict, dataclass, fields
 
+import torch
+
 PHI_CHOICES = ("avg", "mlp")
-BACKEND_CHOICES = ("flex", "reference")
+BACKEND_CHOICES = ("auto", "flex", "reference")
 SCORER_CHOICES = ("auto", "torch", "triton")
 
 
-class NSAConfigError(ValueError):
-    """Raised for an invalid NSAConfig; lists every violated rule, each naming its field."""
+class UserError(Exception):
+    """Base of the errors a user fixes in a config, a flag or a file (not a bug): ``nsa-train``
+    prints their message alone (no traceback) and exits with code 2."""
+
+
+class NSAConfigError(UserError, ValueError):
+    """Raised for an invalid NSAConfig; lists every violated rule, each naming its field.
+    ``errors``: the rules, one string each, starting with the field name."""
+
+    def __init__(self, message: str, errors: list[str] | None = None):
+        super().__init__(message)
+        self.errors = list(errors or [])
+
+
+_warned_flex_cpu = False
+
+
+def resolve_backend(backend: str, device, training: bool = False) -> str:
+    """The attention backend that runs on ``device`` (one place for the CPU rule).
+
+    "auto" -> "flex" on CUDA, "reference" elsewhere: compiled FlexAttention has no backward on
+    the CPU. An explicit "flex" is kept (its CPU forward works), except for ``training`` (the
+    trainer always runs a backward): switched to "reference" with one warning per process."""
+    global _warned_flex_cpu
+    dev = torch.device(device).type
+    if backend == "auto":
+        return "flex" if dev == "cuda" else "reference"
+    if backend == "flex" and training and dev != "cuda":
+        if not _warned_flex_cpu:
+            import logging
+
+            logging.getLogger().warning(
+                "nsa backend 'flex' has no backward on the CPU (compiled CPU flex): no CUDA device "
+                "here, switching to backend 'reference' (backend 'auto' does this silently)")
+            _warned_flex_cpu = True
+        return "reference"
+    return backend
 
 
 @dataclass
@@ -35,8 +72,9 @@ class NSAConfig:
     window: int = 512
     # compression function phi: "avg" (mean pooling) or "mlp" (learned, with intra-block positions)
     phi: str = "avg"
-    # attention backend: "flex" (compiled FlexAttention) or "reference" (dense, autograd anywhere)
-    backend: str = "flex"
+    # attention backend: "auto" (flex on CUDA tensors, reference elsewhere: see resolve_backend),
+    # "flex" (compiled FlexAttention) or "reference" (dense, autograd anywhere)
+    backend: str = "auto"
     # mask builders: a preset name (see masks.PRESETS) and optional per-branch overrides
     # (names from masks.list_mask_builders(); "none" switches a branch off)
     masks: str = "nsa"
@@ -111,7 +149,7 @@ class NSAConfig:
             if v is not None and v not in list_mask_builders(kind):
                 errs.append(f"{name}={v!r}: allowed values are {list_mask_builders(kind)}")
         if errs:
-            raise NSAConfigError("invalid NSAConfig:\n  - " + "\n  - ".join(errs))
+            raise NSAConfigError("invalid NSAConfig:\n  - " + "\n  - ".join(errs), errs)
 
     # ------------------------------------------------------------------ helpers
     @property

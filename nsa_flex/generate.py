@@ -49,6 +49,8 @@ def build_model(job_config, device="cpu", dtype=torch.float32):
     from nsa_flex.titan.model import NSATransformer
     from nsa_flex.titan.tokenizer import build_tokenizer
 
+    if torch.device(device).type != "cuda":  # inference on the CPU: the reference backend, quietly
+        job_config.nsa.backend = "reference"
     args = nsa_flex_args[job_config.model.flavor]
     args.update_from_config(job_config)
     if torch.device(device).type != "cuda":

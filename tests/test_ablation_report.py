@@ -79,3 +79,13 @@ def test_report_errors(tmp_path, capsys):
     assert ar.main([str(tmp_path / "empty"), "--out", str(tmp_path / "r")]) == 2
     assert "no runs in" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "r")
+
+
+def test_plot_says_when_matplotlib_is_missing(tmp_path, monkeypatch, capsys):
+    """Plots are a feature: without matplotlib, plot() says so (and the test extra has it)."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    assert ar.plot([], [("passkey", 1024)], str(tmp_path / "report.png")) is False
+    err = capsys.readouterr().err
+    assert "matplotlib is not installed" in err and "report.png" in err
+    extras = (ROOT / "pyproject.toml").read_text()
+    assert 'test = ["pytest", "hypothesis", "matplotlib"]' in extras

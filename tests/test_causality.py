@@ -133,13 +133,14 @@ def test_variants_cover_every_builder_and_preset():
 def test_causality_detects_a_leak():
     """Control: the check above fails for a non-causal layer (the layer with its mask swapped
     for a mask that sees the future)."""
-    from masks import MaskSpec, register_mask_builder
+    from masks import MaskSpec
+    from masks.registry import _register_builtin  # bypasses the registration check, on purpose
 
     def leaky(ctx):
         return MaskSpec(lambda b, h, q, kv: kv <= q + 1, name="leaky")
 
     if "test_leaky" not in list_mask_builders("token"):
-        register_mask_builder("test_leaky", "token", leaky)
+        _register_builtin("test_leaky", "token", leaky)
     cfg = NSAConfig(dim=4, n_heads=2, n_kv_heads=1, d_qk=2, d_v=2, l=2, d=1, l_sel=2, n_sel=3,
                     window=4, backend="reference", cmp_mask="none", sel_mask="none",
                     win_mask="test_leaky")
@@ -148,3 +149,72 @@ def test_causality_detects_a_leak():
     x2 = x.clone()
     x2[:, 3:] += 1
     assert (layer(x)[:, :3] - layer(x2)[:, :3]).abs().max() > 1e-4
+
+
+# ---------------------------------------------------------------------- registration (issue 15.8)
+def test_builtin_builders_pass_the_registration_check():
+    from masks import check_causal
+    from masks.registry import _REGISTRY
+
+    for name, (kind, fn) in sorted(_REGISTRY.items()):
+        if not name.startswith("test_"):
+            check_causal(name, kind, fn)
+
+
+def _leaky_token(ctx):
+    from masks import MaskSpec
+
+    return MaskSpec(lambda b, h, q, kv: kv <= q + 1, name="leaky")
+
+
+def test_register_rejects_a_leaking_builder_naming_the_pair():
+    from masks import MaskBuilderError, register_mask_builder
+
+    with pytest.raises(MaskBuilderError, match=r"mask builder 'leaky_next' \(kind 'token'\) is not causal: "
+                                               r"query 0 sees key 1 in the reference backend's dense mask"):
+        register_mask_builder("leaky_next", "token", _leaky_token)
+    assert "leaky_next" not in list_mask_builders()
+
+
+def test_register_rejects_a_leak_only_flex_sees():
+    """The dense mask is causal, flex's block lists mark a future block full (mask_mod unused)."""
+    from masks import MaskBuilderError, MaskSpec, causal, register_mask_builder
+    from masks.builders import selection_block_flags  # noqa: F401  (the same flags machinery)
+
+    good = causal()
+
+    def kv_blocks(B, Q_LEN, KV_LEN, block_size, q_pack, device, lo, hi):
+        nq, nk = -(-Q_LEN * q_pack // block_size[0]), -(-KV_LEN // block_size[1])
+        full = torch.ones(1, 1, nq, nk, dtype=torch.bool)  # every block "full": the future too
+        return full, full
+
+    def flex_leaky(ctx):
+        return MaskSpec(good.mask_mod, kv_blocks=kv_blocks, name="flex_leaky", heads=ctx.cfg.n_kv_heads)
+
+    with pytest.raises(MaskBuilderError, match=r"'flex_leaky'.*query 0 sees key 1 in flex's BlockMask"):
+        register_mask_builder("flex_leaky", "selection", flex_leaky)
+
+
+def test_register_rejects_a_future_compressed_block():
+    from masks import MaskBuilderError, MaskSpec, register_mask_builder
+
+    def cmp_all(ctx):
+        return MaskSpec(lambda b, h, q, kv: kv >= 0, name="cmp_all")
+
+    with pytest.raises(MaskBuilderError, match=r"'cmp_all'.*query 0 sees compressed key 0 \(tokens up to 3\)"):
+        register_mask_builder("cmp_all", "compressed", cmp_all)
+
+
+def test_reregistering_the_same_function_is_fine_another_needs_replace():
+    from masks import MaskBuilderError, get_mask_builder, register_mask_builder
+    from masks.registry import _REGISTRY, _causal, _sliding
+
+    try:
+        register_mask_builder("test_reg", "token", _causal)
+        register_mask_builder("test_reg", "token", _causal)  # a notebook cell run again
+        with pytest.raises(MaskBuilderError, match="already registered.*replace=True"):
+            register_mask_builder("test_reg", "token", _sliding)
+        register_mask_builder("test_reg", "token", _sliding, replace=True)
+        assert get_mask_builder("test_reg") is _sliding
+    finally:
+        _REGISTRY.pop("test_reg", None)

@@ -26,7 +26,7 @@ def test_paper_defaults():
     c = NSAConfig()
     assert (c.l, c.d, c.l_sel, c.n_sel, c.n_init, c.n_local, c.window) == (32, 16, 64, 16, 1, 2, 512)
     assert (c.n_heads, c.n_kv_heads, c.d_qk, c.d_v, c.dim) == (64, 4, 192, 128, 2560)
-    assert c.phi == "avg" and c.backend == "flex" and c.masks == "nsa"
+    assert c.phi == "avg" and c.backend == "auto" and c.masks == "nsa"
     assert c.group_size == 16
     assert c.branch_masks() == {"cmp": "compressed_causal", "sel": "topn", "win": "sliding_window"}
 
@@ -69,7 +69,7 @@ RELATIONS = [
     (dict(n_sel=1, n_init=0, n_local=2), "n_sel=1", "n_init + n_local = 2"),
     (dict(d_qk=7), "d_qk=7", "even"),
     (dict(phi="max"), "phi='max'", "('avg', 'mlp')"),
-    (dict(backend="cuda"), "backend='cuda'", "('flex', 'reference')"),
+    (dict(backend="cuda"), "backend='cuda'", "('auto', 'flex', 'reference')"),
     (dict(rope_theta=0.0), "rope_theta=0.0", "positive"),
     (dict(rope_theta="big"), "rope_theta='big'", "positive"),
     (dict(masks="nope"), "masks='nope'", lambda: str(sorted(PRESETS))),

@@ -345,3 +345,91 @@ def test_validation_loader_restarts_each_pass():
     cfg.validation.steps = -1
     with pytest.raises(DatasetError, match="validation.steps > 0"):
         build_validation_dataloader(1, 0, ByteTokenizer(), cfg)
+
+
+# ----------------------------------------------------------------------------- empty / small sources
+def _zero_row_parquet(path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": pa.array([], type=pa.string())}), path)
+
+
+EMPTY_SOURCES = {
+    "empty.txt": (lambda p: p.write_text(""), "empty (0 bytes)"),
+    "blank.txt": (lambda p: p.write_text("\n\n  \n\n"), "only blank lines"),
+    "empty.jsonl": (lambda p: p.write_text(""), "empty (0 bytes)"),
+    "blank_texts.jsonl": (lambda p: p.write_text(json.dumps({"text": ""}) + "\n" + json.dumps({"text": " "}) + "\n"),
+                          "2 record(s), every 'text' text empty or blank"),
+    "zero_rows.parquet": (_zero_row_parquet, "0 rows"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EMPTY_SOURCES))
+def test_empty_sources_fail_fast_naming_file_and_reason(tmp_path, name):
+    """Issue 15.1: a source that yields no token fails at once (it used to re-loop forever)."""
+    import time
+
+    make, reason = EMPTY_SOURCES[name]
+    path = tmp_path / name
+    make(path)
+    t0 = time.time()
+    with pytest.raises(DatasetError) as e:
+        take(PackedTokenDataset(build_source("local", str(path), ByteTokenizer(), 64), 64), 1)
+    assert time.time() - t0 < 30
+    assert str(path) in str(e.value) and reason in str(e.value), str(e.value)
+
+
+def test_empty_files_beside_real_ones_are_skipped(tmp_path, caplog):
+    (tmp_path / "a.jsonl").write_text("")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "some real text " * 20}) + "\n")
+    with caplog.at_level("WARNING"):
+        src = build_source("local", str(tmp_path), ByteTokenizer(), 64)
+    assert src.files == [str(tmp_path / "b.jsonl")]
+    assert "skipping 1 empty file(s)" in caplog.text and "a.jsonl" in caplog.text
+
+
+def test_small_source_warns_once_with_tokens_per_pass(tmp_path, caplog):
+    path = tmp_path / "small.jsonl"
+    path.write_text(json.dumps({"text": "tiny"}) + "\n")  # 4 bytes + BOS + EOS = 6 tokens a pass
+    with caplog.at_level("WARNING"):
+        take(PackedTokenDataset(build_source("local", str(path), ByteTokenizer(), 64), 64), 3)  # ~33 passes
+    msgs = [r.getMessage() for r in caplog.records if "re-looped" in r.getMessage()]
+    assert len(msgs) == 1, msgs
+    assert "one pass gives 6 tokens" in msgs[0] and str(path) in msgs[0]
+
+
+def test_nsa_train_empty_file_exits_with_one_message(tmp_path):
+    """Through nsa-train: an empty data file stops within seconds, one line, exit code 2."""
+    import time
+
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT")}
+    t0 = time.time()
+    p = subprocess.run(
+        [sys.executable, "-m", "nsa_flex.titan.cli", "--training.dataset", "local", "--training.dataset_path",
+         str(empty), "--training.steps", "2", "--job.dump_folder", str(tmp_path / "out")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert time.time() - t0 < 30
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert f"nsa-train: error: no training text in dataset_path '{empty}'" in p.stderr
+    assert "the file is empty (0 bytes)" in p.stderr and "Traceback" not in p.stdout + p.stderr
+
+
+def test_fineweb_edu_offline_fails_fast(monkeypatch):
+    """The hub unreachable: the hint at once, not after ~30 s of retries."""
+    import time
+
+    import huggingface_hub.constants as hc
+
+    import nsa_flex.titan.data as data
+
+    probe = data.hub_unreachable
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", True)  # the real probe: offline mode, no request
+    assert probe() == "HF_HUB_OFFLINE is set"
+    monkeypatch.setattr(data, "hub_unreachable", lambda timeout=5.0: "test: no network")
+    t0 = time.time()
+    with pytest.raises(DatasetError, match=r"hub is unreachable \(test: no network\).*dataset_path"):
+        build_source("fineweb_edu", None, ByteTokenizer(), 64)
+    assert time.time() - t0 < 5

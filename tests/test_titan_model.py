@@ -60,8 +60,10 @@ def test_flavors_fresh_copies_and_unknown_flavor():
     a = nsa_flex_args["debugmodel"]
     a.window = 999
     assert nsa_flex_args["debugmodel"].window == 32
-    with pytest.raises(KeyError, match=r"unknown nsa_flex flavor '7B'.*'125M'.*'1B'.*'350M'.*'debugmodel'"):
+    with pytest.raises(KeyError, match=r"\[model\] flavor='7B': unknown nsa_flex flavor; allowed values "
+                                       r"are .*'125M'.*'1B'.*'350M'.*'debugmodel'") as e:
         nsa_flex_args["7B"]
+    assert str(e.value).startswith("[model] flavor='7B'")  # the message, not a KeyError repr
 
 
 def test_update_from_config():
@@ -69,14 +71,16 @@ def test_update_from_config():
     assert a.vocab_size == 320 and a.eos_id == 257 and a.max_seq_len == 128  # byte vocab 258 -> x64
     assert (a.l, a.d, a.l_sel, a.n_sel, a.window) == (8, 4, 16, 4, 32)  # flavor values kept
     if not torch.cuda.is_available():
-        assert a.backend == "reference"  # flex switched on a CPU-only machine
+        assert a.backend == "reference"  # auto -> reference on a CPU-only machine
     b = args_for("--nsa.window", "64", "--nsa.masks", "sliding_only", "--nsa.doc_masking", "True")
     assert (b.window, b.masks, b.doc_masking) == (64, "sliding_only", True)
 
 
 def test_invalid_nsa_settings_name_the_fields():
-    with pytest.raises(NSAConfigError, match=r"l=8, d=3"):
+    with pytest.raises(NSAConfigError, match=r"\[nsa\] l=8, d=3"):
         args_for("--nsa.d", "3")
+    with pytest.raises(NSAConfigError, match=r"\[nsa\] window=-3: must be a positive integer"):
+        args_for("--nsa.window", "-3")
     with pytest.raises(NSAConfigError, match=r"masks='bogus'"):
         args_for("--nsa.masks", "bogus")
     with pytest.raises(NotImplementedError, match="tensor_parallel_degree"):

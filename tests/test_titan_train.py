@@ -83,7 +83,15 @@ def test_debug_training_loss_falls(uninterrupted):
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - LOSS_DROP, losses
     # the CPU shim and the automatic reference backend were used, throughput was reported
     assert "no CUDA device; running torchtitan on the CPU" in text
-    assert "switching to backend 'reference'" in text
+    assert "backend=reference" in text  # "auto" resolved on the CPU, silently
+    # issue 15.7: no known noise, a short config summary, no colour codes in a file
+    for noise in ("lspci", "Peak flops undefined", "set_vital", "CPU autocast", "_enforced", "\x1b[",
+                  "switching to backend", "Traceback"):
+        assert noise not in text, noise
+    assert "mfu: n/a" in text and "mfu: nan" not in text
+    start = text.index("Model nsa_flex debugmodel: dim 64")
+    assert text[start:].split("\n")[1].startswith("  NSA: l=8 d=4")
+    assert len(text.splitlines()) < 30 + STEPS
     assert all(recs[s]["throughput(tps)"] > 0 for s in recs)
     assert "tps:" in text and "loss:" in text
 
@@ -123,3 +131,39 @@ def test_checkpoint_kill_resume_is_exact(uninterrupted, tmp_path):
     for s in range(11, STEPS + 1):
         assert resumed[s]["loss_metrics/global_avg_loss"] == ref[s]["loss_metrics/global_avg_loss"], s
         assert resumed[s]["grad_norm"] == ref[s]["grad_norm"], s
+
+
+def _short(dump: Path, steps: int) -> list[str]:
+    return [sys.executable, "-m", "nsa_flex.titan.cli", "--job.config_file", str(CONFIG),
+            "--job.dump_folder", str(dump), "--training.steps", str(steps), "--metrics.log_freq", "1",
+            "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "3"]
+
+
+def test_damaged_checkpoint_is_set_aside_and_resume_is_marked(tmp_path):
+    """Issue 15.5 / 15.9: a truncated latest .distcp is detected before loading, set aside with a
+    message naming it, and the run resumes from the previous checkpoint; metrics.jsonl marks the
+    resume. With every checkpoint damaged (garbage .metadata): one clear error, exit code 2."""
+    d = tmp_path / "run"
+    _run(_short(d, 4), tmp_path / "log1.txt")
+    ck = d / "checkpoint"
+    assert sorted(p.name for p in ck.iterdir()) == ["step-2", "step-4"]
+    data = max((ck / "step-4").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])  # truncated
+
+    text = _run(_short(d, 6), tmp_path / "log2.txt")
+    assert f"Checkpoint {ck / 'step-4'} is damaged: data file {data.name} is truncated" in text
+    assert "Training starts at step 3" in text
+    assert (ck / "damaged" / "step-4" / data.name).is_file()
+    recs = [json.loads(l) for l in (d / "metrics.jsonl").read_text().splitlines()]
+    marks = [i for i, r in enumerate(recs) if r.get("event") == "resume"]
+    assert len(marks) == 1 and recs[marks[0]]["checkpoint_step"] == 2, recs
+    assert recs[marks[0]]["checkpoint"].endswith("step-2")
+    assert [r["step"] for r in recs[marks[0] + 1:]] == [3, 4, 5, 6]
+    assert [r["step"] for r in recs[: marks[0]]] == [1, 2, 3, 4]  # the first run's records
+
+    for meta in ck.glob("step-*/.metadata"):
+        meta.write_bytes(b"garbage, not a pickle")
+    p = subprocess.run(_short(d, 8), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, (p.stdout + p.stderr)[-3000:]
+    assert f"nsa-train: error: no usable checkpoint in {ck}" in p.stderr
+    assert ".metadata is unreadable" in p.stderr and "Traceback" not in p.stdout + p.stderr

@@ -11,7 +11,7 @@ from torch import nn
 from torchtitan.protocols.model import BaseModelArgs
 from torchtitan.tools.logging import logger
 
-from nsa_flex.config import NSAConfig
+from nsa_flex.config import NSAConfig, NSAConfigError, UserError, resolve_backend
 
 # NSAConfig fields that come from the model args' own dims (not from the [nsa] section)
 _MODEL_DIMS = ("dim", "n_heads", "n_kv_heads")
@@ -46,7 +46,7 @@ class NSAModelArgs(BaseModelArgs):
     n_local: int = 2
     window: int = 512
     phi: str = "avg"
-    backend: str = "flex"
+    backend: str = "auto"
     masks: str = "nsa"
     cmp_mask: str | None = None
     sel_mask: str | None = None
@@ -82,12 +82,10 @@ class NSAModelArgs(BaseModelArgs):
                 if v is not None:
                     setattr(self, name, v)
 
-        if self.backend == "flex" and not torch.cuda.is_available():
-            logger.warning(
-                "nsa backend 'flex' needs a GPU for training (compiled CPU flex has no backward): "
-                "no CUDA device here, switching to backend 'reference'"
-            )
-            self.backend = "reference"
+        # auto -> flex on CUDA, reference on the CPU; flex on the CPU -> reference, one warning
+        # (the rule lives in nsa_flex.config.resolve_backend, shared with the layer)
+        self.backend = resolve_backend(self.backend, "cuda" if torch.cuda.is_available() else "cpu",
+                                       training=True)
 
         par = job_config.parallelism
         if par.tensor_parallel_degree > 1 or par.context_parallel_degree > 1:
@@ -97,7 +95,15 @@ class NSAModelArgs(BaseModelArgs):
             )
         if self.doc_masking and self.eos_id < 0:
             raise ValueError("nsa.doc_masking needs a tokenizer with an EOS token")
-        self.nsa_config()  # validate now, naming the offending [nsa] fields
+        try:  # validate now, naming the offending fields with their TOML section
+            self.nsa_config()
+        except NSAConfigError as e:
+            def section(rule: str) -> str:  # a rule starts with its first field: "window=-3: ..."
+                field = rule.split("=", 1)[0]
+                return f"[model] flavor={job_config.model.flavor!r}: " if field in _MODEL_DIMS else "[nsa] "
+
+            errs = [section(r) + r for r in e.errors]
+            raise NSAConfigError("invalid NSA settings:\n  - " + "\n  - ".join(errs), errs) from None
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
         """(parameters, training FLOPs per token): 6 x non-embedding params for the matmuls, plus
@@ -113,6 +119,13 @@ class NSAModelArgs(BaseModelArgs):
         return nparams, int(flops)
 
 
+class FlavorError(UserError, KeyError):
+    """Unknown flavor. A KeyError (Mapping lookups), printed as its message, not its repr."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 class Flavors(Mapping):
     """Flavor name -> NSAModelArgs. Each lookup returns a fresh copy (update_from_config mutates it),
     and an unknown flavor raises a KeyError that lists the choices."""
@@ -122,7 +135,8 @@ class Flavors(Mapping):
 
     def __getitem__(self, name: str) -> NSAModelArgs:
         if name not in self._table:
-            raise KeyError(f"unknown nsa_flex flavor {name!r}; choices: {sorted(self._table)}")
+            raise FlavorError(f"[model] flavor={name!r}: unknown nsa_flex flavor; allowed values are "
+                              f"{sorted(self._table)}")
         return copy.deepcopy(self._table[name])
 
     def __iter__(self):

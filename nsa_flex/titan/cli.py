@@ -11,9 +11,14 @@ Equivalent to ``torchrun --nproc_per_node=1 -m torchtitan.train ...`` plus envir
     present, else torchtitan's defaults merged with nsa_flex's JobConfig (byte tokenizer, passkey data,
     debugmodel).
 Configuration itself comes only from the TOML file and command-line overrides.
+
+User errors (an invalid config value, unknown flavor or field, a TOML syntax error, a bad data file
+or checkpoint: :class:`nsa_flex.config.UserError` and config-parsing errors) are printed as one
+short message on stderr, exit code 2; a traceback only for real bugs.
 """
 
 import os
+import re
 import socket
 import sys
 
@@ -58,6 +63,48 @@ def build_args(argv: list[str]) -> list[str]:
     return args
 
 
+def config_error_message(e: Exception) -> str:
+    """A config-parsing error as one line: torchtitan's unknown-field ValueError names the class
+    (and suggests a script of torchtitan's repo); say the [section] and its valid fields instead."""
+    m = re.match(r"Invalid field names in <class '[\w.]*\.(\w+)'> data: (\{.*?\})", str(e))
+    if m:
+        import dataclasses
+
+        for f in dataclasses.fields(_merged_job_config()):
+            if getattr(f.type, "__name__", "").removeprefix("Merged") == m.group(1):
+                names = sorted(x.name for x in dataclasses.fields(f.type) if not x.name.startswith("_"))
+                return f"[{f.name}] unknown field(s) {m.group(2)}; valid fields: {', '.join(names)}"
+        return f"unknown field(s) {m.group(2)} in [{m.group(1).lower()}]"
+    return str(e)
+
+
+def check_config_file(args: list[str]) -> None:
+    """The --job.config_file exists and is valid TOML (torchtitan would log a traceback)."""
+    import tomllib
+
+    path = next((a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else "")
+                 for i, a in enumerate(args) if a.split("=", 1)[0] in ("--job.config_file", "--job.config-file")),
+                None)
+    if path is None:
+        return
+    if not os.path.isfile(path):
+        raise ValueError(f"--job.config_file {path!r} does not exist")
+    try:
+        with open(path, "rb") as f:
+            tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"config file {path!r}: TOML syntax error: {e}") from None
+
+
+def _merged_job_config():
+    """torchtitan's JobConfig merged with nsa_flex's (as ``[job] custom_config_module`` does)."""
+    import importlib
+
+    from torchtitan.config import ConfigManager, JobConfig
+
+    return ConfigManager._merge_configs(JobConfig, importlib.import_module(CONFIG_MODULE).JobConfig)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_args(sys.argv[1:] if argv is None else argv)
     setup_env()
@@ -68,7 +115,23 @@ def main(argv: list[str] | None = None) -> None:
     manager.ConfigManager.parse_args.__defaults__ = (args,)
     from torchtitan.train import Trainer, main as titan_main
 
-    titan_main(Trainer)
+    from nsa_flex.config import UserError
+
+    try:  # parse once up front: every error here is the user's (file, TOML, field, value)
+        check_config_file(args)
+        manager.ConfigManager().parse_args(args)
+    except (ValueError, TypeError, OSError) as e:
+        sys.exit(_user_error(config_error_message(e)))
+    try:
+        titan_main(Trainer)
+    except UserError as e:
+        sys.exit(_user_error(str(e)))
+
+
+def _user_error(msg: str) -> int:
+    """Print a user error as one short message (no traceback); the exit code (2)."""
+    print(f"nsa-train: error: {msg}", file=sys.stderr, flush=True)
+    return 2
 
 
 if __name__ == "__main__":

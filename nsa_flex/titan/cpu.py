@@ -82,6 +82,22 @@ cpu_device_module = CPUDeviceModule()
 _applied = False
 
 
+def _no_peak_flops(device_name: str) -> float:
+    return float("nan")
+
+
+def _amp_unless_float32(maybe_enable_amp):
+    def wrapped(parallel_dims, mixed_precision_param: str, device_type: str):
+        if mixed_precision_param == "float32":
+            import contextlib
+
+            return contextlib.nullcontext()
+        return maybe_enable_amp(parallel_dims, mixed_precision_param, device_type)
+
+    wrapped._nsa_cpu = True
+    return wrapped
+
+
 def apply() -> None:
     """Point torchtitan at the CPU (idempotent)."""
     global _applied
@@ -93,6 +109,14 @@ def apply() -> None:
             mod.device_type = "cpu"
         if hasattr(mod, "device_module"):
             mod.device_module = cpu_device_module
+    # no peak FLOPS for a CPU: NaN ("mfu: n/a" on the console, nsa_flex.titan.console), instead of
+    # torchtitan's lspci call and "fallback to A100" warnings (twice per run)
+    utils = importlib.import_module("torchtitan.tools.utils")
+    utils.get_peak_flops = _no_peak_flops
+    # float32 "mixed precision": no autocast at all (CPU autocast rejects float32 with a warning)
+    dist_utils = importlib.import_module("torchtitan.distributed.utils")
+    if not getattr(dist_utils.maybe_enable_amp, "_nsa_cpu", False):
+        dist_utils.maybe_enable_amp = _amp_unless_float32(dist_utils.maybe_enable_amp)
     if not _applied:
         from torchtitan.tools.logging import logger
 

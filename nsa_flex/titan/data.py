@@ -50,12 +50,14 @@ from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.components.tokenizer import BaseTokenizer
 from torchtitan.tools.logging import logger
 
+from nsa_flex.config import UserError
+
 DATASET_CHOICES = ("passkey", "fineweb_edu", "local")
 FINEWEB_EDU_REPO = "HuggingFaceFW/fineweb-edu"
 LOCAL_FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".txt": "text"}
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError, ValueError):
     """Unknown dataset name, missing path, unreadable or corrupt data file (named in the message)."""
 
 
@@ -274,19 +276,24 @@ def resolve_local_files(path: str) -> tuple[str, list[str]]:
     return kinds.pop(), files
 
 
-def check_local_file(builder: str, path: str, text_column: str) -> None:
+def check_local_file(builder: str, path: str, text_column: str) -> str | None:
     """Cheap up-front check of one data file: the footer of a parquet file, the first record of a
-    jsonl file, the first bytes of a txt file. Raises DatasetError naming the file."""
+    jsonl file, the first bytes of a txt file. Raises DatasetError naming the file; returns why the
+    file holds no documents (empty, 0 rows, blank lines only) or None."""
     try:
+        if os.path.getsize(path) == 0:
+            return "the file is empty (0 bytes)"
         if builder == "parquet":
             import pyarrow.parquet as pq
 
-            schema = pq.read_schema(path)
-            if text_column not in schema.names:
+            meta = pq.read_metadata(path)
+            if text_column not in meta.schema.names:
                 raise DatasetError(
-                    f"data file {path!r} has no column {text_column!r} (columns: {schema.names}); "
+                    f"data file {path!r} has no column {text_column!r} (columns: {meta.schema.names}); "
                     "set [training] dataset_text_column"
                 )
+            if meta.num_rows == 0:
+                return "the parquet file has 0 rows"
         elif builder == "json":
             with open(path, "rb") as f:
                 for line in f:
@@ -297,10 +304,14 @@ def check_local_file(builder: str, path: str, text_column: str) -> None:
                                 f"data file {path!r}: first record has no field {text_column!r}; "
                                 "set [training] dataset_text_column"
                             )
-                        break
+                        return None
+            return "the file holds only blank lines (no records)"
         else:
             with open(path, "rb") as f:
-                f.read(1 << 16).decode("utf-8", errors="strict")
+                head = f.read(1 << 16)
+            head.decode("utf-8", errors="strict")
+            if not head.strip() and os.path.getsize(path) <= len(head):
+                return "the file holds only blank lines (no text)"
     except DatasetError:
         raise
     except UnicodeDecodeError as e:
@@ -309,6 +320,7 @@ def check_local_file(builder: str, path: str, text_column: str) -> None:
             raise DatasetError(f"corrupt or non-UTF-8 data file {path!r}: {e}") from e
     except Exception as e:
         raise DatasetError(f"corrupt or unreadable data file {path!r}: {type(e).__name__}: {e}") from e
+    return None
 
 
 def _find_shard_idx(state: Any) -> int | None:
@@ -331,9 +343,11 @@ class HFTextSource:
         self.text_column = text_column
         self.name = name
         self.files = files
+        self.records = 0  # records read in the current pass (empty texts included)
 
     def __iter__(self) -> Iterator[list[int]]:
         it = iter(self._data)
+        self.records = 0
         while True:
             try:
                 sample = next(it)
@@ -344,7 +358,15 @@ class HFTextSource:
             text = sample.get(self.text_column)
             if text is None:
                 raise DatasetError(f"{self._where()}: record without column {self.text_column!r}")
-            yield self.tok.encode(text, add_bos=True, add_eos=True)
+            self.records += 1
+            if text.strip():  # an empty text is no document (it would train on BOS/EOS alone)
+                yield self.tok.encode(text, add_bos=True, add_eos=True)
+
+    def empty_reason(self) -> str:
+        """Why a whole pass gave no document (for the error)."""
+        if not self.records:
+            return "a full pass read no record"
+        return f"a full pass read {self.records} record(s), every {self.text_column!r} text empty or blank"
 
     def _where(self) -> str:
         if not self.files:
@@ -374,7 +396,26 @@ class HFTextSource:
         self._data.load_state_dict(sd["data"])
 
     def describe(self) -> str:
-        return self.name
+        return self._where() if self.files else self.name
+
+
+def hub_unreachable(timeout: float = 5.0) -> str | None:
+    """Why the Hugging Face hub cannot be reached (offline mode set, or one HTTPS request to its
+    endpoint failing within ``timeout`` s), or None when it answers (any HTTP status)."""
+    import urllib.error
+    import urllib.request
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    try:
+        urllib.request.urlopen(urllib.request.Request(constants.ENDPOINT, method="HEAD"), timeout=timeout)
+    except urllib.error.HTTPError:
+        return None  # it answered
+    except Exception as e:  # DNS, refused, timeout, proxy
+        return f"{constants.ENDPOINT}: {type(e).__name__}: {getattr(e, 'reason', e)}"
+    return None
 
 
 def build_source(
@@ -408,8 +449,14 @@ def build_source(
         )
     if path and (name == "local" or _looks_local(path)):
         builder, files = resolve_local_files(path)
-        for f in files:
-            check_local_file(builder, f, text_column)
+        empty = {f: why for f in files if (why := check_local_file(builder, f, text_column))}
+        if len(empty) == len(files):
+            raise DatasetError("no training text in dataset_path " + repr(path) + ": " + "; ".join(
+                f"data file {f!r}: {why}" for f, why in empty.items()))
+        if empty:  # the datasets readers fail on empty files (StopIteration, ArrowInvalid): skip them
+            logger.warning(f"Dataset {name}: skipping {len(empty)} empty file(s): " + "; ".join(
+                f"{f!r} ({why})" for f, why in empty.items()))
+            files = [f for f in files if f not in empty]
         kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
         try:
             ds = load_dataset(builder, data_files=files, split="train", streaming=True, **kwargs)
@@ -419,13 +466,18 @@ def build_source(
         return HFTextSource(ds, tokenizer, text_column, name=f"{name}:{path}", files=files)
 
     repo = path or FINEWEB_EDU_REPO
+    offline_hint = ("Offline, point dataset_path at a local parquet/jsonl file, "
+                    "e.g. --training.dataset_path ../shared/data/fineweb_sample_2800.parquet")
+    unreachable = hub_unreachable()
+    if unreachable:  # datasets would retry for ~30 s before failing
+        raise DatasetError(f"cannot open {repo!r} (config {dataset_config!r}): the Hugging Face hub is "
+                           f"unreachable ({unreachable}). {offline_hint}")
     try:
         ds = load_dataset(repo, name=dataset_config, split="train", streaming=True)
     except Exception as e:
         raise DatasetError(
             f"cannot open {repo!r} (config {dataset_config!r}) from the Hugging Face hub: "
-            f"{type(e).__name__}: {e}. Offline, point dataset_path at a local parquet/jsonl file, "
-            "e.g. --training.dataset_path ../shared/data/fineweb_sample_2800.parquet"
+            f"{type(e).__name__}: {e}. {offline_hint}"
         ) from e
     logger.info(f"Dataset {name}: streaming {repo} ({dataset_config})")
     return HFTextSource(ds, tokenizer, text_column, name=f"{repo}/{dataset_config}")
@@ -459,6 +511,8 @@ class PackedTokenDataset(IterableDataset, Stateful):
         self.infinite = infinite
         self._token_buffer: list[int] = []
         self._seq_idx = 0  # packed sequences produced so far (over all ranks)
+        self._resumed = False  # a loaded state: the next pass starts mid-stream
+        self._relooped = False  # the re-loop warning was given
 
     def is_passkey(self, k: int) -> bool:
         """Whether packed sequence k is a passkey document (passkey_mix)."""
@@ -469,7 +523,7 @@ class PackedTokenDataset(IterableDataset, Stateful):
     def __iter__(self):
         n = self.seq_len + 1
         if self.restart_each_iter:
-            self._token_buffer, self._seq_idx = [], 0
+            self._token_buffer, self._seq_idx, self._resumed = [], 0, False
             self.source.restart()
         info = get_worker_info()
         n_workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
@@ -487,9 +541,14 @@ class PackedTokenDataset(IterableDataset, Stateful):
                 if k % stride == mine:
                     yield sample(self.passkey.document(k)[0])
 
+        # a pass that starts mid-stream (a resumed state) may be empty; a whole one may not
+        whole_pass = not self._resumed
+        self._resumed = False
         while True:
             yield from passkeys()
+            pass_tokens = 0
             for toks in self.source:
+                pass_tokens += len(toks)
                 self._token_buffer.extend(toks)
                 while len(self._token_buffer) >= n:
                     x = self._token_buffer[:n]
@@ -499,10 +558,18 @@ class PackedTokenDataset(IterableDataset, Stateful):
                     if k % stride == mine:
                         yield sample(x)
                     yield from passkeys()
+            if whole_pass and pass_tokens == 0:  # would re-loop forever on nothing
+                why = getattr(self.source, "empty_reason", lambda: "a full pass gave no token")()
+                raise DatasetError(f"{self.source.describe()} holds no training text: {why}")
             if not self.infinite:
                 logger.warning(f"Dataset {self.source.describe()} has run out of data")
                 return
-            logger.warning(f"Dataset {self.source.describe()} is being re-looped")
+            if whole_pass and not self._relooped:  # once: a small source re-loops often
+                logger.warning(
+                    f"Dataset {self.source.describe()} is being re-looped: one pass gives {pass_tokens:,} "
+                    f"tokens ({pass_tokens / n:.1f} sequences of seq_len + 1 = {n}); it repeats from now on")
+                self._relooped = True
+            whole_pass = True
             self.source.next_epoch()
 
     def state_dict(self) -> dict[str, Any]:
@@ -512,6 +579,7 @@ class PackedTokenDataset(IterableDataset, Stateful):
         self._token_buffer = list(state_dict["token_buffer"])
         self._seq_idx = int(state_dict["seq_idx"])
         self.source.load_state_dict(state_dict["source"])
+        self._resumed = True
 
 
 def _build(section, job_config, dp_world_size, dp_rank, tokenizer, infinite, split):

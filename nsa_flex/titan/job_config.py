@@ -45,7 +45,8 @@ class NSA:
     phi: str | None = None
     """compression function: avg | mlp"""
     backend: str | None = None
-    """flex | reference. On a machine without CUDA, flex is switched to reference (logged warning)."""
+    """auto (flex on CUDA, reference on the CPU) | flex | reference. On a machine without CUDA, flex is
+    switched to reference (one warning): compiled CPU flex has no backward."""
     masks: str | None = None
     """mask preset: nsa | full_causal | sliding_only | random_selection | local_selection | no_compressed"""
     cmp_mask: str | None = None

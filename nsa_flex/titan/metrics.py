@@ -3,6 +3,9 @@
 Each logged step appends one JSON line on rank 0: ``{"step", "time", "loss_metrics/global_avg_loss",
 "grad_norm", "throughput(tps)", "memory/max_reserved(GiB)", "lr", ...}`` with full-precision floats
 (the console line rounds the loss to 5 decimals). Validation lines carry ``validation_metrics/*``.
+A resume from a checkpoint appends ``{"step": N, "event": "resume", "checkpoint_step": N,
+"checkpoint": ...}`` first (:func:`note_resume`): later records of steps > N replace the earlier
+run's records of the same steps.
 
 NSA telemetry (``[nsa] telemetry_every = N > 0``; see :mod:`nsa_flex.telemetry` for the design and
 the quantities): when the trainer hands the model to the processor (``model_parts``), recording is
@@ -19,6 +22,7 @@ import json
 import math
 import os
 import time
+import weakref
 
 import torch
 
@@ -36,14 +40,32 @@ def _plain(v):
     return v
 
 
+_OPEN = weakref.WeakSet()  # the open JSONL loggers of this process (rank 0), for note_resume
+
+
+def note_resume(step: int, checkpoint: str) -> None:
+    """Append a resume record to every open metrics JSONL file: ``{"step": N, "event": "resume",
+    "checkpoint_step": N, "checkpoint": path}``. The steps logged after it replace earlier records
+    of the same steps (a reader keeps the last value of each step)."""
+    for lg in list(_OPEN):
+        lg.log_event({"event": "resume", "checkpoint_step": step, "checkpoint": checkpoint}, step)
+
+
 class JsonlLogger(BaseLogger):
     def __init__(self, path: str):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.path = path
         self._f = open(path, "a", buffering=1)
+        _OPEN.add(self)
+
+    def log_event(self, fields: dict, step: int) -> None:
+        if not self._f.closed:
+            self._f.write(json.dumps({"step": step, "time": time.time(), **fields}) + "\n")
+            self._f.flush()
 
     def log(self, metrics: dict, step: int) -> None:
-        rec = {"step": step, "time": time.time(), **{k: _plain(v) for k, v in metrics.items()}}
+        rec = {"step": step, "time": time.time(), **{k: _plain(v) for k, v in metrics.items()
+                                                     if not (k == "mfu(%)" and v != v)}}  # NaN: no peak FLOPS
         self._f.write(json.dumps(rec) + "\n")
         self._f.flush()
 
