@@ -11,6 +11,9 @@ Equivalent to ``torchrun --nproc_per_node=1 -m torchtitan.train ...`` plus envir
     present, else torchtitan's defaults merged with nsa_flex's JobConfig (byte tokenizer, passkey data,
     debugmodel).
 Configuration itself comes only from the TOML file and command-line overrides.
+
+``nsa-train --preflight ...`` (same config and overrides) checks the launch instead of training and
+exits 0 only when every check passes (:mod:`nsa_flex.titan.preflight`).
 """
 
 import os
@@ -61,6 +64,10 @@ def build_args(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     args = build_args(sys.argv[1:] if argv is None else argv)
     setup_env()
+    if "--preflight" in args:
+        from .preflight import main as preflight
+
+        sys.exit(preflight([a for a in args if a != "--preflight"]))
     sys.argv = [sys.argv[0]] + args
     # ConfigManager.parse_args binds sys.argv[1:] as its default when torchtitan is first imported
     from torchtitan.config import manager
