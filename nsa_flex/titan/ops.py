@@ -118,6 +118,8 @@ def thread_frames(text: str) -> dict[int, list[tuple[str, int, str]]]:
 
 
 def _in_project(path: str, root: str) -> bool:
+    if not os.path.isabs(path):  # "<string>", "<frozen runpy>": code without a file
+        return False
     path = os.path.abspath(path)
     return path.startswith(root + os.sep) and "site-packages" not in path
 
