@@ -151,7 +151,8 @@ def _max_step(path: Path) -> int:
 def halted(tmp_path_factory):
     """The slow run: SIGUSR1 after step 3, HALT after the dump; returns (dir, log text, rc, cmd)."""
     d = tmp_path_factory.mktemp("halted")
-    cmd = _cmd(d, *CKPT, *SLOW)
+    # model-only final saves (as in the ablation TOMLs): the halt checkpoint must still be full
+    cmd = _cmd(d, *CKPT, *SLOW, "--checkpoint.last_save_model_only")
     log, metrics = d / "log_halted.txt", d / "metrics.jsonl"
     with open(log, "w") as f:
         p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=f, stderr=subprocess.STDOUT)

@@ -213,17 +213,15 @@ def _dist_info() -> tuple[int, int]:
 
 
 def find_trainer(max_depth: int = 12):
-    """The torchtitan Trainer among the callers' ``self`` (None if there is none)."""
-    try:
-        from torchtitan.train import Trainer
-    except Exception:
-        return None
+    """The torchtitan Trainer among the callers' ``self`` (None if there is none). Matched by class
+    name, not identity: under ``python -m torchtitan.train`` the class is ``__main__.Trainer``."""
     f = sys._getframe(1)
     for _ in range(max_depth):
         if f is None:
             break
         obj = f.f_locals.get("self")
-        if isinstance(obj, Trainer):
+        if obj is not None and hasattr(obj, "train_step") and any(
+                c.__name__ == "Trainer" for c in type(obj).__mro__):
             return obj
         f = f.f_back
     return None
