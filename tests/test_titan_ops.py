@@ -12,6 +12,7 @@ share its uninterrupted reference run).
 
 import faulthandler
 import os
+import types
 import subprocess
 import sys
 import tempfile
@@ -72,6 +73,34 @@ def test_data_stall_warning_needs_k_consecutive_steps():
     msg = m.update(6, 0.9, 1.0)
     assert msg and "data loader stall" in msg and "50%" in msg and "3 steps" in msg
     assert m.update(7, 0.9, 1.0) is None  # once per episode
+
+
+def test_halt_logic_without_trainer(tmp_path):
+    """HALT before the last step cuts training.steps to the current step and is consumed; at the last
+    step it is only consumed; SIGTERM (the handler) requests the same."""
+    jc = types.SimpleNamespace(
+        ops=Ops(stall_timeout_s=0.0, dump_on_sigusr1=False, halt_on_sigterm=False),
+        job=types.SimpleNamespace(dump_folder=str(tmp_path)), training=types.SimpleNamespace(steps=5),
+        checkpoint=types.SimpleNamespace(enable=True, last_save_model_only=False, folder="checkpoint"))
+    m = ops.OpsMonitor(jc)
+    m.start()
+    try:
+        m.step_done(1, 0.0)
+        assert m.halted_at is None and jc.training.steps == 5
+        (tmp_path / "HALT").write_text("")
+        m.step_done(5, 0.0)  # last step: nothing to cut
+        assert m.halted_at is None and jc.training.steps == 5 and not (tmp_path / "HALT").exists()
+        jc.training.steps = 10
+        (tmp_path / "HALT").write_text("")
+        m.step_done(6, 0.0)
+        assert m.halted_at == 6 and jc.training.steps == 6 and not (tmp_path / "HALT").exists()
+        m2 = ops.OpsMonitor(jc)
+        m2._on_sigterm(15, None)
+        jc.training.steps = 10
+        m2.step_done(7, 0.0)
+        assert m2.halted_at == 7 and m2.halt_reason == "SIGTERM"
+    finally:
+        m.close()
 
 
 # ----------------------------------------------------------------------------- stall watchdog

@@ -329,10 +329,10 @@ class OpsMonitor:
             self._group = None
         if self.halted_at is not None:
             ck = self.job_config.checkpoint
-            where = (os.path.join(self.dump_folder, ck.folder, f"step-{self.halted_at}") if ck.enable
+            where = (f"checkpoint: {os.path.join(self.dump_folder, ck.folder, f'step-{self.halted_at}')}; "
+                     "rerun the same command to resume" if ck.enable
                      else "no checkpoint ([checkpoint] enable = false): a rerun starts from the beginning")
-            log.warning(f"ops: halted after step {self.halted_at} ({self.halt_reason}); checkpoint: {where}; "
-                        "rerun the same command to resume")
+            log.warning(f"ops: halted after step {self.halted_at} ({self.halt_reason}); {where}")
 
     # ------------------------------------------------------------------ per step (main thread)
     def step_done(self, step: int, data_wait_s: float) -> None:
@@ -390,7 +390,10 @@ class OpsMonitor:
             torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self._group)
             if t.item() and not flag:
                 reason, flag = "requested on another rank", True
-        if not flag or step >= self.job_config.training.steps:
+        if not flag:
+            return
+        if step >= self.job_config.training.steps:  # the last step: the run ends normally anyway
+            self._consume_halt_file()
             return
         self.halt_reason, self.halted_at = reason, step
         # the stock loop saves a "last step" checkpoint after this step and ends: exit code 0
@@ -402,12 +405,17 @@ class OpsMonitor:
         elif ck is None and self.job_config.checkpoint.last_save_model_only:
             log.warning("ops: halt: checkpoint.last_save_model_only = true and the trainer was not found: "
                         "the halt checkpoint holds the model only and will not resume")
+        self._consume_halt_file()
+        log.warning(f"ops: halt ({reason}) on rank {self.rank}: stopping after step {step}, saving a checkpoint")
+
+    def _consume_halt_file(self) -> None:
+        """Rank 0 removes the halt file (all ranks have read it: the agreement came first), so
+        rerunning the same command does not halt again."""
         if self.rank == 0 and self.halt_path and os.path.exists(self.halt_path):
             try:
                 os.remove(self.halt_path)
             except OSError:
                 pass
-        log.warning(f"ops: halt ({reason}) on rank {self.rank}: stopping after step {step}, saving a checkpoint")
 
     # ------------------------------------------------------------------ watchdog thread
     def _step_in_progress(self) -> int:
