@@ -3,7 +3,12 @@
 * an uninterrupted 30-step run: the loss falls by a set margin;
 * the same run checkpointed every 10 steps (torchtitan DCP), SIGKILLed right after the step-10
   checkpoint is complete, then resumed by rerunning the same command: the losses and grad norms of
-  steps 11-30 equal the uninterrupted run's exactly.
+  steps 11-30 equal the uninterrupted run's exactly;
+* [ops] on the same 30-step command with a slow data loader (tests/ops_test_data.py, spec
+  nsa_flex_slow: same data, 0.15 s per batch): SIGUSR1 at step 3 writes a stack dump while training
+  goes on, the loader wait reaches metrics.jsonl, creating <dump_folder>/HALT stops the run after the
+  current step with a checkpoint and exit code 0, and rerunning the same command resumes with the
+  uninterrupted run's losses and grad norms.
 """
 
 import json
@@ -37,7 +42,7 @@ def _env() -> dict:
     env = dict(os.environ)
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
     return env
 
 
@@ -167,3 +172,93 @@ def test_damaged_checkpoint_is_set_aside_and_resume_is_marked(tmp_path):
     assert p.returncode == 2, (p.stdout + p.stderr)[-3000:]
     assert f"nsa-train: error: no usable checkpoint in {ck}" in p.stderr
     assert ".metadata is unreadable" in p.stderr and "Traceback" not in p.stdout + p.stderr
+
+
+# ----------------------------------------------------------------------------- [ops]: SIGUSR1, data wait, HALT
+SLOW = ("--experimental.custom_import", "ops_test_data", "--model.name", "nsa_flex_slow",
+        "--ops.data_wait_warn_share", "0.02", "--ops.data_wait_warn_steps", "3")
+
+
+def _wait_for(cond, p, log: Path, what: str, timeout=240):
+    deadline = time.time() + timeout
+    while not cond():
+        assert p.poll() is None, f"run ended before {what}: " + log.read_text()[-4000:]
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def _max_step(path: Path) -> int:
+    return max(_records(path), default=0) if path.exists() else 0
+
+
+@pytest.fixture(scope="module")
+def halted(tmp_path_factory):
+    """The slow run: SIGUSR1 after step 3, HALT after the dump; returns (dir, log text, rc, cmd)."""
+    d = tmp_path_factory.mktemp("halted")
+    # model-only final saves (as in the ablation TOMLs): the halt checkpoint must still be full
+    cmd = _cmd(d, *CKPT, *SLOW, "--checkpoint.last_save_model_only")
+    log, metrics = d / "log_halted.txt", d / "metrics.jsonl"
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=f, stderr=subprocess.STDOUT)
+        try:
+            _wait_for(lambda: _max_step(metrics) >= 3, p, log, "step 3")
+            p.send_signal(signal.SIGUSR1)
+            dumps = d / "stalls"
+            _wait_for(lambda: dumps.is_dir() and any(dumps.iterdir()) and "SIGUSR1 dump" in log.read_text(),
+                      p, log, "the SIGUSR1 dump")
+            at = int(next(dumps.iterdir()).name.split("-")[1])  # step-N-rank-0.txt: step N in progress
+            _wait_for(lambda: _max_step(metrics) > at, p, log, "a step after the dump")  # training goes on
+            (d / "HALT").write_text("")
+            p.wait(timeout=240)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return d, log.read_text(), p.returncode, cmd
+
+
+def test_sigusr1_dumps_while_training_continues(halted):
+    d, text, rc, _ = halted
+    dumps = sorted((d / "stalls").iterdir())
+    assert len(dumps) == 1, dumps
+    dump = dumps[0].read_text()
+    assert dumps[0].name.startswith("step-") and dumps[0].name.endswith("-rank-0.txt")
+    assert "SIGUSR1 (on demand; the run goes on)" in dump and "--- Python thread stacks" in dump
+    assert "innermost project frame (main thread): " in dump and "ops_test_data.py" in dump
+    signalled_at = int(dumps[0].name.split("-")[1])
+    assert _max_step(d / "metrics.jsonl") > signalled_at  # trained on after the dump
+    assert rc == 0, text[-3000:]
+
+
+def test_loader_wait_in_metrics_and_warning(halted):
+    d, text, _, _ = halted
+    recs = _records(d / "metrics.jsonl")
+    waits = [r["time_metrics/data_wait_per_step(s)"] for s, r in sorted(recs.items()) if s > 1]
+    assert waits and all(0.14 < w < 1.0 for w in waits), waits  # the helper sleeps 0.15 s per batch
+    assert all(r["throughput_excl_data(tps)"] > r["throughput(tps)"] for r in recs.values())
+    assert "time_metrics/data_wait(%)" in recs[2]
+    assert "data: 1" in text and "tps excl. data:" in text  # console step line ("data: 15xms/step")
+    assert "ops: data loader stall" in text
+
+
+def test_halt_file_then_resume_is_exact(uninterrupted, halted):
+    _, _, ref = uninterrupted
+    d, text, rc, cmd = halted
+    assert rc == 0, text[-3000:]
+    before = _records(d / "metrics.jsonl")
+    n = max(before)
+    assert 3 < n < STEPS, sorted(before)
+    assert f"ops: halt (halt file {d / 'HALT'}) on rank 0: stopping after step {n}" in text
+    assert (d / "checkpoint" / f"step-{n}" / ".metadata").exists()
+    assert not (d / "HALT").exists()  # consumed: the rerun does not halt again
+    for s in range(1, n + 1):
+        assert before[s]["loss_metrics/global_avg_loss"] == ref[s]["loss_metrics/global_avg_loss"], s
+
+    (d / "metrics.jsonl").unlink()
+    resumed_text = _run(cmd, d / "log_resumed.txt")  # the same command
+    assert f"Training starts at step {n + 1}" in resumed_text
+    resumed = _records(d / "metrics.jsonl")
+    assert sorted(resumed) == list(range(n + 1, STEPS + 1))
+    for s in range(n + 1, STEPS + 1):
+        assert resumed[s]["loss_metrics/global_avg_loss"] == ref[s]["loss_metrics/global_avg_loss"], s
+        assert resumed[s]["grad_norm"] == ref[s]["grad_norm"], s

@@ -15,6 +15,9 @@ Configuration itself comes only from the TOML file and command-line overrides.
 User errors (an invalid config value, unknown flavor or field, a TOML syntax error, a bad data file
 or checkpoint: :class:`nsa_flex.config.UserError` and config-parsing errors) are printed as one
 short message on stderr, exit code 2; a traceback only for real bugs.
+
+``nsa-train --preflight ...`` (same config and overrides) checks the launch instead of training and
+exits 0 only when every check passes (:mod:`nsa_flex.titan.preflight`).
 """
 
 import os
@@ -108,6 +111,10 @@ def _merged_job_config():
 def main(argv: list[str] | None = None) -> None:
     args = build_args(sys.argv[1:] if argv is None else argv)
     setup_env()
+    if "--preflight" in args:
+        from .preflight import main as preflight
+
+        sys.exit(preflight([a for a in args if a != "--preflight"]))
     sys.argv = [sys.argv[0]] + args
     # ConfigManager.parse_args binds sys.argv[1:] as its default when torchtitan is first imported
     from torchtitan.config import manager

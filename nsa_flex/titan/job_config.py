@@ -15,6 +15,8 @@ Sections:
   [validation] default dataset "passkey" (validation stream uses its own seed).
   [metrics]   + ``jsonl_file``: per-step metrics (full-precision loss, grad norm, tps, memory) as JSONL.
   [experimental] default custom_import = "nsa_flex.titan.train_spec".
+  [ops]       operating long runs (nsa_flex/titan/ops.py): stall watchdog, SIGUSR1 dumps, HALT file /
+              SIGTERM halt, data-wait telemetry; preflight thresholds.
 """
 
 from dataclasses import dataclass, field
@@ -122,6 +124,38 @@ class Experimental:
 
 
 @dataclass
+class Ops:
+    """[ops] operating long runs (nsa_flex/titan/ops.py). Files go under job.dump_folder."""
+
+    stall_timeout_s: float = 600.0
+    """stall watchdog: when no training step completes within this many seconds (after the first
+    step of this process), every rank dumps all Python thread stacks (+ CUDA memory summary) to
+    <dump_folder>/stalls/step-N-rank-R.txt and logs one line. Covers the step plus the checkpoint
+    save / validation after it. 0 = watchdog off"""
+    stall_timeout_first_s: float = 1800.0
+    """the same limit until the first step of this process completes (model build, checkpoint load,
+    torch.compile); must be >= stall_timeout_s"""
+    stall_exit_code: int = 0
+    """after a stall dump, exit the process with this code (1..255, e.g. 75) so a scheduler can
+    restart from the last checkpoint; 0 = keep waiting (dump once per stalled step)"""
+    dump_on_sigusr1: bool = True
+    """SIGUSR1 (kill -USR1 PID of a rank) writes the same dump without stopping the run"""
+    halt_file: str = "HALT"
+    """creating <dump_folder>/<halt_file> makes every rank stop after the current step, save a
+    (full, resumable) checkpoint and exit 0; the file is removed. "" = off"""
+    halt_on_sigterm: bool = True
+    """SIGTERM does the same as the halt file (a second SIGTERM kills at once)"""
+    data_wait_warn_share: float = 0.25
+    """warn when waiting for the data loader takes more than this share (0 < x <= 1) of the step
+    time ..."""
+    data_wait_warn_steps: int = 20
+    """... for this many consecutive steps (>= 1)"""
+    long_run_steps: int = 1000
+    """preflight: runs of at least this many steps must save checkpoints (checkpoint.enable with an
+    interval below training.steps); 0 = no such check"""
+
+
+@dataclass
 class JobConfig:
     nsa: NSA = field(default_factory=NSA)
     model: Model = field(default_factory=Model)
@@ -129,3 +163,4 @@ class JobConfig:
     validation: Validation = field(default_factory=Validation)
     metrics: Metrics = field(default_factory=Metrics)
     experimental: Experimental = field(default_factory=Experimental)
+    ops: Ops = field(default_factory=Ops)

@@ -16,6 +16,10 @@ record when it is also a ``log_freq`` step, a record of their own otherwise), pr
 per layer, the selected-block distances also as a TensorBoard histogram; a gate whose mean stays
 above ``gate_collapse_threshold`` over ``gate_collapse_steps`` steps logs a warning. The read rides
 on ``should_log(step)``, which torchtitan's trainer calls once per step on every rank.
+
+Operating long runs (``[ops]``, :mod:`nsa_flex.titan.ops`): the untagged (training) processor owns an
+``OpsMonitor``: started here, told about each completed step (and its data-loader wait) from
+``should_log``, its data-wait figures added to each logged record and to the console step line.
 """
 
 import json
@@ -30,6 +34,8 @@ from torchtitan.components.metrics import BaseLogger, MetricsProcessor, TensorBo
 from torchtitan.tools.logging import logger as log
 
 from nsa_flex import telemetry as tm
+
+from . import ops as ops_mod
 
 
 def _plain(v):
@@ -84,7 +90,12 @@ class NSAMetricsProcessor(MetricsProcessor):
         self.collapse = tm.GateCollapseMonitor(float(threshold), steps)
         self._nsa_layers: list = []
         self._pending: dict | None = None
+        self.ops: ops_mod.OpsMonitor | None = None
+        self._dl_seen = 0  # data_loading_times entries already counted by ops
         super().__init__(job_config, parallel_dims, tag)
+        if tag is None and getattr(job_config, "ops", None) is not None:
+            self.ops = ops_mod.OpsMonitor(job_config)
+            self.ops.start()
         self._base_logger = self.logger
         self.jsonl: JsonlLogger | None = None
         name = getattr(job_config.metrics, "jsonl_file", "")
@@ -116,6 +127,8 @@ class NSAMetricsProcessor(MetricsProcessor):
     @model_parts.setter
     def model_parts(self, parts) -> None:
         self._model_parts = parts
+        if parts and self.ops is not None:
+            self.ops.attach(ops_mod.find_trainer())  # the Trainer assigning this: its step, its checkpointer
         if not parts or self.telemetry_every <= 0:
             return
         from nsa_flex.layer import NSAAttention
@@ -164,6 +177,10 @@ class NSAMetricsProcessor(MetricsProcessor):
                     lg.writer.add_histogram_raw(tag if lg.tag is None else f"{lg.tag}/{tag}", global_step=step, **h)
 
     def should_log(self, step: int) -> bool:
+        if self.ops is not None:  # once per step, every rank, before the checkpoint save
+            waits = self.data_loading_times[self._dl_seen:]
+            self._dl_seen = len(self.data_loading_times)
+            self.ops.step_done(step, sum(waits))
         due = super().should_log(step)
         if self.telemetry_due(step):
             metrics = self.collect_telemetry(step)
@@ -177,7 +194,24 @@ class NSAMetricsProcessor(MetricsProcessor):
         if self._pending:
             extra_metrics = {**(extra_metrics or {}), **self._pending}
             self._pending = None
-        super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)
+        if self.ops is None:
+            super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)
+            return
+        data = self.ops.window_metrics(self.ntokens_since_last_log, time.perf_counter() - self.time_last_log,
+                                       self.parallel_dims.non_data_parallel_size)
+        extra_metrics = {**(extra_metrics or {}), **data}
+        line = self.ops.step_line_filter(data)  # the data wait, appended to torchtitan's step line
+        log.addFilter(line)
+        try:
+            super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)
+        finally:
+            log.removeFilter(line)
+            self._dl_seen = 0  # super().log cleared data_loading_times
+
+    def close(self) -> None:
+        if self.ops is not None:
+            self.ops.close()
+        super().close()
 
 
 def build_metrics_processor(job_config, parallel_dims, model_args=None, tag: str | None = None):
