@@ -6,6 +6,12 @@
   selection branch) use group-centric packing: q [B, Hq, T, D] -> [B, Hkv, T*G, D] with row
   t*G + g, so one q block holds one position's G heads (NSA's own kernel tile) and every selected
   kv block is a *full* block; only the query's own block runs the mask_mod.
+  On GPU three shapes of work get their own route, each the same function:
+  * a mask split into disjoint `parts` (the selection: local band, sink block 0, scored blocks)
+    is one flex call per part, merged exactly through the parts' log-sum-exps (`merge_parts`);
+  * few keys for many queries (compressed keys, the 64-key sink) get one K/V copy per query head
+    (`expand_kv_heads`): flex's dK/dV pass then has G times the programs, each G times shorter;
+  * the plain causal mask (the full_causal preset) runs SDPA, what full attention would run.
 
 Shapes: q [B, Hq, T, Dk], k [B, Hkv, S, Dk], v [B, Hkv, S, Dv] -> out [B, Hq, T, Dv],
 lse [B, Hq, T] (fp32, natural log; None from compiled CPU flex, which cannot return it: the
