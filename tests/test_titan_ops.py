@@ -23,17 +23,10 @@ from pathlib import Path
 
 from nsa_flex.titan import ops
 from nsa_flex.titan.job_config import Ops
+from test_titan_train import _env  # subprocess environment of the training tests
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "titan_configs" / "debug_nsa.toml"
-
-
-def _env() -> dict:
-    env = dict(os.environ)
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
-    return env
 
 
 # ----------------------------------------------------------------------------- unit
