@@ -602,6 +602,11 @@ def main(argv=None):
     ap.add_argument("--modes", default=",".join(MODES), help="fwd,fwd_bwd (default both)")
     ap.add_argument("--item-limit", type=float, default=0,
                     help="seconds per phase of an item (setup, first call, timing); 0: none")
+    ap.add_argument("--band-options", default="",
+                    help="JSON kernel_options for the non-packed flex calls of the layer and the "
+                         "stages (compressed, forced bands, window), e.g. "
+                         "'{\"bwd_num_warps\": 8, \"bwd_BLOCK_M1\": 32}': sets "
+                         "nsa_flex.kernel_options.BAND_OPTIONS for the paper config's head dim")
     ap.add_argument("--out", default="experiments/results/bench")
     ap.add_argument("--merge", default="",
                     help="comma list of bench.csv files from earlier runs: rows merged (a later "
@@ -611,6 +616,14 @@ def main(argv=None):
     if args.merge:
         return merge(args.merge.split(","), args.out)
     only = set(_names(args.only, ITEMS, "--only", ap))
+    if args.band_options:
+        import json
+
+        from nsa_flex import kernel_options
+
+        for cname in args.configs.split(","):
+            kernel_options.BAND_OPTIONS[CONFIGS[cname]["d_qk"]] = json.loads(args.band_options)
+        log(f"band kernel_options: {kernel_options.BAND_OPTIONS}")
     modes = _names(args.modes, MODES, "--modes", ap)
     os.makedirs(args.out, exist_ok=True)
     dev = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"

@@ -56,6 +56,12 @@ run_step() {
     # issue 14: the changed stages, the old packed selection, and the layers at 64k
     split64k)   step 480 split_64k $B --T 65536 --stages-at 65536 --item-limit 200 \
                   --only score_topn,attn_compressed,attn_selected,attn_selected_packed,sdpa_causal,full_layer,nsa_layer ;;
+    # issue 14, next: backward tiles of the non-packed flex calls (d_k 192) at 64k, one process
+    # per option set (BAND_OPTIONS_SETS: ;-separated JSON dicts)
+    bwdtune)    IFS=';' read -ra SETS <<< "${BAND_OPTIONS_SETS:-{\"bwd_num_warps\": 8};{\"bwd_BLOCK_M1\": 32, \"bwd_BLOCK_N2\": 32};{\"bwd_num_warps\": 8, \"bwd_num_stages\": 1}}"
+                i=0; for o in "${SETS[@]}"; do i=$((i+1))
+                  step 170 bwdtune_$i $B --T 65536 --stages-at 65536 --no-baselines --modes fwd_bwd \
+                    --only attn_compressed,attn_window --item-limit 120 --band-options "$o"; done ;;
     # issue 14: the layer table (layer.csv) at the other lengths
     layers)     step 560 layers $B --T ${LAYER_T:-8192,16384,32768,131072} --stages-at "" \
                   --only sdpa_causal,flex_causal,fla_parallel_nsa_w0,full_layer,nsa_layer --item-limit 150 ;;

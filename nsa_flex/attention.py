@@ -29,7 +29,8 @@ from masks import MaskSpec
 from masks.core import fold_block_mask
 
 from .config import resolve_backend
-from .kernel_options import flex_kernel_options, packed_block_size, query_chunks
+from .kernel_options import (band_kernel_options, flex_kernel_options, packed_block_size,
+                             query_chunks)
 
 _compiled_flex = None
 
@@ -176,8 +177,8 @@ def attend_flex(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, scale: float | 
         # loops over the group's G heads; per query head there are G times the programs, each G
         # times shorter. The copies are small (S keys) and autograd sums their gradients.
         k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
-        return _flex_folded(q, k, v, bm, scale, False, None, C)
-    return _flex_folded(q, k, v, bm, scale, Hq != Hkv, None, C)
+        return _flex_folded(q, k, v, bm, scale, False, band_kernel_options(q), C)
+    return _flex_folded(q, k, v, bm, scale, Hq != Hkv, band_kernel_options(q), C)
 
 
 def expand_kv_heads(T: int, S: int, G: int, device) -> bool:

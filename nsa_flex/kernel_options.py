@@ -50,6 +50,20 @@ def flex_kernel_options(q: torch.Tensor, block_size: tuple[int, int]) -> dict | 
     }
 
 
+# Triton options of the flex calls with ordinary 128-row q blocks (compressed keys, the forced
+# selection bands, the window), by q/k head dim. Empty: inductor's defaults (sm90, head dim > 128:
+# bwd tiles 64x64, 4 warps, 2 stages). Filled only from H100 measurements
+# (`bench_attention.py --band-options`, experiments/NOTES.md 23).
+BAND_OPTIONS: dict[int, dict] = {}
+
+
+def band_kernel_options(q: torch.Tensor) -> dict | None:
+    """kernel_options of a non-packed flex call for queries q (None: inductor's own choice)."""
+    if q.device.type != "cuda":
+        return None
+    return dict(BAND_OPTIONS[q.shape[-1]]) if q.shape[-1] in BAND_OPTIONS else None
+
+
 FOLD_MIN_ROWS = 4096  # query rows per chunk, at least
 # Off (1) for now: with folding the 64k compressed branch's fwd+bwd failed on the H100
 # (cudaErrorInvalidAddressSpace, experiments/NOTES.md 16); the forward ran. 16 once fixed.

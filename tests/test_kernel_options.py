@@ -63,3 +63,17 @@ def test_kernel_options_tiles_divide_packed_blocks():
     assert qb % opts["fwd_BLOCK_M"] == 0 and kb % opts["fwd_BLOCK_N"] == 0
     assert kb % opts["bwd_BLOCK_N1"] == 0 and opts["bwd_BLOCK_N1"] % opts["bwd_BLOCK_M1"] == 0
     assert qb % opts["bwd_BLOCK_M2"] == 0 and opts["bwd_BLOCK_M2"] % opts["bwd_BLOCK_N2"] == 0
+
+
+def test_band_kernel_options_by_head_dim(monkeypatch):
+    """Non-packed flex calls get BAND_OPTIONS of their head dim on CUDA (a copy), else None."""
+    from types import SimpleNamespace
+
+    from nsa_flex import kernel_options as ko
+
+    monkeypatch.setattr(ko, "BAND_OPTIONS", {192: {"bwd_num_warps": 8}})
+    cuda_q = lambda d: SimpleNamespace(device=SimpleNamespace(type="cuda"), shape=(1, 4, 8, d))
+    got = ko.band_kernel_options(cuda_q(192))
+    assert got == {"bwd_num_warps": 8} and got is not ko.BAND_OPTIONS[192]
+    assert ko.band_kernel_options(cuda_q(128)) is None
+    assert ko.band_kernel_options(torch.zeros(1, 4, 8, 192)) is None  # CPU: never
