@@ -1,4 +1,4 @@
-"""One table and one picture from several ablation runs (issue 6, README "Results").
+"""One table and one picture from several ablation runs (README "Results").
 
 Each ``experiments/ablation_runs.sh`` call writes ``OUT/ablation.csv`` (one row per run, kind and
 length). This joins several of them, labels each run ``<run> (<steps> steps)`` and writes:

@@ -151,7 +151,7 @@ def test_causality_detects_a_leak():
     assert (layer(x)[:, :3] - layer(x2)[:, :3]).abs().max() > 1e-4
 
 
-# ---------------------------------------------------------------------- registration (issue 15.8)
+# ---------------------------------------------------------------------- registration
 def test_builtin_builders_pass_the_registration_check():
     from masks import check_causal
     from masks.registry import _REGISTRY

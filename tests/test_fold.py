@@ -102,7 +102,7 @@ def test_query_chunks_heuristic():
     assert qc(65536 * 16, 16, "cuda", per_group=True) == 16  # selection, G=16
     assert qc(8192, 128, "cuda", kv_len=511) == 2
     assert qc(4096, 128, "cuda", kv_len=255) == 1
-    assert query_chunks(65536, 128, "cuda", kv_len=4095) == 1  # default: off (NOTES 16)
+    assert query_chunks(65536, 128, "cuda", kv_len=4095) == 1  # default: off
 
 
 @pytest.mark.parametrize("B", [1, 2])

@@ -1,4 +1,4 @@
-"""Inference (issue 5): prefill + token-by-token decode == one full forward; exact read counters;
+"""Inference: prefill + token-by-token decode == one full forward; exact read counters;
 selection at decode == select_topn (ties to the lower block). CPU, fp32, reference backend."""
 
 import math

@@ -260,8 +260,8 @@ if __name__ == "__main__":
 def test_kernel_compiles_for_h100_as_inductor_launches_it(monkeypatch, dtype):
     """The kernel compiles (front end, TTGIR, PTX, ptxas) for sm_90 with the launch arguments the
     wrapper passes, every Python float typed fp64 as Inductor types it inside torch.compile (eager
-    Triton says fp32). A float argument multiplied into the fp32 accumulator made it fp64 and
-    failed to compile in the 125M titan run; the scale is now a constexpr."""
+    Triton says fp32): a float argument multiplied into the fp32 accumulator would make it fp64
+    and fail to compile, so the scale is a constexpr."""
     import triton
     from triton.compiler import ASTSource
 

@@ -1,4 +1,4 @@
-"""nsa-train's user errors (issue 15.6): one short message on stderr, exit code 2, no traceback."""
+"""nsa-train's user errors: one short message on stderr, exit code 2, no traceback."""
 
 import os
 import subprocess

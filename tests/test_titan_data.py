@@ -367,7 +367,7 @@ EMPTY_SOURCES = {
 
 @pytest.mark.parametrize("name", sorted(EMPTY_SOURCES))
 def test_empty_sources_fail_fast_naming_file_and_reason(tmp_path, name):
-    """Issue 15.1: a source that yields no token fails at once (it used to re-loop forever)."""
+    """A source that yields no token fails at once instead of re-looping forever."""
     import time
 
     make, reason = EMPTY_SOURCES[name]

@@ -89,7 +89,7 @@ def test_debug_training_loss_falls(uninterrupted):
     # the CPU shim and the automatic reference backend were used, throughput was reported
     assert "no CUDA device; running torchtitan on the CPU" in text
     assert "backend=reference" in text  # "auto" resolved on the CPU, silently
-    # issue 15.7: no known noise, a short config summary, no colour codes in a file
+    # no known noise, a short config summary, no colour codes in a file
     for noise in ("lspci", "Peak flops undefined", "set_vital", "CPU autocast", "_enforced", "\x1b[",
                   "switching to backend", "Traceback"):
         assert noise not in text, noise
@@ -145,7 +145,7 @@ def _short(dump: Path, steps: int) -> list[str]:
 
 
 def test_damaged_checkpoint_is_set_aside_and_resume_is_marked(tmp_path):
-    """Issue 15.5 / 15.9: a truncated latest .distcp is detected before loading, set aside with a
+    """A truncated latest .distcp is detected before loading, set aside with a
     message naming it, and the run resumes from the previous checkpoint; metrics.jsonl marks the
     resume. With every checkpoint damaged (garbage .metadata): one clear error, exit code 2."""
     d = tmp_path / "run"
