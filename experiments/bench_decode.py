@@ -351,7 +351,7 @@ def bench_one(cfg: NSAConfig, S: int, B: int, device, dtype, timer: Timer, graph
 
 def check_equivalence(device, T: int = 700, seed: int = 0, backend: str = "torch") -> float:
     """Prefill + token-by-token decode == one full forward, on `device` in fp32 (the same check
-    as tests/test_inference.py, here with the device's decode path, `backend`). Returns the max
+    as tests/inference/test_inference.py, here with the device's decode path, `backend`). Returns the max
     abs difference of the layer outputs."""
     from nsa_flex import NSAAttention
     from nsa_flex.inference import decode_step, new_cache, prefill

@@ -77,7 +77,7 @@ def register_mask_builder(name: str, kind: str, fn: Callable[[MaskContext], Mask
 
 
 def _register_builtin(name: str, kind: str, fn) -> None:
-    # built-ins: covered by tests/test_causality.py (hypothesis), not checked at import
+    # built-ins: covered by tests/masks/test_causality.py (hypothesis), not checked at import
     _REGISTRY[name] = (kind, fn)
 
 

@@ -24,7 +24,7 @@ import torch
 from nsa_flex import NSAAttention, NSAConfig
 from nsa_flex import telemetry as tm
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "titan_configs" / "debug_nsa.toml"
 DBG = dict(dim=64, n_heads=4, n_kv_heads=2, d_qk=16, d_v=16, l=8, d=4, l_sel=16, n_sel=4, window=32,
            backend="reference")

@@ -19,7 +19,7 @@ from nsa_flex.titan.data import (
 )
 from nsa_flex.titan.tokenizer import ByteTokenizer, build_tokenizer_from_name
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHARED = ROOT.parent / "shared" / "data"
 FINEWEB = SHARED / "fineweb_sample_2800.parquet"
 TIKTOKEN_CACHE = SHARED / "tiktoken_cache"

@@ -2,11 +2,11 @@
 
 * unit: [ops] validation names every bad field; the faulthandler-dump parser finds the innermost
   project frame of the main thread; the data-stall warning needs K consecutive slow steps;
-* a run whose data loader blocks (tests/ops_test_data.py, spec nsa_flex_block) is caught by the stall
+* a run whose data loader blocks (tests/titan/ops_test_data.py, spec nsa_flex_block) is caught by the stall
   watchdog within the timeout: the dump names the blocking frame, the process exits with the code;
 * preflight passes on debug_nsa.toml and lists every problem of a broken config.
 
-SIGUSR1 dumps, the loader-wait metrics and HALT + resume are in tests/test_titan_train.py (they
+SIGUSR1 dumps, the loader-wait metrics and HALT + resume are in tests/titan/test_train.py (they
 share its uninterrupted reference run).
 """
 
@@ -24,7 +24,7 @@ from pathlib import Path
 from nsa_flex.titan import ops
 from nsa_flex.titan.job_config import Ops
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "titan_configs" / "debug_nsa.toml"
 
 
@@ -32,7 +32,7 @@ def _env() -> dict:
     env = dict(os.environ)
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     return env
 
 
@@ -59,7 +59,7 @@ def test_innermost_project_frame_of_main_thread():
         f.seek(0)
         text = f.read()
     where = ops.innermost_project_frame(text, threading.main_thread().ident, root=str(ROOT))
-    assert where.startswith("tests/test_titan_ops.py:") and where.endswith("in _project_function_that_dumps"), where
+    assert where.startswith("tests/titan/test_ops.py:") and where.endswith("in _project_function_that_dumps"), where
     # a frame outside the root is skipped; a thread that is not in the dump is said so
     assert "no project frame" in ops.innermost_project_frame(text, threading.main_thread().ident, root="/nonexistent")
     assert "not in the dump" in ops.innermost_project_frame(text, 12345)
@@ -108,7 +108,7 @@ def test_blocked_data_source_triggers_watchdog(tmp_path):
     timeout, code = 6.0, 75  # well above a CPU debug step (<1.5 s on a busy 2-core box)
     cmd = [sys.executable, "-m", "nsa_flex.titan.cli", "--job.config_file", str(CONFIG),
            "--job.dump_folder", str(tmp_path), "--training.steps", "6",
-           "--experimental.custom_import", "ops_test_data", "--model.name", "nsa_flex_block",
+           "--experimental.custom_import", "tests.titan.ops_test_data", "--model.name", "nsa_flex_block",
            "--ops.stall_timeout_s", str(timeout), "--ops.stall_timeout_first_s", "120",
            "--ops.stall_exit_code", str(code)]
     p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
@@ -117,7 +117,7 @@ def test_blocked_data_source_triggers_watchdog(tmp_path):
     dump = tmp_path / "stalls" / "step-3-rank-0.txt"  # ops_test_data blocks the 3rd batch
     assert dump.exists(), (sorted(os.listdir(tmp_path)), out[-3000:])
     text = dump.read_text()
-    frame = "tests/ops_test_data.py"
+    frame = "tests/titan/ops_test_data.py"
     assert f"innermost project frame (main thread): {frame}:" in text and "in wait_for_data_forever" in text
     assert "--- Python thread stacks" in text and "--- memory (cpu) ---" in text
     assert "last completed: 2" in text

@@ -15,7 +15,7 @@ import torch
 from nsa_flex.titan.data import PasskeyCorpus
 from nsa_flex.titan.tokenizer import ByteTokenizer, build_tokenizer_from_name
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHARED = ROOT.parent / "shared" / "data"
 FINEWEB = SHARED / "fineweb_sample_2800.parquet"
 TIKTOKEN = SHARED / "tiktoken_cache"
@@ -27,12 +27,7 @@ _spec.loader.exec_module(ne)
 BYTE = ByteTokenizer()
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("single_thread")  # hundreds of tiny ops per token
 
 
 def _tokenizers():

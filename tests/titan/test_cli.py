@@ -12,7 +12,7 @@ import pytest
 
 from nsa_flex.titan import cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_build_args_defaults_to_debug_config():

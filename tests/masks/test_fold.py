@@ -11,7 +11,7 @@ from masks.core import fold_block_mask
 from nsa_flex.attention import attend_flex, attend_reference
 from nsa_flex.kernel_options import query_chunks
 
-from test_compact_blockmask import _dense
+from tests.masks.test_compact_blockmask import _dense
 
 
 def _sel_idx(B, H, T, l_sel, n, seed=0):

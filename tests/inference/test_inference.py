@@ -19,13 +19,7 @@ SETTINGS = dict(deadline=None, derandomize=True, print_blob=True,
                                        HealthCheck.data_too_large])
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # decode is hundreds of tiny ops per token: threads only add contention on a 2-core runner
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("single_thread")  # hundreds of tiny ops per token
 
 
 def make_layer(cfg: NSAConfig, seed: int) -> NSAAttention:

@@ -4,7 +4,7 @@
 * the same run checkpointed every 10 steps (torchtitan DCP), SIGKILLed right after the step-10
   checkpoint is complete, then resumed by rerunning the same command: the losses and grad norms of
   steps 11-30 equal the uninterrupted run's exactly;
-* [ops] on the same 30-step command with a slow data loader (tests/ops_test_data.py, spec
+* [ops] on the same 30-step command with a slow data loader (tests/titan/ops_test_data.py, spec
   nsa_flex_slow: same data, 0.15 s per batch): SIGUSR1 at step 3 writes a stack dump while training
   goes on, the loader wait reaches metrics.jsonl, creating <dump_folder>/HALT stops the run after the
   current step with a checkpoint and exit code 0, and rerunning the same command resumes with the
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "titan_configs" / "debug_nsa.toml"
 STEPS = 30
 LOSS_DROP = 2.0  # 30 steps on the passkey corpus: ~6.3 -> ~2.2 on CPU; require at least this drop
@@ -42,7 +42,7 @@ def _env() -> dict:
     env = dict(os.environ)
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     return env
 
 
@@ -175,7 +175,7 @@ def test_damaged_checkpoint_is_set_aside_and_resume_is_marked(tmp_path):
 
 
 # ----------------------------------------------------------------------------- [ops]: SIGUSR1, data wait, HALT
-SLOW = ("--experimental.custom_import", "ops_test_data", "--model.name", "nsa_flex_slow",
+SLOW = ("--experimental.custom_import", "tests.titan.ops_test_data", "--model.name", "nsa_flex_slow",
         "--ops.data_wait_warn_share", "0.02", "--ops.data_wait_warn_steps", "3")
 
 

@@ -18,7 +18,7 @@ from masks import (MaskContext, forced_and_valid, forced_blocks, get_mask_builde
 from masks.registry import selection_parts
 from nsa_flex import NSAConfig
 from nsa_flex.attention import attend_reference, merge_parts
-from test_masks import check_block_mask, random_docs
+from tests.masks.test_masks import check_block_mask, random_docs
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -11,7 +11,7 @@ from nsa_flex.titan.data import DatasetError, PackedTokenDataset, PasskeyCorpus,
 from nsa_flex.titan.tokenizer import ByteTokenizer
 
 SEQ = 200
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
 FINEWEB = SHARED / "fineweb_edu_sample_150.parquet"
 
 

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOL = 1e-5
 
 # (name, config, cache lengths before the step (S - 1 per row), options)
@@ -258,32 +258,18 @@ def test_kernels_compile_for_h100(monkeypatch, case):
     """Every kernel of a step compiles (Triton front end, TTGIR, PTX, ptxas) for sm_90 with the
     installed triton, no GPU needed: catches what the interpreter does not check (types across
     branches, constexpr-only globals, dot shapes). Launch arguments are those the wrappers pass."""
-    pytest.importorskip("triton")
-    import triton
-    from triton.compiler import ASTSource
+    from tests.ops.triton_harness import Launches, compile_for_h100, cuda_compiler
 
-    try:
-        from triton.backends.compiler import GPUTarget
-        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
-    except ImportError as e:
-        pytest.skip(f"triton without its CUDA backend: {e}")
+    cuda_compiler()
     import nsa_flex.ops.decode_triton as M
     from nsa_flex import NSAConfig
     from nsa_flex.inference.cache import NSACache
 
     if M.interpreter_active():
         pytest.skip("TRITON_INTERPRET is set in this process")
-    calls = []
-
-    class Record:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            return lambda *args, **kw: calls.append((self.kernel, args, kw))
-
+    calls = Launches()
     for name in ("_write_kernel", "_attn_kernel", "_score_kernel", "_combine_kernel"):
-        monkeypatch.setattr(M, name, Record(getattr(M, name)))
+        monkeypatch.setattr(M, name, calls.wrap(getattr(M, name)))
     if case == "paper_bf16":
         cfg, dt, sel = NSAConfig(backend="reference"), torch.bfloat16, "topn"
     else:
@@ -302,28 +288,10 @@ def test_kernels_compile_for_h100(monkeypatch, case):
                            g=q[..., :3], num_programs=528)
     assert sorted({k.__name__ for k, _, _ in calls}) == [
         "_attn_kernel", "_combine_kernel", "_score_kernel", "_write_kernel"]
-    types = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int64: "*i64"}
     if case == "small_fp32":  # the padded d_k / d_v / G paths of the attention kernel only
         calls = [c for c in calls if c[0].__name__ == "_attn_kernel"]
     for kernel, args, kw in calls:
-        opts = {o: kw.pop(o) for o in ("num_warps", "num_stages") if o in kw}
-        vals = dict(zip(kernel.arg_names, args), **kw)
-        assert len(args) + len(kw) == len(kernel.arg_names) and not set(kw) & set(kernel.arg_names[:len(args)]), \
-            (kernel.__name__, 'launch arguments do not bind one-to-one to the parameters')
-        sig, const = {}, {}
-        for name, param in zip(kernel.arg_names, kernel.params):
-            v = vals[name]
-            if param.is_constexpr:
-                sig[name], const[name] = "constexpr", v
-            elif isinstance(v, torch.Tensor):
-                sig[name] = types[v.dtype]
-            else:
-                # a Python float is typed fp64 when Inductor launches the kernel (fp32 in eager
-                # Triton); the kernels must compile either way
-                sig[name] = "fp64" if isinstance(v, float) else "i32"
-        compiled = triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32),
-                                  options=opts)
-        assert compiled.asm.get("cubin"), kernel.__name__
+        compile_for_h100(kernel, args, kw)
 
 
 def test_auto_backend_falls_back_to_torch(monkeypatch):

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run as a script (the interpreter subprocess)
     sys.path.insert(0, str(ROOT))
 
@@ -262,26 +262,13 @@ def test_kernel_compiles_for_h100_as_inductor_launches_it(monkeypatch, dtype):
     wrapper passes, every Python float typed fp64 as Inductor types it inside torch.compile (eager
     Triton says fp32): a float argument multiplied into the fp32 accumulator would make it fp64
     and fail to compile, so the scale is a constexpr."""
-    import triton
-    from triton.compiler import ASTSource
+    from tests.ops.triton_harness import Launches, compile_for_h100, cuda_compiler
 
-    try:
-        from triton.backends.compiler import GPUTarget
-        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
-    except ImportError as e:
-        pytest.skip(f"triton without its CUDA backend: {e}")
+    cuda_compiler()
     import nsa_flex.ops.scorer_triton as M
 
-    calls = []
-
-    class Record:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            return lambda *args, **kw: calls.append((self.kernel, args, kw))
-
-    monkeypatch.setattr(M, "wrap_triton", Record)
+    calls = Launches()
+    monkeypatch.setattr(M, "wrap_triton", calls.wrap)
     B, Hq, Hkv, T, D = 1, 8, 2, 300, 192
     q = torch.randn(B, Hq, T, D, dtype=dtype)
     k = torch.randn(B, Hkv, (T - 32) // 16 + 1, D, dtype=dtype)
@@ -289,21 +276,4 @@ def test_kernel_compiles_for_h100_as_inductor_launches_it(monkeypatch, dtype):
     docs = torch.zeros(1, T, dtype=torch.int32)
     M.group_slc_scores._init_fn(q, k, lse, docs, 0, T, 32, 16, 64)
     assert len(calls) == 1
-    kernel, args, kw = calls[0]
-    opts = {o: kw.pop(o) for o in ("num_warps", "num_stages") if o in kw}
-    vals = dict(zip(kernel.arg_names, args), **kw)
-    assert len(args) + len(kw) == len(kernel.arg_names) and not set(kw) & set(kernel.arg_names[:len(args)]), \
-        (kernel.__name__, 'launch arguments do not bind one-to-one to the parameters')
-    types = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32"}
-    sig, const = {}, {}
-    for name, param in zip(kernel.arg_names, kernel.params):
-        v = vals[name]
-        if param.is_constexpr:
-            sig[name], const[name] = "constexpr", v
-        elif isinstance(v, torch.Tensor):
-            sig[name] = types[v.dtype]
-        else:
-            sig[name] = "fp64" if isinstance(v, float) else "i32"
-    compiled = triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32),
-                              options=opts)
-    assert compiled.asm.get("cubin")
+    compile_for_h100(*calls[0])

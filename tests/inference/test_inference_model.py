@@ -15,16 +15,11 @@ from nsa_flex.inference.model import (generate, model_decode_step, model_prefill
 from nsa_flex.titan.args import nsa_flex_args  # noqa: E402
 from nsa_flex.titan.model import NSATransformer  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "titan_configs", "debug_nsa.toml")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("single_thread")  # hundreds of tiny ops per token
 
 
 def make_model(seed=0, doc_masking=False, phi="avg", masks="nsa", vocab=64, eos=3):

@@ -1,7 +1,7 @@
-"""Test-only torchtitan custom_import module (tests/test_titan_ops.py): the nsa_flex TrainSpec under
+"""Test-only torchtitan custom_import module (tests/titan/test_ops.py): the nsa_flex TrainSpec under
 two more names whose training data loader misbehaves, to exercise [ops] on CPU.
 
-    --experimental.custom_import ops_test_data   (with tests/ on PYTHONPATH)
+    --experimental.custom_import tests.titan.ops_test_data   (with the project root on PYTHONPATH)
     --model.name nsa_flex_block    the loader blocks forever when batch BLOCK_AT is requested
     --model.name nsa_flex_slow     the loader sleeps SLOW_S before every batch (same data, same losses)
 """

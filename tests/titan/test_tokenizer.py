@@ -13,7 +13,7 @@ from nsa_flex.titan.tokenizer import (
     build_tokenizer_from_name,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TIKTOKEN_CACHE = ROOT.parent / "shared" / "data" / "tiktoken_cache"
 needs_cache = pytest.mark.skipif(not TIKTOKEN_CACHE.is_dir(), reason=f"no tiktoken cache at {TIKTOKEN_CACHE}")
 
