@@ -58,8 +58,9 @@ def _one_case(cfg_kw: dict, lens: list[int], opt: dict, seed: int) -> dict:
     from nsa_flex import NSAConfig
     from nsa_flex.compression import PHI
     from nsa_flex.inference.cache import NSACache
-    from nsa_flex.inference.decode import (_attend, _num_cmp, _qk, attend_cached, branch_modes,
-                                           cache_branches, write_token, write_token_triton)
+    from nsa_flex.inference.decode import branch_modes, cache_branches
+    from nsa_flex.inference.decode_fused import write_token_triton
+    from nsa_flex.inference.decode_reference import _attend, _num_cmp, _qk, attend_cached, write_token
     from nsa_flex.ops.decode_triton import nsa_decode_attention
 
     torch.manual_seed(seed)
@@ -298,6 +299,7 @@ def test_auto_backend_falls_back_to_torch(monkeypatch):
     """"auto" on a device where the Triton step fails: one warning, the cache switches to the
     torch path for good, and the step's output is the torch path's; "triton" raises instead."""
     import nsa_flex.inference.decode as dec
+    from nsa_flex.inference import prefill
     from nsa_flex import NSAAttention, NSAConfig
 
     cfg = NSAConfig(dim=16, n_heads=4, n_kv_heads=2, d_qk=8, d_v=8, l=4, d=2, l_sel=4, n_sel=3,
@@ -308,7 +310,7 @@ def test_auto_backend_falls_back_to_torch(monkeypatch):
     caches = {be: dec.new_cache(layer, 2, 16, decode_backend=be) for be in ("torch", "auto",
                                                                              "triton")}
     for c in caches.values():
-        dec.prefill(layer, x[:, :10], c)
+        prefill(layer, x[:, :10], c)
 
     def broken(*args, **kwargs):
         raise RuntimeError("no Triton device here")
@@ -321,6 +323,7 @@ def test_auto_backend_falls_back_to_torch(monkeypatch):
     with pytest.warns(RuntimeWarning, match="Triton decode failed"):
         got = dec.decode_step(layer, x[:, 10:11], caches["auto"])
     assert caches["auto"].decode_backend == "torch"
+    assert caches["auto"].fallback_reason == "RuntimeError: no Triton device here"
     got = [got, dec.decode_step(layer, x[:, 11:12], caches["auto"])]
     assert all(torch.equal(a, b) for a, b in zip(got, ref))
     assert torch.equal(caches["auto"].lengths, caches["torch"].lengths)
