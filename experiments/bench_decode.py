@@ -49,13 +49,12 @@ import traceback
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nsa_flex.config import NSAConfig  # noqa: E402
-from nsa_flex.compression import PHI  # noqa: E402
-from nsa_flex.inference.cache import NSACache  # noqa: E402
-from nsa_flex.inference.decode import decode_attention, resolve_decode_backend  # noqa: E402
-from nsa_flex.inference.decode_reference import _write, attend_cached  # noqa: E402
+from nsa_flex.config import NSAConfig
+from nsa_flex.compression import PHI
+from nsa_flex.inference.cache import NSACache
+from nsa_flex.inference.decode import decode_attention, resolve_decode_backend
+from nsa_flex.inference.decode_reference import _write, attend_cached
 
 PAPER = dict(dim=2560, n_heads=64, n_kv_heads=4, d_qk=192, d_v=128, l=32, d=16, l_sel=64, n_sel=16,
              window=512)

@@ -35,6 +35,9 @@ class NSAAttention(nn.Module):
         self.wo = nn.Linear(H * dv, dim, bias=False)
         self.builders = {b: get_mask_builder(n) for b, n in cfg.branch_masks().items()}
         self.branch_names = cfg.branch_masks()
+        # the top-n selection (Eq. 8-11, nsa_flex.selection): an instance attribute, so a probe
+        # can wrap it for one layer (experiments/retrieval_probe.py records and overrides picks)
+        self.select_topn = select_topn
         # telemetry (nsa_flex/telemetry.py): set before the first (compiled) call; when on, every
         # forward writes its gate / mask statistics into this buffer (no state dict, no grad)
         self.telemetry = False
@@ -92,13 +95,13 @@ class NSAAttention(nn.Module):
             # selection scorer (Eq. 8-10), no gradient through the top-n
             def topn():
                 lse = None if lse_cmp is None else lse_cmp.detach()
-                return select_topn(q.detach(), k_cmp.detach(), lse, cfg, starts)
+                return self.select_topn(q.detach(), k_cmp.detach(), lse, cfg, starts)
         else:
             # a custom selection builder may still ask for the scorer (registry contract):
             # compressed keys on demand, the scorer computes its own lse
             def topn():
                 k, _ = kv("cmp")
-                return select_topn(q.detach(), self.phi_k(k).detach(), None, cfg, starts)
+                return self.select_topn(q.detach(), self.phi_k(k).detach(), None, cfg, starts)
 
         step = 0
         if self.branch_names["sel"] == "random_selection":

@@ -21,7 +21,7 @@ from torch import Tensor
 from ..rope import apply_rope, rope_cos_sin
 from .cache import NSACache
 from .decode_fused import attend_triton, resolve_decode_backend, write_token_triton
-from .decode_reference import BRANCHES, attend_cached, write_token
+from .decode_reference import attend_cached, write_token
 
 SUPPORTED = {"cmp": ("compressed_causal", "none"),
              "sel": ("topn", "local_selection", "causal", "none"),

@@ -145,6 +145,11 @@ class Flavors(Mapping):
     def __len__(self) -> int:
         return len(self._table)
 
+    def add(self, name: str, args: NSAModelArgs) -> None:
+        """Register one more flavor (e.g. from a ``custom_import`` module); a name that exists
+        keeps its args."""
+        self._table.setdefault(name, args)
+
 
 nsa_flex_args = Flavors(
     {

@@ -1,9 +1,10 @@
-"""experiments/needle_eval.py: prompts (the training passkey document exactly; multi-key; FineWeb
+"""nsa_flex.eval, the needle evaluation (CLI `python -m nsa_flex.eval`, also run as
+experiments/needle_eval.py): prompts (the training passkey document exactly; multi-key; FineWeb
 filler), scoring, both decode paths, checkpoint loading, the CSV / summary / heatmap outputs, the
 ablation table, and the errors that name the bad flag."""
 
 import csv
-import importlib.util
+import re
 import json
 import os
 import random
@@ -20,9 +21,7 @@ SHARED = ROOT.parent / "shared" / "data"
 FINEWEB = SHARED / "fineweb_sample_2800.parquet"
 TIKTOKEN = SHARED / "tiktoken_cache"
 
-_spec = importlib.util.spec_from_file_location("needle_eval", ROOT / "experiments" / "needle_eval.py")
-ne = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ne)
+import nsa_flex.eval.needle as ne  # noqa: E402
 
 BYTE = ByteTokenizer()
 
@@ -75,12 +74,12 @@ def test_multikey_prompt(tok):
         p = ne.make_prompt(tok, "multikey", 1500, d, 1, syn, n_keys=4, seed=3)
         assert len(p["tokens"]) + p["answer_tokens"] + 1 == 1501
         text = tok.decode(p["tokens"])
-        needles = [(text.index(m), m) for m in ne.re.findall(r"The pass key of \w+ is: \d+\. Remember", text)]
+        needles = [(text.index(m), m) for m in re.findall(r"The pass key of \w+ is: \d+\. Remember", text)]
         assert len(needles) == 4
-        names = {ne.re.search(r"of (\w+) is", m).group(1) for _, m in needles}
-        keys = {ne.re.search(r"is: (\d+)\.", m).group(1) for _, m in needles}
+        names = {re.search(r"of (\w+) is", m).group(1) for _, m in needles}
+        keys = {re.search(r"is: (\d+)\.", m).group(1) for _, m in needles}
         assert len(names) == 4 and len(keys) == 4 and p["expected"] in keys
-        asked = ne.re.search(r"What is the pass key of (\w+)\? The pass key of \1 is:$", text).group(1)
+        asked = re.search(r"What is the pass key of (\w+)\? The pass key of \1 is:$", text).group(1)
         pos = text.index(f"The pass key of {asked} is: {p['expected']}.")
         assert abs(pos / len(text) - d / 100) < 0.2, (d, pos / len(text))
     assert ne.make_prompt(tok, "multikey", 1500, 100, 1, syn, 4, 3) == p  # deterministic
@@ -179,12 +178,12 @@ def test_quick_run_outputs(tmp_path, monkeypatch):
         out = []
         for p, g in zip(prompts, gens):
             text = BYTE.decode([t for t in p if t < 256])
-            key = ne.re.findall(r"The pass key (?:of \w+ )?is: (\d+)\.", text)
-            asked = ne.re.search(r"pass key of (\w+)\? ", text)
+            key = re.findall(r"The pass key (?:of \w+ )?is: (\d+)\.", text)
+            asked = re.search(r"pass key of (\w+)\? ", text)
             if asked:
-                key = ne.re.findall(rf"The pass key of {asked.group(1)} is: (\d+)\.", text)
+                key = re.findall(rf"The pass key of {asked.group(1)} is: (\d+)\.", text)
             # depth 100: the asked needle is right before the question
-            depth_ok = ne.re.search(rf"is: {key[0]}\. \nWhat is", text) is not None
+            depth_ok = re.search(rf"is: {key[0]}\. \nWhat is", text) is not None
             out.append(BYTE.encode(f"{key[0]}." if depth_ok else "00000.") + [BYTE.eos_id])
         return out
 
@@ -330,3 +329,15 @@ def test_out_of_memory_halves_the_batch(tmp_path, monkeypatch):
     with pytest.raises(ne.EvalError, match="--lengths 300: out of memory for one prompt"):
         ne.main(["--quick", "--out", str(tmp_path / "b"), "--depths", "0", "--lengths", "300",
                  "--kinds", "passkey"])
+
+
+@pytest.mark.parametrize("cmd", [["-m", "nsa_flex.eval"], ["experiments/needle_eval.py"]])
+def test_cli_user_error_exit_code(cmd):
+    """Both entry points run the same CLI: a user error is one line on stderr, exit code 2."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, *cmd, "--quick"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "needle_eval: error: --out is required" in r.stderr, r.stderr
