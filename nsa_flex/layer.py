@@ -12,6 +12,7 @@ from masks import MaskContext, doc_start, get_mask_builder
 from .attention import attend
 from .compression import PHI
 from .config import NSAConfig
+from .kernel_options import install_small_block_bwd_configs
 from .rope import apply_rope, rope_cos_sin
 from .selection import select_topn
 from .telemetry import STATS_SIZE, layer_stats
@@ -24,6 +25,8 @@ class NSAAttention(nn.Module):
         super().__init__()
         cfg.validate()
         self.cfg = cfg
+        if cfg.backend != "reference":  # flex runs inside the compiled forward: install it now
+            install_small_block_bwd_configs()
         H, Hkv, dk, dv, dim = cfg.n_heads, cfg.n_kv_heads, cfg.d_qk, cfg.d_v, cfg.dim
         self.wq = nn.Linear(dim, H * dk, bias=False)
         # paper §3.3.3: independent keys and values for each branch

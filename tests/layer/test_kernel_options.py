@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from nsa_flex.kernel_options import (
-    _caller_block_sizes, _fits, flex_kernel_options, packed_block_size, with_small_block_configs,
+    _caller_block_sizes, _fits, flex_kernel_options, install_small_block_bwd_configs,
+    needs_small_block_bwd_configs, packed_block_size, with_small_block_configs,
 )
 from torch._inductor.choices import InductorChoices
 from torch._inductor.template_heuristics.triton import FlexBwDConfig
@@ -41,7 +42,28 @@ def test_block_sizes_read_from_the_lowering_frame():
     assert nested() is None
 
 
+def test_import_installs_nothing_and_only_old_torch_needs_the_wrapper():
+    """`import nsa_flex` leaves inductor as it is; building a flex layer installs the wrapper,
+    on the torch versions that filter before kernel_options (#176025) only."""
+    import subprocess
+    import sys
+
+    code = ("import nsa_flex; from torch._inductor.choices import InductorChoices as C; "
+            "f = C.get_flex_attention_bwd_configs; print(f.__module__); "
+            "nsa_flex.NSAAttention(nsa_flex.NSAConfig(backend='flex')); "
+            "print(C.get_flex_attention_bwd_configs.__module__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         timeout=120).stdout.split()
+    assert out[0] == "torch._inductor.choices"
+    assert out[1] == ("nsa_flex.kernel_options" if needs_small_block_bwd_configs()
+                      else "torch._inductor.choices")
+    assert needs_small_block_bwd_configs("2.11.0+cu128") and needs_small_block_bwd_configs("2.13.0")
+    assert not needs_small_block_bwd_configs("2.14.0") and not needs_small_block_bwd_configs("3.0.0")
+
+
 def test_hook_installed_on_inductor_choices():
+    if not install_small_block_bwd_configs():
+        pytest.skip("this torch applies kernel_options before filtering (#184797)")
     def lowering(SPARSE_Q_BLOCK_SIZE, SPARSE_KV_BLOCK_SIZE):
         return InductorChoices().get_flex_attention_bwd_configs(192, torch.bfloat16, "cpu")
 
