@@ -23,17 +23,10 @@ from pathlib import Path
 
 from nsa_flex.titan import ops
 from nsa_flex.titan.job_config import Ops
+from tests.titan.helpers import launch_env
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "titan_configs" / "debug_nsa.toml"
-
-
-def _env() -> dict:
-    env = dict(os.environ)
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    return env
 
 
 # ----------------------------------------------------------------------------- unit
@@ -111,7 +104,7 @@ def test_blocked_data_source_triggers_watchdog(tmp_path):
            "--experimental.custom_import", "tests.titan.ops_test_data", "--model.name", "nsa_flex_block",
            "--ops.stall_timeout_s", str(timeout), "--ops.stall_timeout_first_s", "120",
            "--ops.stall_exit_code", str(code)]
-    p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+    p = subprocess.run(cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=240)
     out = p.stdout + p.stderr
     assert p.returncode == code, out[-4000:]
     dump = tmp_path / "stalls" / "step-3-rank-0.txt"  # ops_test_data blocks the 3rd batch
@@ -130,7 +123,7 @@ def test_blocked_data_source_triggers_watchdog(tmp_path):
 # ----------------------------------------------------------------------------- preflight
 def _preflight(*extra: str, timeout=240):
     cmd = [sys.executable, "-m", "nsa_flex.titan.cli", "--preflight", "--job.config_file", str(CONFIG), *extra]
-    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def test_preflight_passes_on_debug_config(tmp_path):

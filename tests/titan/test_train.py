@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tests.titan.helpers import launch_env
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "titan_configs" / "debug_nsa.toml"
@@ -38,14 +39,6 @@ def _cmd(dump: Path, *extra: str) -> list[str]:
     ]
 
 
-def _env() -> dict:
-    env = dict(os.environ)
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    return env
-
-
 def _records(path: Path) -> dict[int, dict]:
     out = {}
     lines = path.read_text().splitlines()
@@ -62,7 +55,7 @@ def _records(path: Path) -> dict[int, dict]:
 
 def _run(cmd, log: Path, timeout=300):
     with open(log, "w") as f:
-        p = subprocess.run(cmd, cwd=ROOT, env=_env(), stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
+        p = subprocess.run(cmd, cwd=ROOT, env=launch_env(), stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
     assert p.returncode == 0, log.read_text()[-4000:]
     return log.read_text()
 
@@ -108,7 +101,7 @@ def test_checkpoint_kill_resume_is_exact(uninterrupted, tmp_path):
     cmd = _cmd(d, *CKPT)
     marker = d / "checkpoint" / "step-10" / ".metadata"  # DCP writes .metadata last
     with open(d / "log_killed.txt", "w") as f:
-        p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=f, stderr=subprocess.STDOUT)
+        p = subprocess.Popen(cmd, cwd=ROOT, env=launch_env(), stdout=f, stderr=subprocess.STDOUT)
         try:
             deadline = time.time() + 240
             while not marker.exists():
@@ -168,7 +161,7 @@ def test_damaged_checkpoint_is_set_aside_and_resume_is_marked(tmp_path):
 
     for meta in ck.glob("step-*/.metadata"):
         meta.write_bytes(b"garbage, not a pickle")
-    p = subprocess.run(_short(d, 8), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    p = subprocess.run(_short(d, 8), cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=300)
     assert p.returncode == 2, (p.stdout + p.stderr)[-3000:]
     assert f"nsa-train: error: no usable checkpoint in {ck}" in p.stderr
     assert ".metadata is unreadable" in p.stderr and "Traceback" not in p.stdout + p.stderr
@@ -199,7 +192,7 @@ def halted(tmp_path_factory):
     cmd = _cmd(d, *CKPT, *SLOW, "--checkpoint.last_save_model_only")
     log, metrics = d / "log_halted.txt", d / "metrics.jsonl"
     with open(log, "w") as f:
-        p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=f, stderr=subprocess.STDOUT)
+        p = subprocess.Popen(cmd, cwd=ROOT, env=launch_env(), stdout=f, stderr=subprocess.STDOUT)
         try:
             _wait_for(lambda: _max_step(metrics) >= 3, p, log, "step 3")
             p.send_signal(signal.SIGUSR1)
