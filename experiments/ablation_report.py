@@ -1,4 +1,4 @@
-"""One table and one picture from several ablation runs (issue 6, README "Results").
+"""One table and one picture from several ablation runs (README "Results").
 
 Each ``experiments/ablation_runs.sh`` call writes ``OUT/ablation.csv`` (one row per run, kind and
 length). This joins several of them, labels each run ``<run> (<steps> steps)`` and writes:
@@ -19,8 +19,7 @@ import csv
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import needle_eval as ne  # noqa: E402  (the per-prompt summary and the metrics reader)
+from nsa_flex.eval.report import read_metrics, summarize
 
 
 class ReportError(ValueError):
@@ -32,14 +31,14 @@ def digits_from_rows(path: str, kind: str, length: int) -> float | None:
     if not os.path.isfile(path):
         return None
     rows = [r for r in csv.DictReader(open(path, newline="")) if r.get("correct") in ("0", "1")]
-    got = [x["digits"] for x in ne.summarize(rows) if x["kind"] == kind and x["length"] == length]
+    got = [x["digits"] for x in summarize(rows) if x["kind"] == kind and x["length"] == length]
     return got[0] if got else None
 
 
 def loss_curve(run_dir: str) -> list[tuple[int, float]]:
     """(step, loss) from a run's metrics.jsonl (or the .gz committed under experiments/results)."""
     return [(s, r["loss_metrics/global_avg_loss"]) for s, r in
-            sorted(ne._metrics(os.path.join(run_dir, "metrics.jsonl")).items())
+            sorted(read_metrics(os.path.join(run_dir, "metrics.jsonl")).items())
             if "loss_metrics/global_avg_loss" in r]
 
 

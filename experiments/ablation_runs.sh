@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 6 ablation: the six titan_configs/ablation_*.toml (identical but for [nsa] masks: nsa,
+# Ablation: the six titan_configs/ablation_*.toml (identical but for [nsa] masks: nsa,
 # full_causal, sliding_only, random_selection, local_selection, no_compressed) trained on one GPU
 # (flavor 30M_kv4, byte tokenizer, FineWeb sample + 90% passkey documents, seq 1024, bf16,
 # torch.compile, the same STEPS x 16 x 1024 tokens each), then experiments/needle_eval.py on each

@@ -616,6 +616,10 @@ def main(argv=None):
     if args.merge:
         return merge(args.merge.split(","), args.out)
     only = set(_names(args.only, ITEMS, "--only", ap))
+    # items compile flex calls on their own, before any layer exists (the layer installs it too)
+    from nsa_flex.kernel_options import install_small_block_bwd_configs
+
+    install_small_block_bwd_configs()
     if args.band_options:
         import json
 

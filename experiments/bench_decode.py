@@ -49,13 +49,12 @@ import traceback
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nsa_flex.config import NSAConfig  # noqa: E402
-from nsa_flex.compression import PHI  # noqa: E402
-from nsa_flex.inference.cache import NSACache  # noqa: E402
-from nsa_flex.inference.decode import (_write, attend_cached, decode_attention,  # noqa: E402
-                                       resolve_decode_backend)
+from nsa_flex.config import NSAConfig
+from nsa_flex.compression import PHI
+from nsa_flex.inference.cache import NSACache
+from nsa_flex.inference.decode import decode_attention, resolve_decode_backend
+from nsa_flex.inference.decode_reference import _write, attend_cached
 
 PAPER = dict(dim=2560, n_heads=64, n_kv_heads=4, d_qk=192, d_v=128, l=32, d=16, l_sel=64, n_sel=16,
              window=512)
@@ -351,7 +350,7 @@ def bench_one(cfg: NSAConfig, S: int, B: int, device, dtype, timer: Timer, graph
 
 def check_equivalence(device, T: int = 700, seed: int = 0, backend: str = "torch") -> float:
     """Prefill + token-by-token decode == one full forward, on `device` in fp32 (the same check
-    as tests/test_inference.py, here with the device's decode path, `backend`). Returns the max
+    as tests/inference/test_inference.py, here with the device's decode path, `backend`). Returns the max
     abs difference of the layer outputs."""
     from nsa_flex import NSAAttention
     from nsa_flex.inference import decode_step, new_cache, prefill

@@ -13,7 +13,6 @@ import subprocess
 import sys
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 CASES = ["cmp_fold1", "cmp_fold4", "torch_mask_batch4", "cmp_fold4_eager_mask", "sel_fold4"]
 

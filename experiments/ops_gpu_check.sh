@@ -3,7 +3,7 @@
 #   bash experiments/ops_gpu_check.sh OUT_DIR [CONFIG] [STEPS] [NPROC]
 # (defaults: titan_configs/debug_nsa.toml, 40 steps, 1 process per run; NPROC=2 on a 2-GPU machine
 # checks that the ranks agree on the halt step). Every run goes through torchrun -m torchtitan.train
-# (the stock entry point) with the tests' custom_import module tests/ops_test_data.py, in parallel
+# (the stock entry point) with the tests' custom_import module tests/titan/ops_test_data.py, in parallel
 # where they are independent:
 #   ref    uninterrupted STEPS steps                                            (spec nsa_flex)
 #   stall  the data loader blocks at batch 3: the watchdog (limit 20 s after the first step) must
@@ -22,7 +22,7 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 rm -rf "$OUT"/{ref,stall,halt} "$OUT"/*.log
-export PYTHONPATH="$ROOT:$ROOT/tests${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY=${PYTHON:-python}
 if [ -z "${TIKTOKEN_CACHE_DIR:-}" ] && [ -d "$ROOT/../shared/data/tiktoken_cache" ]; then
   export TIKTOKEN_CACHE_DIR="$ROOT/../shared/data/tiktoken_cache"
@@ -34,7 +34,7 @@ train() {  # name spec [extra args...]: torchrun in the background, log OUT/name
     -m torchtitan.train --job.config_file "$CFG" --job.dump_folder "$OUT/$name" \
     --training.steps "$STEPS" --metrics.log_freq 1 \
     --checkpoint.enable --checkpoint.interval 100000 --checkpoint.last_save_model_only \
-    --experimental.custom_import ops_test_data --model.name "$spec" "$@" >> "$OUT/$name.log" 2>&1
+    --experimental.custom_import tests.titan.ops_test_data --model.name "$spec" "$@" >> "$OUT/$name.log" 2>&1
 }
 last_step() { [ -f "$1/metrics.jsonl" ] && grep -o '"step": [0-9]*' "$1/metrics.jsonl" | tail -1 | grep -o '[0-9]*$' || echo 0; }
 step_gt() { [ "$(last_step "$1")" -gt "$2" ]; }

@@ -15,7 +15,7 @@ question):
   * `oracle`: the answer NLL / exact when the selection's free slot at positions >= the question
     is replaced by the needle's (second-mention) block, i.e. with a perfect selection.
 
-The selected indices are captured by wrapping `nsa_flex.layer.select_topn` (the function the
+The selected indices are captured by wrapping each layer's `select_topn` (the function the
 layer calls; library code unchanged), the gates by a forward hook on each layer's `gate` linear.
 
     OMP_NUM_THREADS=1 python experiments/retrieval_probe.py --masks nsa --steps 8000 \
@@ -24,21 +24,15 @@ layer calls; library code unchanged), the gates by a forward hook on each layer'
 
 import argparse
 import math
-import os
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import nsa_flex.layer as L  # noqa: E402
-from nsa_flex.generate import build_model, load_job_config  # noqa: E402
-from nsa_flex.selection import block_scores  # noqa: E402
-from nsa_flex.titan.data import PASSKEY_NEEDLE, PASSKEY_QUESTION, PasskeyCorpus  # noqa: E402
-from masks import forced_and_valid  # noqa: E402
+from masks import forced_and_valid
+from nsa_flex.generate import build_model, load_job_config
+from nsa_flex.selection import block_scores, select_topn
+from nsa_flex.titan.data import PASSKEY_NEEDLE, PASSKEY_QUESTION, PasskeyCorpus
 
 p = argparse.ArgumentParser()
 p.add_argument("--masks", default="nsa")
@@ -117,11 +111,10 @@ X = torch.tensor([d[0] for d in ev])
 
 # ---------------------------------------------------------------- capture machinery
 CAP = {"on": False, "layer": None, "sel": {}, "gate": {}, "oracle": None}
-_orig_select = L.select_topn
 
 
 def _select(q, k_cmp, lse, cfg_, starts=None, chunk=None):
-    idx = _orig_select(q, k_cmp, lse, cfg_, starts, chunk)
+    idx = select_topn(q, k_cmp, lse, cfg_, starts, chunk)
     if CAP["on"]:
         CAP["sel"][CAP["layer"]] = (q, k_cmp, lse, idx.clone())
     if CAP["oracle"] is not None:  # [B] needle block, [B] first position to override
@@ -133,8 +126,8 @@ def _select(q, k_cmp, lse, cfg_, starts=None, chunk=None):
     return idx
 
 
-L.select_topn = _select
 for li, a in enumerate(attn):
+    a.select_topn = _select
     a.register_forward_pre_hook(lambda m, inp, li=li: CAP.__setitem__("layer", li))
     a.gate.register_forward_hook(
         lambda m, inp, out, li=li: CAP["gate"].__setitem__(li, torch.sigmoid(out.detach()))

@@ -32,11 +32,10 @@ import traceback
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import masks  # noqa: E402
-from nsa_flex import NSAAttention, NSAConfig  # noqa: E402
-from nsa_flex.ops import HAS_TRITON, group_slc_scores  # noqa: E402
-from nsa_flex.selection import block_scores, select_topn  # noqa: E402
+import masks
+from nsa_flex import NSAAttention, NSAConfig
+from nsa_flex.ops import HAS_TRITON, group_slc_scores
+from nsa_flex.selection import block_scores, select_topn
 
 DEVICE = "cuda"
 FIELDS = ["T", "docs", "dtype", "case", "impl", "metric", "value", "unit", "status", "note"]

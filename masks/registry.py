@@ -77,7 +77,7 @@ def register_mask_builder(name: str, kind: str, fn: Callable[[MaskContext], Mask
 
 
 def _register_builtin(name: str, kind: str, fn) -> None:
-    # built-ins: covered by tests/test_causality.py (hypothesis), not checked at import
+    # built-ins: covered by tests/masks/test_causality.py (hypothesis), not checked at import
     _REGISTRY[name] = (kind, fn)
 
 
@@ -211,8 +211,8 @@ def _topn(ctx):
 def selection_parts(ctx, idx: Tensor) -> MaskSpec:
     """The selection mask of the picked blocks idx [B, H, T, n] (every forced block among them, as
     `pick_blocks` guarantees), with the same mask as disjoint parts: the forced blocks (static
-    bands with ordinary q blocks and GQA, `forced_parts`) and the rest. Packed with the rest, block 0 made one dK/dV program walk every query
-    (two thirds of the branch's backward at 64k, experiments/NOTES.md 21)."""
+    bands with ordinary q blocks and GQA, `forced_parts`) and the rest. Why split: packed with the rest, block 0 makes one dK/dV program walk every
+    query (two thirds of the branch's backward at 64k)."""
     c = ctx.cfg
     whole = ctx.with_docs(selection(idx, c.l_sel))
     starts = None if ctx.doc_ids is None else ctx.doc_start()

@@ -5,18 +5,21 @@ Group-centric packing makes the selection branch's q block small (one position's
 64x64 and up) do not divide a 16-row block, so we pass explicit tiles through `kernel_options`
 (fwd BLOCK_M/BLOCK_N, bwd BLOCK_M1/N1/M2/N2 with N1 % M1 == 0 and M2 % N2 == 0).
 
-torch <= 2.13 filters the backward configs by the sparse block size *before* applying
-kernel_options (pytorch #176025), so a 16-row block finds no backward config on GPU.
-`install_small_block_bwd_configs()` wraps `InductorChoices.get_flex_attention_bwd_configs` (the
-hook inductor documents for custom heuristics): when none of inductor's own candidates divides
-the mask's sparse block sizes, it adds the first small config that does, and nothing otherwise.
-The block sizes are read from the calling lowering's locals (SPARSE_Q_BLOCK_SIZE /
-SPARSE_KV_BLOCK_SIZE, guarded ints by then). Adding configs unconditionally (our first version)
-made every flex backward -- compressed, window, even the flex baseline -- autotune over 4
-candidates, one of them 16x16 tiles: 121 s to compile the compressed branch's backward at 64k on
-H100 (experiments/NOTES.md 15). Where the locals are not found (another torch layout) the small
-configs are appended as before. Newer torch (PR #184797) applies kernel_options first; there the
-default candidates already fit and nothing is added.
+Workaround for pytorch #176025 (fixed upstream by PR #184797): torch <= 2.13 filters the
+backward configs by the sparse block size *before* applying kernel_options, so a 16-row block
+finds no backward config on GPU. `install_small_block_bwd_configs()` wraps
+`InductorChoices.get_flex_attention_bwd_configs` (the hook inductor documents for custom
+heuristics): when none of inductor's own candidates divides the mask's sparse block sizes, it adds
+the first small config that does, and nothing otherwise -- adding them unconditionally would make
+every flex backward (compressed, window, the flex baseline) autotune over small-tile candidates
+too, minutes of compile at 64k. The block sizes are read from the calling lowering's locals
+(SPARSE_Q_BLOCK_SIZE / SPARSE_KV_BLOCK_SIZE, guarded ints by then); where they are not found
+(another torch layout) all small configs are appended after inductor's own.
+
+Nothing happens at import. The wrapper is installed, once per process and only on the torch
+versions that need it (`needs_small_block_bwd_configs`), by the code that calls flex: the
+NSAAttention constructor for a flex / auto backend, and `attention._flex` before an eager call.
+It must be installed outside any traced region (dynamo cannot trace the patching).
 """
 
 import math
@@ -65,8 +68,8 @@ def band_kernel_options(q: torch.Tensor) -> dict | None:
 
 
 FOLD_MIN_ROWS = 4096  # query rows per chunk, at least
-# Off (1) for now: with folding the 64k compressed branch's fwd+bwd failed on the H100
-# (cudaErrorInvalidAddressSpace, experiments/NOTES.md 16); the forward ran. 16 once fixed.
+# Off (1): with folding, the 64k compressed branch's fwd+bwd fails on the H100
+# (cudaErrorInvalidAddressSpace) while the forward runs; 16 once that is fixed.
 FOLD_MAX_CHUNKS = 1
 
 
@@ -135,13 +138,19 @@ def with_small_block_configs(confs: list, head_dim: int, block_sizes: tuple[int,
     return confs + [next(c for c in small if _fits(c, qb, kb))]
 
 
-def install_small_block_bwd_configs():
-    """Wrap inductor's flex backward candidates (on InductorChoices itself, once: the backward
-    graph is compiled on autograd's thread, where a thread-local choices handler set here would
-    not be seen)."""
+def needs_small_block_bwd_configs(version: str | None = None) -> bool:
+    """Whether this torch filters flex backward configs before kernel_options (#176025): <= 2.13."""
+    major, minor = (int(x) for x in (version or torch.__version__).split(".")[:2])
+    return (major, minor) <= (2, 13)
+
+
+def install_small_block_bwd_configs() -> bool:
+    """Wrap inductor's flex backward candidates where this torch needs it (on InductorChoices
+    itself, once: the backward graph is compiled on autograd's thread, where a thread-local
+    choices handler set here would not be seen). Returns whether the wrapper is installed."""
     global _installed
-    if _installed:
-        return
+    if _installed or not needs_small_block_bwd_configs():
+        return _installed
     import sys
 
     from torch._inductor.choices import InductorChoices
@@ -154,7 +163,4 @@ def install_small_block_bwd_configs():
 
     InductorChoices.get_flex_attention_bwd_configs = get_flex_attention_bwd_configs
     _installed = True
-
-
-# installed at import, outside any traced region (dynamo cannot trace the patching itself)
-install_small_block_bwd_configs()
+    return True

@@ -12,6 +12,7 @@ from masks import MaskContext, doc_start, get_mask_builder
 from .attention import attend
 from .compression import PHI
 from .config import NSAConfig
+from .kernel_options import install_small_block_bwd_configs
 from .rope import apply_rope, rope_cos_sin
 from .selection import select_topn
 from .telemetry import STATS_SIZE, layer_stats
@@ -24,6 +25,8 @@ class NSAAttention(nn.Module):
         super().__init__()
         cfg.validate()
         self.cfg = cfg
+        if cfg.backend != "reference":  # flex runs inside the compiled forward: install it now
+            install_small_block_bwd_configs()
         H, Hkv, dk, dv, dim = cfg.n_heads, cfg.n_kv_heads, cfg.d_qk, cfg.d_v, cfg.dim
         self.wq = nn.Linear(dim, H * dk, bias=False)
         # paper §3.3.3: independent keys and values for each branch
@@ -35,6 +38,9 @@ class NSAAttention(nn.Module):
         self.wo = nn.Linear(H * dv, dim, bias=False)
         self.builders = {b: get_mask_builder(n) for b, n in cfg.branch_masks().items()}
         self.branch_names = cfg.branch_masks()
+        # the top-n selection (Eq. 8-11, nsa_flex.selection): an instance attribute, so a probe
+        # can wrap it for one layer (experiments/retrieval_probe.py records and overrides picks)
+        self.select_topn = select_topn
         # telemetry (nsa_flex/telemetry.py): set before the first (compiled) call; when on, every
         # forward writes its gate / mask statistics into this buffer (no state dict, no grad)
         self.telemetry = False
@@ -92,13 +98,13 @@ class NSAAttention(nn.Module):
             # selection scorer (Eq. 8-10), no gradient through the top-n
             def topn():
                 lse = None if lse_cmp is None else lse_cmp.detach()
-                return select_topn(q.detach(), k_cmp.detach(), lse, cfg, starts)
+                return self.select_topn(q.detach(), k_cmp.detach(), lse, cfg, starts)
         else:
             # a custom selection builder may still ask for the scorer (registry contract):
             # compressed keys on demand, the scorer computes its own lse
             def topn():
                 k, _ = kv("cmp")
-                return select_topn(q.detach(), self.phi_k(k).detach(), None, cfg, starts)
+                return self.select_topn(q.detach(), self.phi_k(k).detach(), None, cfg, starts)
 
         step = 0
         if self.branch_names["sel"] == "random_selection":

@@ -1,4 +1,4 @@
-"""The README's snippets run as written (issue 15): the layer example (forward + backward, on the CPU
+"""The README's snippets run as written: the layer example (forward + backward, on the CPU
 through backend "auto"), and the quick-start training command followed by the generate example."""
 
 import os

@@ -24,8 +24,8 @@ attention used, as tensors, no host sync):
   reads["win"] [B]       window tokens visible (min(window, S) without document masking)
 
 decode_backend picks the implementation of the decode step (`nsa_flex.inference.decode`): the
-torch reference or the fused Triton kernels (`nsa_flex.ops.decode_triton`); both read and write
-these same tensors.
+torch reference (`decode_reference`) or the fused Triton kernels (`decode_fused`); both read and
+write these same tensors.
 """
 
 from dataclasses import dataclass, field
@@ -71,6 +71,8 @@ class NSACache:
     # decode implementation: "auto" (the fused Triton kernels on CUDA, else torch), "torch" (the
     # naive reference, any device), "triton" (the fused kernels; an error where they cannot run)
     decode_backend: str = "auto"
+    # why an "auto" cache left the Triton path (None while it has not): see inference/decode.py
+    fallback_reason: str | None = None
 
     def __post_init__(self):
         check_decode_backend(self.decode_backend)

@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 from .cache import NSACache
-from .decode import decode_step, new_cache, prefill as layer_prefill
+from .decode import decode_step, new_cache
+from .prefill import prefill as layer_prefill
 
 
 def _blocks(model):

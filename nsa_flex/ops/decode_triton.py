@@ -1,6 +1,6 @@
 """Fused Triton kernels for one NSA decode step (one new query token per sequence).
 
-The torch decode path (`nsa_flex.inference.decode.attend_cached`) is the reference; this module
+The torch decode path (`nsa_flex.inference.decode_reference.attend_cached`) is the reference; this module
 computes the same function in five launches, none of which syncs with the host (static shapes:
 CUDA-graph capturable):
 

@@ -20,6 +20,7 @@ short message on stderr, exit code 2; a traceback only for real bugs.
 exits 0 only when every check passes (:mod:`nsa_flex.titan.preflight`).
 """
 
+import contextlib
 import os
 import re
 import socket
@@ -116,23 +117,37 @@ def main(argv: list[str] | None = None) -> None:
 
         sys.exit(preflight([a for a in args if a != "--preflight"]))
     sys.argv = [sys.argv[0]] + args
-    # ConfigManager.parse_args binds sys.argv[1:] as its default when torchtitan is first imported
-    from torchtitan.config import manager
-
-    manager.ConfigManager.parse_args.__defaults__ = (args,)
+    from torchtitan.config import ConfigManager
     from torchtitan.train import Trainer, main as titan_main
 
     from nsa_flex.config import UserError
 
     try:  # parse once up front: every error here is the user's (file, TOML, field, value)
         check_config_file(args)
-        manager.ConfigManager().parse_args(args)
+        ConfigManager().parse_args(args)
     except (ValueError, TypeError, OSError) as e:
         sys.exit(_user_error(config_error_message(e)))
     try:
-        titan_main(Trainer)
+        with _titan_parses(args):
+            titan_main(Trainer)
     except UserError as e:
         sys.exit(_user_error(str(e)))
+
+
+@contextlib.contextmanager
+def _titan_parses(args: list[str]):
+    """torchtitan 0.2.2's ``train.main`` calls ``ConfigManager().parse_args()`` with no argument,
+    whose default is the ``sys.argv[1:]`` bound when torchtitan was first imported (maybe before
+    ``args`` were built), and has no public way to pass arguments. For the duration of the call
+    only, that default is ``args``; restored afterwards."""
+    from torchtitan.config import ConfigManager
+
+    saved = ConfigManager.parse_args.__defaults__
+    ConfigManager.parse_args.__defaults__ = (args,)
+    try:
+        yield
+    finally:
+        ConfigManager.parse_args.__defaults__ = saved
 
 
 def _user_error(msg: str) -> int:

@@ -67,11 +67,11 @@ PASSKEY_INTRO = (
     "Find it and memorize it. I will quiz you about the important information there.\n"
 )
 # Synthetic filler: a passage of random sentences, different in every document, repeated until the
-# document is full. A fixed filler (the classic "The grass is green. The sky is blue. ...", used
-# in ablation runs 1-2) is memorized in the weights and teaches nothing about the context; a
+# document is full. A fixed filler (the classic "The grass is green. The sky is blue. ...") is
+# memorized in the weights and teaches nothing about the context; a
 # per-document passage repeated at a period of ~20 to ~600
 # tokens can only be predicted by copying from earlier in the context -- the induction circuit that
-# retrieval of the key needs, trained on most tokens instead of the key's few (NOTES entry 17), and
+# retrieval of the key needs, trained on most tokens instead of the key's few, and
 # at distances inside and beyond the sliding window.
 _NOUNS = ("grass", "sky", "sun", "river", "house", "garden", "road", "cloud", "tree", "stone", "bird",
           "field", "lake", "hill", "door", "lamp", "boat", "bridge", "forest", "window", "city", "cat")
@@ -101,7 +101,7 @@ def synthetic_filler(tokenizer: BaseTokenizer, n: int, seed: str) -> list[int]:
 
 # The key follows the cue ":" which nothing else in a synthetic document has: "is" alone occurs
 # three times per filler sentence, so retrieving after "... is" needs a two-token match, and small
-# models trained from scratch (NOTES entry 17) learned no copy at all; after ":" it is a one-token
+# models trained from scratch learn no copy at all; after ":" it is a one-token
 # match (an induction head). The needle states the key twice, the second a short-range copy of the
 # same pattern.
 PASSKEY_NEEDLE = " The pass key is: {key}. Remember it. The pass key is: {key}. "

@@ -14,7 +14,7 @@ state-dict adapter.
 import dataclasses
 
 from torchtitan.models.llama3 import get_train_spec as llama3_train_spec
-from torchtitan.protocols.train_spec import TrainSpec, _extra_train_specs, register_train_spec
+from torchtitan.protocols.train_spec import TrainSpec, register_train_spec
 
 from . import checkpoint, console, cpu
 from .args import nsa_flex_args
@@ -44,9 +44,13 @@ def get_train_spec() -> TrainSpec:
 
 
 def register() -> None:
-    """Register the spec as "nsa_flex" (idempotent: torchtitan raises on a second registration)."""
-    if NAME not in _extra_train_specs:
+    """Register the spec as "nsa_flex" through torchtitan's public API; idempotent (torchtitan
+    raises ValueError "already registered" on a second registration, e.g. a re-import)."""
+    try:
         register_train_spec(NAME, get_train_spec())
+    except ValueError as e:
+        if "already registered" not in str(e):
+            raise
 
 
 register()

@@ -1,0 +1,329 @@
+"""Passkey retrieval and multi-key needle-in-a-haystack evaluation of an nsa_flex checkpoint.
+
+    # a torchtitan checkpoint (DCP step folder, or the checkpoint folder: its latest step-N)
+    python -m nsa_flex.eval --config titan_configs/ablation_nsa.toml \\
+        --checkpoint outputs/ablation_nsa/checkpoint --lengths 2048,4096,8192 --out outputs/needle_nsa
+    # CPU smoke test: the tiny debug model, random weights (or --checkpoint DIR of a debug run)
+    python -m nsa_flex.eval --quick --out /tmp/needle_quick
+    # the ablation table: every <DIR>/<run>/needle.csv + metrics.jsonl -> <DIR>/ablation.csv + .png
+    python -m nsa_flex.eval --collect OUT
+
+Prompts (generated offline, deterministic in --seed):
+  * passkey: exactly the training passkey document of nsa_flex/titan/data.py
+    (``PasskeyCorpus.build``: [BOS] intro, filler, the needle "The pass key is: 12345. Remember it.
+    The pass key is: 12345." at the given depth, "What is the pass key? The pass key is:"), cut before
+    the answer. A prompt of length L is the training document of seq_len L: with the synthetic
+    filler, a model trained on the passkey corpus at seq_len L is evaluated in distribution at L.
+  * multikey: --n-keys needles "The pass key of <name> is <key>. ..." with distinct names and keys,
+    the asked one at the given depth, the others at random depths; the question asks for that name.
+  Filler (--filler): ``synthetic`` = the training corpus's sentences; ``fineweb`` = real text from
+  the FineWeb sample (--fineweb, one haystack per trial, the same for every depth); ``auto`` =
+  fineweb when the file exists and the config trains on text, synthetic for a model trained on the
+  passkey corpus alone (it has never seen real text) or without the file. Depth d% puts the needle after d% of the filler.
+
+Model: flavor, [nsa] section and tokenizer from the TOML config (plus --override flags), weights from
+the checkpoint (nsa_flex.generate's loaders). Greedy answer: prefill + token-by-token decode with the
+NSA per-branch caches (nsa_flex.inference) when every layer's mask builders have a decode rule
+(nsa, full_causal, sliding_only, local_selection, no_compressed); otherwise (random_selection, custom
+builders) a full forward per new token. Attention backend per length (--backend auto): the dense
+``reference`` path when its [heads, T, T] scores fit in --mem-fraction (0.5) of the free memory (no
+compile), else
+``flex``. Score: the digits at the start of the answer == the key.
+
+Outputs under --out: needle.csv (kind, length, depth, trial, correct, answer, expected; one row
+written and flushed as soon as it is scored), summary.csv (kind, length, n, correct, accuracy),
+needle_heatmap.png (depth x length accuracy per kind, annotated; needs matplotlib), meta.json; a
+summary line per length is printed. Bad arguments raise errors that name the flag and the value.
+"""
+
+import argparse
+import csv
+import json
+import os
+import time
+
+import torch
+
+from .prompts import (KINDS, MULTI_NEEDLE, MULTI_QUESTION, NAMES, EvalError, Filler, digit_score,
+                      int_list, kinds_list, make_prompt, score)
+from .report import read_metrics, collect, plot_heatmap, summarize, write_summary
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FIELDS = ("kind", "length", "depth", "trial", "correct", "answer", "expected")
+DEFAULT_FINEWEB = os.path.join(os.path.dirname(ROOT), "shared", "data", "fineweb_sample_2800.parquet")
+DEFAULT_CONFIG = os.path.join(ROOT, "titan_configs", "debug_nsa.toml")
+__all__ = ["KINDS", "MULTI_NEEDLE", "MULTI_QUESTION", "NAMES", "EvalError", "Filler", "digit_score",
+           "int_list", "kinds_list", "make_prompt", "score", "collect", "plot_heatmap", "summarize",
+           "write_summary", "read_metrics", "evaluate", "main"]
+
+
+# ---------------------------------------------------------------------- model
+def load(args):
+    """(model, tokenizer, description) from --config / --checkpoint (or random weights)."""
+    from nsa_flex.generate import build_model, load_checkpoint, load_job_config
+
+    if not os.path.isfile(args.config):
+        raise EvalError(f"--config {args.config!r}: no such file")
+    if args.checkpoint is None and not args.random_init:
+        raise EvalError("--checkpoint is required (a DCP step-N folder or a folder of them); "
+                        "--quick or --random-init evaluate random weights")
+    if args.checkpoint is not None and not os.path.exists(args.checkpoint):
+        raise EvalError(f"--checkpoint {args.checkpoint!r}: no such file or folder")
+    job_config = load_job_config(args.config, args.override)
+    args.train_dataset = job_config.training.dataset  # for --filler auto
+    model, tok = build_model(job_config, args.device, getattr(torch, args.dtype))
+    if args.checkpoint is None:
+        torch.manual_seed(args.seed)
+        with torch.no_grad():
+            model.init_weights()
+        where = "random weights"
+    else:
+        try:
+            where = load_checkpoint(model, args.checkpoint)
+        except (FileNotFoundError, KeyError) as e:
+            raise EvalError(f"--checkpoint {args.checkpoint!r}: {e}") from e
+    model.eval()
+    a = model.model_args
+    return model, tok, f"{a.masks} ({job_config.model.flavor}, {job_config.model.tokenizer}), {where}"
+
+
+def attention_layers(model):
+    return [blk.attention for blk in model.layers.values()]
+
+
+def decode_mode(model, requested: str) -> str:
+    from nsa_flex.inference.decode import branch_modes
+
+    if requested == "full":
+        return "full"
+    try:
+        for att in attention_layers(model):
+            branch_modes(att)
+        return "cache"
+    except NotImplementedError as e:
+        if requested == "cache":
+            raise EvalError(f"--decode cache: {e}") from None
+        return "full"
+
+
+def dense_bytes(model, T: int) -> int:
+    """Peak bytes of one row of the reference backend's dense attention (scores, masked scores,
+    exponentials and probabilities: 4 x [heads, T, T] fp32)."""
+    return 4 * model.model_args.n_heads * T * T * 4
+
+
+MEM_FRACTION = 0.5  # of the free GPU memory for the reference backend's dense scores (--mem-fraction)
+
+
+def memory_budget(device) -> int:
+    if torch.device(device).type == "cuda":
+        return int(MEM_FRACTION * torch.cuda.mem_get_info(torch.device(device))[0])
+    return 4 << 30
+
+
+def pick_backend(model, T: int, requested: str, device) -> str:
+    if requested not in ("auto", "reference", "flex"):
+        raise EvalError(f"--backend: {requested!r} not in ['auto', 'reference', 'flex']")
+    if torch.device(device).type != "cuda":
+        return "reference"  # training-time CPU rule: flex is compiled and GPU-only here
+    if requested != "auto":
+        return requested
+    return "reference" if dense_bytes(model, T) <= memory_budget(device) else "flex"
+
+
+def set_backend(model, backend: str) -> None:
+    for att in attention_layers(model):
+        att.cfg.backend = backend
+
+
+@torch.no_grad()
+def greedy_full(model, prompts: list[list[int]], max_new: int, eos_id, device) -> list[list[int]]:
+    """Greedy decoding by a full forward per new token (right padding; masks are causal)."""
+    seqs = [list(p) for p in prompts]
+    out: list[list[int]] = [[] for _ in prompts]
+    done = [False] * len(prompts)
+    for _ in range(max_new):
+        lens = torch.tensor([len(s) for s in seqs], device=device)
+        toks = torch.zeros(len(seqs), int(lens.max()), dtype=torch.long, device=device)
+        for b, s in enumerate(seqs):
+            toks[b, : len(s)] = torch.tensor(s, device=device)
+        logits = model(toks)
+        nxt = logits[torch.arange(len(seqs), device=device), lens - 1].argmax(-1).tolist()
+        for b, t in enumerate(nxt):
+            seqs[b].append(t)
+            if not done[b]:
+                out[b].append(t)
+                done[b] = eos_id is not None and t == eos_id
+        if all(done):
+            break
+    return out
+
+
+DECODE_BACKEND = "auto"  # --decode-backend: the NSA cache decode step, auto | torch | triton
+
+
+def generate_batch(model, prompts, max_new, mode, eos_id, device) -> list[list[int]]:
+    if mode == "full":
+        return greedy_full(model, prompts, max_new, eos_id, device)
+    from nsa_flex.inference.model import generate
+
+    return generate(model, prompts, max_new, greedy=True, eos_id=eos_id, device=device,
+                    decode_backend=DECODE_BACKEND)["tokens"]
+
+
+# ---------------------------------------------------------------------- evaluation
+def evaluate(args) -> dict:
+    os.makedirs(args.out, exist_ok=True)
+    lengths = sorted(int_list(args.lengths, "--lengths", lo=16))
+    depths = int_list(args.depths, "--depths", lo=0, hi=100)
+    kinds = kinds_list(args.kinds)
+    if args.trials < 1:
+        raise EvalError(f"--trials: {args.trials} must be >= 1")
+    if args.batch_size < 1:
+        raise EvalError(f"--batch-size: {args.batch_size} must be >= 1")
+    if args.dtype not in ("float32", "bfloat16"):
+        raise EvalError(f"--dtype: {args.dtype!r} not in ['float32', 'bfloat16']")
+    t0 = time.perf_counter()
+    model, tok, desc = load(args)
+    text_trained = str(getattr(args, "train_dataset", "")).lower() != "passkey"
+    filler = Filler(Filler.resolve(args.filler, args.fineweb, text_trained), tok, args.fineweb)
+    mode = decode_mode(model, args.decode)
+    # all prompts first: argument errors (too short a length) before any generation
+    jobs = {(k, L): [make_prompt(tok, k, L, d, t, filler, args.n_keys, args.seed) | {"depth": d, "trial": t}
+                     for d in depths for t in range(args.trials)] for k in kinds for L in lengths}
+    print(f"# needle eval: {desc}; decode {mode}; filler {filler.kind}; kinds {kinds}; lengths {lengths}; "
+          f"{len(depths)} depths x {args.trials} trials; device {args.device} {args.dtype}; "
+          f"load {time.perf_counter() - t0:.1f}s", flush=True)
+    meta = {"config": args.config, "checkpoint": args.checkpoint, "model": desc, "decode": mode,
+            "decode_backend": args.decode_backend,
+            "filler": filler.kind, "kinds": kinds, "lengths": lengths, "depths": depths,
+            "trials": args.trials, "n_keys": args.n_keys, "seed": args.seed, "backend": {}, "seconds": {}}
+    path = os.path.join(args.out, "needle.csv")
+    rows: list[dict] = []
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w.writeheader()
+        f.flush()
+        for L in lengths:
+            backend = pick_backend(model, L + 8, args.backend, args.device)
+            set_backend(model, backend)
+            bs = args.batch_size
+            if backend == "reference":
+                bs = max(1, min(bs, memory_budget(args.device) // dense_bytes(model, L + 8)))
+            meta["backend"][L] = backend
+            tL = time.perf_counter()
+            for kind in kinds:
+                items = jobs[(kind, L)]
+                queue = [items[s: s + bs] for s in range(0, len(items), bs)]
+                while queue:
+                    chunk = queue.pop(0)
+                    tb = time.perf_counter()
+                    max_new = max(it["answer_tokens"] for it in chunk) + 2
+                    try:
+                        gens = generate_batch(model, [it["tokens"] for it in chunk], max_new, mode,
+                                              tok.eos_id, args.device)
+                    except torch.OutOfMemoryError:
+                        torch.cuda.empty_cache()
+                        if len(chunk) == 1:
+                            raise EvalError(f"--lengths {L}: out of memory for one prompt with backend "
+                                            f"{backend!r}; try --backend flex or shorter lengths") from None
+                        h = len(chunk) // 2  # halve the batch and retry
+                        queue[:0] = [chunk[:h], chunk[h:]]
+                        print(f"  [{kind} L={L}] out of memory with batch {len(chunk)}: retrying as {h}",
+                              flush=True)
+                        continue
+                    for it, g in zip(chunk, gens):
+                        g = [t for t in g if t != tok.eos_id]
+                        text = tok.decode(g)
+                        ok, _ = score(text, it["expected"])
+                        row = {"kind": kind, "length": L, "depth": it["depth"], "trial": it["trial"],
+                               "correct": int(ok), "answer": text, "expected": it["expected"]}
+                        w.writerow(row)
+                        f.flush()
+                        rows.append(row)
+                    done = [r for r in rows if r["kind"] == kind and r["length"] == L]
+                    print(f"  [{kind} L={L} {backend}] {len(done)}/{len(items)} rows, "
+                          f"acc {sum(r['correct'] for r in done) / len(done):.3f}, "
+                          f"batch {len(chunk)} in {time.perf_counter() - tb:.1f}s", flush=True)
+            meta["seconds"][L] = round(time.perf_counter() - tL, 2)
+    summ = write_summary(rows, args.out)
+    for s in summ:
+        print(f"{s['kind']:8s} length {s['length']:6d}: {s['correct']}/{s['n']} = {s['accuracy']:.3f}"
+              f" (digits right {s['digits']:.2f})")
+    png = os.path.join(args.out, "needle_heatmap.png")
+    plotted = plot_heatmap(rows, png, args.tag or "")
+    meta["total_s"] = round(time.perf_counter() - t0, 2)
+    with open(os.path.join(args.out, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    print(f"# wrote {path}, summary.csv{', needle_heatmap.png' if plotted else ''}, meta.json "
+          f"({meta['total_s']:.1f}s)", flush=True)
+    return {"rows": rows, "summary": summ, "meta": meta, "heatmap": png if plotted else None}
+
+
+# ---------------------------------------------------------------------- CLI
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="torchtitan TOML of the run (default with --quick: debug_nsa.toml)")
+    p.add_argument("--checkpoint", help="DCP step-N folder, or a folder of step-N folders (latest)")
+    p.add_argument("--quick", action="store_true",
+                   help="CPU smoke run: debug model (random weights unless --checkpoint), lengths 256,512, "
+                        "depths 0,50,100, 1 trial, 2 keys")
+    p.add_argument("--random-init", action="store_true", help="evaluate random weights (no checkpoint)")
+    p.add_argument("--lengths", help="context lengths, comma separated (default 1024,...,65536)")
+    p.add_argument("--depths", help="needle depths in %% (default 0,10,...,100)")
+    p.add_argument("--trials", type=int, help="prompts per (kind, length, depth) (default 2)")
+    p.add_argument("--kinds", default="passkey,multikey", help="passkey,multikey")
+    p.add_argument("--n-keys", type=int, help="needles in a multikey prompt (default 4; --quick: 2)")
+    p.add_argument("--filler", default="auto", help="auto | synthetic | fineweb")
+    p.add_argument("--fineweb", default=DEFAULT_FINEWEB, help="FineWeb parquet for --filler fineweb/auto")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16")
+    p.add_argument("--backend", default="auto", help="auto | reference | flex (prefill attention)")
+    p.add_argument("--decode", default="auto", choices=("auto", "cache", "full"),
+                   help="cache: prefill + NSA caches; full: a full forward per token; auto: cache when supported")
+    p.add_argument("--decode-backend", default="auto", choices=("auto", "torch", "triton"),
+                   help="decode step of the NSA caches (nsa_flex.inference): auto = the fused Triton kernel "
+                        "on CUDA, torch = the reference path")
+    p.add_argument("--batch-size", type=int, default=8, help="prompts per generation call (upper bound)")
+    p.add_argument("--mem-fraction", type=float, default=0.5,
+                   help="share of the free GPU memory the dense reference attention may use")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tag", default="", help="label for the heatmap titles")
+    p.add_argument("--out", help="output folder")
+    p.add_argument("--override", action="append", default=[],
+                   help="extra torchtitan config flag, e.g. --override=--nsa.window=64")
+    p.add_argument("--collect", metavar="DIR", help="only build DIR/ablation.csv + .png from DIR/<run>/")
+    a = p.parse_args(argv)
+    if a.collect:
+        return a
+    if not a.out:
+        raise EvalError("--out is required")
+    if a.quick:
+        a.config = a.config or DEFAULT_CONFIG
+        a.device = a.device or "cpu"
+        a.lengths = a.lengths or "256,512"
+        a.n_keys = 2 if a.n_keys is None else a.n_keys
+        a.depths = a.depths or "0,50,100"
+        a.trials = 1 if a.trials is None else a.trials
+        a.random_init = a.random_init or a.checkpoint is None
+    if not a.config:
+        raise EvalError("--config is required (or --quick)")
+    a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    a.lengths = a.lengths or "1024,2048,4096,8192,16384,32768,65536"
+    a.depths = a.depths or ",".join(str(d) for d in range(0, 101, 10))
+    a.trials = 2 if a.trials is None else a.trials
+    a.n_keys = 4 if a.n_keys is None else a.n_keys
+    return a
+
+
+def main(argv=None):
+    global MEM_FRACTION, DECODE_BACKEND
+    a = parse_args(argv)
+    if a.collect:
+        return collect(a.collect)
+    if not 0 < a.mem_fraction <= 1:
+        raise EvalError(f"--mem-fraction: {a.mem_fraction} must be in (0, 1]")
+    MEM_FRACTION = a.mem_fraction
+    DECODE_BACKEND = a.decode_backend
+    return evaluate(a)

@@ -1,0 +1,165 @@
+"""Needle prompts and their scoring: the training passkey document cut before the answer, multi-key
+haystacks (synthetic or FineWeb filler), exact and per-digit scores. Used by `nsa_flex.eval.needle`.
+"""
+
+import os
+import random
+import re
+
+KINDS = ("passkey", "multikey")
+NAMES = ("Alice", "Bob", "Carol", "David", "Emma", "Frank", "Grace", "Henry", "Irene", "Jack",
+         "Karen", "Louis", "Maria", "Nora", "Oscar", "Peter")
+MULTI_NEEDLE = " The pass key of {name} is: {key}. Remember it. The pass key of {name} is: {key}. "
+MULTI_QUESTION = "\nWhat is the pass key of {name}? The pass key of {name} is:"  # + " {key}."
+
+
+class EvalError(ValueError):
+    """A bad argument or input, named in the message."""
+
+
+# ---------------------------------------------------------------------- arguments
+def int_list(text: str, flag: str, lo: int | None = None, hi: int | None = None) -> list[int]:
+    out = []
+    for part in str(text).split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            v = int(part)
+        except ValueError:
+            raise EvalError(f"{flag}: {part!r} is not an integer (got {text!r})") from None
+        if (lo is not None and v < lo) or (hi is not None and v > hi):
+            raise EvalError(f"{flag}: {v} is outside {lo}..{'' if hi is None else hi} (got {text!r})")
+        out.append(v)
+    if not out:
+        raise EvalError(f"{flag}: empty list (got {text!r})")
+    return sorted(set(out), key=out.index)
+
+
+def kinds_list(text: str) -> list[str]:
+    ks = [k.strip() for k in text.split(",") if k.strip()]
+    bad = [k for k in ks if k not in KINDS]
+    if bad or not ks:
+        raise EvalError(f"--kinds: {bad or text!r} not in {list(KINDS)}")
+    return ks
+
+
+# ---------------------------------------------------------------------- filler
+class Filler:
+    """Filler tokens, one haystack per trial (the same for every depth and length of a trial):
+    ``synthetic`` (the training corpus's kind: a random passage repeated, unseen in training) or
+    ``fineweb`` (real text)."""
+
+    def __init__(self, kind: str, tok, path: str | None = None):
+        self.kind, self.tok, self.path = kind, tok, path
+        self._texts: list[str] | None = None
+        self._cache: dict[int, list[int]] = {}
+
+    @staticmethod
+    def resolve(choice: str, path: str, text_trained: bool = True) -> str:
+        """``auto``: fineweb when the file exists and the model was trained on text
+        (``text_trained``); a model trained on the passkey corpus alone has never seen real text,
+        so its in-distribution haystack is the synthetic filler."""
+        if choice not in ("auto", "synthetic", "fineweb"):
+            raise EvalError(f"--filler: {choice!r} not in ['auto', 'synthetic', 'fineweb']")
+        if choice == "auto":
+            return "fineweb" if text_trained and path and os.path.isfile(path) else "synthetic"
+        if choice == "fineweb" and not (path and os.path.isfile(path)):
+            raise EvalError(f"--filler fineweb: --fineweb {path!r} does not exist")
+        return choice
+
+    def tokens(self, n: int, trial: int) -> list[int]:
+        if self.kind == "synthetic":  # the training documents' kind of filler, one passage per trial
+            from nsa_flex.titan.data import synthetic_filler
+
+            got = self._cache.get(trial, [])
+            if len(got) < n:
+                got = self._cache[trial] = synthetic_filler(self.tok, n, f"eval:{trial}")
+            return got
+        got = self._cache.get(trial, [])
+        if len(got) < n:
+            if self._texts is None:
+                import pyarrow.parquet as pq
+
+                try:
+                    self._texts = [t for t in pq.read_table(self.path, columns=["text"]).column("text")
+                                   .to_pylist() if t]
+                except Exception as e:
+                    raise EvalError(f"--fineweb {self.path!r}: cannot read a 'text' column: {e}") from e
+                if not self._texts:
+                    raise EvalError(f"--fineweb {self.path!r}: no text")
+            i = (trial * 37) % len(self._texts)
+            start = i
+            got = []
+            while len(got) < n:
+                got += self.tok.encode(self._texts[i] + "\n\n")
+                i = (i + 1) % len(self._texts)
+                if i == start and len(got) < n:
+                    got += got  # a small file: repeat it
+            self._cache[trial] = got
+        return got
+
+
+# ---------------------------------------------------------------------- prompts
+def make_prompt(tok, kind: str, length: int, depth: int, trial: int, filler: Filler,
+                n_keys: int = 4, seed: int = 0) -> dict:
+    """One prompt of ``length`` (= the training document of seq_len ``length``, cut before the
+    answer): {"tokens", "expected", "answer_tokens"}."""
+    from nsa_flex.titan.data import (PASSKEY_ANSWER, PASSKEY_INTRO, DatasetError,
+                                     PasskeyCorpus)
+
+    rng = random.Random(f"needle:{seed}:{kind}:{length}:{depth}:{trial}")
+    if kind == "passkey":
+        key = rng.randint(10000, 99999)
+        try:
+            corpus = PasskeyCorpus(tok, length + 1)
+        except DatasetError as e:
+            raise EvalError(f"--lengths: {length} is too short for a passkey prompt ({e})") from None
+        toks, ans = corpus.build(key, depth / 100.0, filler=filler.tokens(length + 1, trial))
+        return {"tokens": toks[:ans], "expected": str(key), "answer_tokens": len(toks) - 1 - ans}
+    if kind != "multikey":
+        raise EvalError(f"--kinds: {kind!r} not in {list(KINDS)}")
+    if not 2 <= n_keys <= len(NAMES):
+        raise EvalError(f"--n-keys: {n_keys} is outside 2..{len(NAMES)}")
+    names = rng.sample(NAMES, n_keys)
+    keys = rng.sample(range(10000, 100000), n_keys)
+    depths = [depth / 100.0] + [rng.random() for _ in range(n_keys - 1)]
+    needles = [tok.encode(MULTI_NEEDLE.format(name=n, key=k)) for n, k in zip(names, keys)]
+    question = tok.encode(MULTI_QUESTION.format(name=names[0]))
+    answer = tok.encode(PASSKEY_ANSWER.format(key=keys[0]))
+    bos = [tok.bos_id] if getattr(tok, "bos_id", None) is not None else []
+    eos = [tok.eos_id]
+    head = bos + tok.encode(PASSKEY_INTRO)
+    fixed = len(question) + len(answer) + len(eos) + sum(map(len, needles))
+    n_fill = length + 1 - len(head) - fixed
+    if n_fill < 8:
+        head = list(bos)
+        n_fill = length + 1 - len(head) - fixed
+    if n_fill < 8:
+        raise EvalError(f"--lengths: {length} is too short for a {n_keys}-key prompt "
+                        f"(needs >= {len(head) + fixed + 7} tokens with this tokenizer)")
+    fill = filler.tokens(n_fill, trial)[:n_fill]
+    at = lambda d: min(int(d * (n_fill + 1)), n_fill)  # insertion point, as PasskeyCorpus.build
+    order = sorted(range(n_keys), key=lambda i: (at(depths[i]), i))
+    body, prev = [], 0
+    for i in order:
+        cut = at(depths[i])
+        body += fill[prev:cut] + needles[i]
+        prev = cut
+    body += fill[prev:]
+    toks = head + body + question
+    assert len(toks) + len(answer) + len(eos) == length + 1
+    return {"tokens": toks, "expected": str(keys[0]), "answer_tokens": len(answer)}
+
+
+def score(text: str, expected: str) -> tuple[bool, str]:
+    m = re.match(r"\s*(\d+)", text)
+    got = m.group(1) if m else ""
+    return got == expected, got
+
+
+def digit_score(text: str, expected: str) -> float:
+    """Partial credit: the fraction of the key's digits the answer has at the right place (a model
+    that half-retrieves shows here before it gets exact matches; chance is ~0.1 per digit)."""
+    _, got = score(text, expected)
+    return sum(a == b for a, b in zip(got, expected)) / len(expected)

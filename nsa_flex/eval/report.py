@@ -1,0 +1,173 @@
+"""Needle-evaluation outputs: per-(kind, length) summary, the depth x length heatmap, and the
+ablation table of several runs (`collect`: needle summaries + metrics.jsonl of each run)."""
+
+import csv
+import glob
+import json
+import os
+import sys
+
+from .prompts import KINDS, digit_score
+
+# ---------------------------------------------------------------------- outputs
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per-prompt rows -> one row per (kind, length): n, correct, accuracy, digits (right, mean)."""
+    agg: dict[tuple[str, int], list[tuple[int, float]]] = {}
+    for r in rows:
+        agg.setdefault((r["kind"], int(r["length"])), []).append(
+            (int(r["correct"]), digit_score(r["answer"], str(r["expected"]))))
+    return [{"kind": k, "length": L, "n": len(v), "correct": sum(c for c, _ in v),
+             "accuracy": sum(c for c, _ in v) / len(v), "digits": round(sum(d for _, d in v) / len(v), 4)}
+            for (k, L), v in sorted(agg.items())]
+
+
+def write_summary(rows: list[dict], out: str) -> list[dict]:
+    summ = summarize(rows)
+    with open(os.path.join(out, "summary.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["kind", "length", "n", "correct", "accuracy", "digits"])
+        w.writeheader()
+        w.writerows(summ)
+    return summ
+
+
+def plot_heatmap(rows: list[dict], path: str, title: str = "") -> bool:
+    """Depth x length accuracy heatmap, one panel per kind, cells annotated. False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"# matplotlib missing: no {path}", file=sys.stderr)
+        return False
+    kinds = [k for k in KINDS if any(r["kind"] == k for r in rows)]
+    lengths = sorted({int(r["length"]) for r in rows})
+    depths = sorted({int(r["depth"]) for r in rows})
+    fig, axes = plt.subplots(1, len(kinds), figsize=(2.2 + (1.6 + 0.9 * len(lengths)) * len(kinds),
+                                                     1.4 + 0.4 * len(depths)), squeeze=False)
+    for n, (ax, kind) in enumerate(zip(axes[0], kinds)):
+        acc = [[float("nan")] * len(lengths) for _ in depths]
+        for i, d in enumerate(depths):
+            for j, L in enumerate(lengths):
+                cell = [int(r["correct"]) for r in rows
+                        if r["kind"] == kind and int(r["depth"]) == d and int(r["length"]) == L]
+                if cell:
+                    acc[i][j] = sum(cell) / len(cell)
+        im = ax.imshow(acc, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+        for i in range(len(depths)):
+            for j in range(len(lengths)):
+                if acc[i][j] == acc[i][j]:
+                    ax.text(j, i, f"{100 * acc[i][j]:.0f}", ha="center", va="center", fontsize=8)
+        ax.set_xticks(range(len(lengths)), [f"{L // 1024}k" if L % 1024 == 0 else str(L) for L in lengths])
+        ax.set_yticks(range(len(depths)), [f"{d}%" for d in depths])
+        ax.set_xlabel("context length (tokens)")
+        if n == 0:
+            ax.set_ylabel("needle depth")
+        ax.set_title(f"{kind} {title}".strip(), fontsize=9)
+    fig.colorbar(im, ax=axes[0].tolist(), label="accuracy", shrink=0.8)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return True
+
+
+# ---------------------------------------------------------------------- ablation table
+def read_metrics(path: str) -> dict:
+    """step -> merged record of a metrics.jsonl (or, when only that exists, its committed .gz)."""
+    recs = {}
+    if not os.path.isfile(path) and os.path.isfile(path + ".gz"):
+        import gzip
+
+        path, opener = path + ".gz", gzip.open
+    else:
+        opener = open
+    if os.path.isfile(path):
+        for line in opener(path, "rt"):
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            recs.setdefault(r["step"], {}).update(r)
+    return recs
+
+
+def collect(out: str) -> list[dict]:
+    """<out>/<run>/{needle/summary.csv, metrics.jsonl, train_seconds} -> <out>/ablation.csv (one
+    row per run, kind and length: accuracy; and per run: last logged loss, mean of the last 5 logged
+    losses, mean tokens/s after the first two logged steps, training seconds, last telemetry gate
+    means per branch) and <out>/ablation.png (loss curves, accuracy vs length)."""
+    table = []
+    runs = sorted(d for d in os.listdir(out) if os.path.isdir(os.path.join(out, d)))
+    for run in runs:
+        rd = os.path.join(out, run)
+        recs = read_metrics(os.path.join(rd, "metrics.jsonl"))
+        losses = [(s, r["loss_metrics/global_avg_loss"]) for s, r in sorted(recs.items())
+                  if "loss_metrics/global_avg_loss" in r]
+        tps = [r["throughput(tps)"] for s, r in sorted(recs.items()) if "throughput(tps)" in r and s > 1]
+        gates = {b: [r[f"nsa/gate_mean/{b}"] for _, r in sorted(recs.items()) if f"nsa/gate_mean/{b}" in r]
+                 for b in ("cmp", "sel", "win")}
+        base = {"run": run, "steps": losses[-1][0] if losses else "",
+                "final_loss": round(losses[-1][1], 5) if losses else "",
+                "loss_last5": round(sum(v for _, v in losses[-5:]) / len(losses[-5:]), 5) if losses else "",
+                **{f"gate_{b}": round(g[-1], 4) if g else "" for b, g in gates.items()},
+                "tps": round(sum(tps[1:]) / len(tps[1:])) if len(tps) > 1 else "",
+                "train_s": open(os.path.join(rd, "train_seconds")).read().strip()
+                if os.path.isfile(os.path.join(rd, "train_seconds")) else ""}
+        summ = os.path.join(rd, "needle", "summary.csv")
+        got = list(csv.DictReader(open(summ))) if os.path.isfile(summ) else []
+        if not got:  # partial eval (killed): recount from the rows written so far
+            rows_path = os.path.join(rd, "needle", "needle.csv")
+            if os.path.isfile(rows_path):
+                rows = [r for r in csv.DictReader(open(rows_path)) if r.get("correct") in ("0", "1")]
+                if rows:
+                    got = write_summary(rows, os.path.join(rd, "needle"))
+        if not got:
+            table.append({**base, "kind": "", "length": "", "n": 0, "correct": "", "accuracy": "", "digits": ""})
+        for s in got:
+            table.append({**base, "kind": s["kind"], "length": int(s["length"]), "n": int(s["n"]),
+                          "correct": int(s["correct"]), "accuracy": round(float(s["accuracy"]), 4),
+                          "digits": round(float(s["digits"]), 4) if s.get("digits") not in (None, "") else ""})
+    fields = ["run", "kind", "length", "n", "correct", "accuracy", "digits", "steps", "final_loss", "loss_last5", "tps",
+              "train_s", "gate_cmp", "gate_sel", "gate_win"]
+    with open(os.path.join(out, "ablation.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        w.writerows(table)
+    _plot_ablation(out, runs, table)
+    for r in table:
+        print(",".join(str(r[k]) for k in fields))
+    return table
+
+
+def _plot_ablation(out: str, runs: list[str], table: list[dict]) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    kinds = [k for k in KINDS if any(r["kind"] == k for r in table)]
+    fig, axes = plt.subplots(1, len(kinds) + 1, figsize=(4.2 * (len(kinds) + 1), 3.6), squeeze=False)
+    axes = axes[0]
+    for run in runs:
+        recs = read_metrics(os.path.join(out, run, "metrics.jsonl"))
+        pts = [(s, r["loss_metrics/global_avg_loss"]) for s, r in sorted(recs.items())
+               if "loss_metrics/global_avg_loss" in r]
+        if pts:
+            axes[0].plot(*zip(*pts), label=run)
+        for ax, kind in zip(axes[1:], kinds):
+            pts = sorted((r["length"], r["accuracy"]) for r in table if r["run"] == run and r["kind"] == kind)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=run)
+    axes[0].set_xlabel("step")
+    axes[0].set_ylabel("training loss")
+    axes[0].legend(fontsize=7)
+    for ax, kind in zip(axes[1:], kinds):
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel(f"{kind} accuracy")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "ablation.png"), dpi=110)
+    plt.close(fig)

@@ -1,0 +1,113 @@
+"""experiments/bench_attention.py on CPU: item order, --only / --modes, and the per-phase
+--item-limit (a slow item ends as a timeout row and the sweep goes on)."""
+
+import csv
+import importlib.util
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture
+def bench():
+    spec = importlib.util.spec_from_file_location(
+        "bench_attention", os.path.join(ROOT, "experiments", "bench_attention.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    yield mod
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)  # no alarm left armed
+    assert signal.getsignal(signal.SIGALRM) is not mod._on_alarm
+
+
+META = dict(config="fake", T=1, device="cpu")
+
+
+def busy(seconds):
+    """Pure Python work (no C call to hang in): interrupted between bytecodes by the alarm."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        pass
+
+
+def test_items_stages_first_layer_last(bench):
+    names = [n for n, _, _ in bench.build_items("tiny", 256, "cpu", torch.float32, False)]
+    assert names[:len(bench.STAGES)] == bench.STAGES
+    assert names[len(bench.STAGES):-1] == [n for n in bench.BASELINES if n in names]
+    assert names[-1] == "nsa_layer"
+
+
+def test_item_limit_timeout_row_and_sweep_goes_on(bench):
+    w = torch.ones(3, requires_grad=True)
+    rows = []
+    slow = lambda: (lambda: (busy(5), w * 2)[1])
+    bench.timed("slow", slow, True, "cpu", rows, META, limit=0.3)
+    # fast inference forward, slow only in grad mode: fwd passes, fwd+bwd times out
+    slow_bwd = lambda: (lambda: (torch.is_grad_enabled() and busy(5), w * 2)[1])
+    bench.timed("slow_bwd", slow_bwd, True, "cpu", rows, META, limit=0.3)
+    bench.timed("fast", lambda: (lambda: w * 2), True, "cpu", rows, META, limit=5)
+
+    def wraps():  # a compiler that catches the alarm and raises its own error: still a timeout
+        try:
+            busy(5)
+        except TimeoutError as e:
+            raise RuntimeError("backend compiler failed") from e
+
+    bench.timed("wrapped", lambda: wraps, False, "cpu", rows, META, limit=0.3)
+    slow_row, bwd_row, fast_row, wrapped_row = rows
+    assert wrapped_row["error"] == "fwd(no_grad) timeout after 0.3s (compile+first call)"
+    assert slow_row["error"].startswith("fwd(no_grad) timeout after 0.3s (compile+first call)")
+    assert "fwd+bwd timeout after 0.3s" in slow_row["error"]
+    assert "fwd(grad)" not in slow_row["error"]  # no grad-mode retry of a timed-out forward
+    assert "fwd_ms" not in slow_row and slow_row["item_s"] < 3
+    assert bwd_row["error"] == "fwd+bwd timeout after 0.3s (compile+first call)"
+    assert "fwd_ms" in bwd_row and "fwd_bwd_ms" not in bwd_row
+    assert "error" not in fast_row
+    assert {"fwd_ms", "fwd_bwd_ms", "fwd_first_s", "fwd_bwd_first_s"} <= set(fast_row)
+
+
+def test_shared_setup_failure_is_kept(bench):
+    calls = []
+
+    def make():
+        calls.append(1)
+        raise ValueError("no weights")
+
+    shared = bench.Lazy(make)
+    rows = []
+    for name in ("a", "b"):
+        bench.timed(name, lambda: (shared(), None)[1], False, "cpu", rows, META)
+    assert len(calls) == 1
+    assert rows[0]["error"] == "setup ValueError: no weights"
+    assert rows[1]["error"].startswith("setup RuntimeError: shared setup failed before")
+
+
+def test_main_only_modes_item_limit(bench, tmp_path, monkeypatch):
+    rows = bench.main(["--quick", "--only", "projections,sdpa_causal", "--modes", "fwd",
+                       "--item-limit", "120", "--out", str(tmp_path)])
+    # T=128 has no stages; at T=256 the stage comes before the baseline
+    assert [(r["T"], r["stage"]) for r in rows] == [(128, "sdpa_causal"), (256, "projections"),
+                                                    (256, "sdpa_causal")]
+    assert all("error" not in r and r["fwd_first_s"] >= 0 for r in rows)
+    with open(tmp_path / "bench.csv") as f:
+        assert [r["stage"] for r in csv.DictReader(f)] == [r["stage"] for r in rows]
+    for bad in (["--only", "nsa_layerx"], ["--modes", "bwd"]):
+        with pytest.raises(SystemExit):
+            bench.main(["--quick", "--out", str(tmp_path)] + bad)
+
+    # a slow item through main: a timeout row, then the next item still runs
+    def fake_items(cname, T, dev, dtype, compile_=True):
+        return [("projections", False, lambda: (lambda: busy(5))),
+                ("nsa_layer", False, lambda: (lambda: torch.zeros(1)))]
+
+    monkeypatch.setattr(bench, "build_items", fake_items)
+    rows = bench.main(["--quick", "--item-limit", "0.3", "--out", str(tmp_path / "slow")])
+    assert [(r["T"], r["stage"]) for r in rows] == [(128, "nsa_layer"), (256, "projections"),
+                                                    (256, "nsa_layer")]
+    assert rows[1]["error"] == "fwd(no_grad) timeout after 0.3s (compile+first call)"
+    assert "error" not in rows[2] and "fwd_ms" in rows[2]
+    assert "timeout" in (tmp_path / "slow" / "errors.log").read_text()

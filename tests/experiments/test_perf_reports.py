@@ -1,0 +1,64 @@
+"""The issue-14 report scripts: titan.csv from torchtitan logs, layer.csv from bench CSVs."""
+
+import csv
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _line(step, mem, tps):  # torchtitan's step line, with its colour codes
+    return (f"[rank0]:[titan] 2026-11-23 18:21:00,126 - root - INFO - \x1b[31mstep: {step:2d}  "
+            f"\x1b[32mloss:  7.7  \x1b[38;2;54;234;195mmemory: {mem:5.2f}GiB(38.64%)  "
+            f"\x1b[34mtps: {tps:,}  \x1b[36mtflops: 75.82  \x1b[35mmfu: 7.67%\x1b[39m\n")
+
+
+def test_titan_csv_median_after_warmup_and_peak(tmp_path):
+    m = _load("titan_perf_csv")
+    log = tmp_path / "nsa_125M_32768.log"
+    lines = ["[titan] CUDA capacity: NVIDIA H100 80GB HBM3 with 79.11GiB memory\n"]
+    lines += [_line(s, 20.0 + s / 10, 1000 if s <= 10 else 60000 + s) for s in range(1, 16)]
+    log.write_text("".join(lines))
+    (tmp_path / "full_125M_32768.log").write_text(_line(1, 5.0, 10))  # nothing after warm-up
+    out = tmp_path / "titan.csv"
+    rows = m.main([str(log), str(tmp_path / "full_125M_32768.log"), "--out", str(out)])
+    assert len(rows) == 1
+    got = list(csv.DictReader(out.open()))
+    assert got == [dict(seq_len="32768", flavor="125M", attention="nsa", tokens_per_s="60013",
+                        peak_GiB="21.5", device="NVIDIA H100 80GB HBM3")]
+
+
+def test_layer_csv_takes_each_T_from_the_run_that_timed_the_layer(tmp_path):
+    m = _load("perf_report")
+    fields = ["config", "T", "stage", "fwd_ms", "fwd_bwd_ms", "peak_GiB", "fwd_first_s",
+              "fwd_bwd_first_s", "device", "error"]
+
+    def run(name, rows):
+        p = tmp_path / name
+        with p.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=fields)
+            w.writeheader()
+            for r in rows:
+                w.writerow({"config": "paper", "device": "H100", **r})
+        return m.read(str(p))
+
+    r1 = run("run1.csv", [dict(T=64, stage="nsa_layer", fwd_ms=2, fwd_bwd_ms=9),
+                          dict(T=64, stage="full_layer", fwd_ms=3, fwd_bwd_ms=12),
+                          dict(T=64, stage="attn_selected", fwd_ms=1, fwd_bwd_ms=4)])
+    r2 = run("run2.csv", [dict(T=64, stage="sdpa_causal", fwd_ms=2.5, fwd_bwd_ms=10),
+                          dict(T=64, stage="nsa_layer", fwd_ms=1.5, fwd_bwd_ms=6,
+                               fwd_bwd_first_s=80),
+                          dict(T=16, stage="full_layer", fwd_ms=1, fwd_bwd_ms=2),
+                          dict(T=16, stage="nsa_layer", error="timeout")])
+    rows = m.layer_rows([r1, r2])
+    assert [(r["T"], r["item"]) for r in rows] == [(16, "nsa_layer"), (16, "full_layer"),
+                                                   (64, "nsa_layer"), (64, "sdpa")]
+    assert rows[2]["fwd_bwd_ms"] == "6.00" and rows[2]["compile_s"] == "80.0"
+    assert rows[0]["fwd_ms"] == ""  # the timed-out layer stays visible, without a time

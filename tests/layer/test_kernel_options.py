@@ -1,0 +1,101 @@
+"""Flex backward candidates: one small config is added only where inductor's own do not fit the
+mask's sparse blocks (else every flex backward autotunes over several candidates)."""
+
+import pytest
+import torch
+
+from nsa_flex.kernel_options import (
+    _caller_block_sizes, _fits, flex_kernel_options, install_small_block_bwd_configs,
+    needs_small_block_bwd_configs, packed_block_size, with_small_block_configs,
+)
+from torch._inductor.choices import InductorChoices
+from torch._inductor.template_heuristics.triton import FlexBwDConfig
+
+SM90_192 = FlexBwDConfig(64, 64, 64, 64, 2, 4)  # inductor's sm90 default for head_dim 192
+
+
+@pytest.mark.parametrize("qb,kb,added", [(128, 128, 0), (64, 64, 0), (16, 64, 1), (16, 32, 1),
+                                         (16, 16, 1), (32, 64, 1)])
+def test_small_config_only_when_defaults_do_not_fit(qb, kb, added):
+    out = with_small_block_configs([SM90_192], 192, (qb, kb))
+    assert out[0] == SM90_192 and len(out) == 1 + added
+    assert any(_fits(c, qb, kb) for c in out)
+    if added:
+        assert _fits(out[-1], qb, kb) and out[-1].block_m1 == 16
+
+
+def test_unknown_block_sizes_append_all_small_configs():
+    out = with_small_block_configs([SM90_192], 192, None)
+    assert out[0] == SM90_192 and len(out) == 4 and out[1].block_n1 == 64
+
+
+def test_block_sizes_read_from_the_lowering_frame():
+    def lowering(SPARSE_Q_BLOCK_SIZE, SPARSE_KV_BLOCK_SIZE):
+        import sys
+        return _caller_block_sizes(sys._getframe(0))
+
+    def nested():
+        import sys
+        return _caller_block_sizes(sys._getframe(0))
+
+    assert lowering(16, 64) == (16, 64)
+    assert nested() is None
+
+
+def test_import_installs_nothing_and_only_old_torch_needs_the_wrapper():
+    """`import nsa_flex` leaves inductor as it is; building a flex layer installs the wrapper,
+    on the torch versions that filter before kernel_options (#176025) only."""
+    import subprocess
+    import sys
+
+    code = ("import nsa_flex; from torch._inductor.choices import InductorChoices as C; "
+            "f = C.get_flex_attention_bwd_configs; print(f.__module__); "
+            "nsa_flex.NSAAttention(nsa_flex.NSAConfig(backend='flex')); "
+            "print(C.get_flex_attention_bwd_configs.__module__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         timeout=120).stdout.split()
+    assert out[0] == "torch._inductor.choices"
+    assert out[1] == ("nsa_flex.kernel_options" if needs_small_block_bwd_configs()
+                      else "torch._inductor.choices")
+    assert needs_small_block_bwd_configs("2.11.0+cu128") and needs_small_block_bwd_configs("2.13.0")
+    assert not needs_small_block_bwd_configs("2.14.0") and not needs_small_block_bwd_configs("3.0.0")
+
+
+def test_hook_installed_on_inductor_choices():
+    if not install_small_block_bwd_configs():
+        pytest.skip("this torch applies kernel_options before filtering (#184797)")
+    def lowering(SPARSE_Q_BLOCK_SIZE, SPARSE_KV_BLOCK_SIZE):
+        return InductorChoices().get_flex_attention_bwd_configs(192, torch.bfloat16, "cpu")
+
+    big, small = lowering(128, 128), lowering(16, 64)
+    assert len(small) == len(big) + (0 if any(_fits(c, 16, 64) for c in big) else 1)
+    assert any(_fits(c, 16, 64) for c in small)
+
+
+def test_kernel_options_tiles_divide_packed_blocks():
+    class Spec:
+        kv_block = 64
+    qb, kb = packed_block_size(16, Spec)
+    assert (qb, kb) == (16, 64)
+    assert flex_kernel_options(torch.empty(1), (qb, kb)) is None  # CPU: inductor's own choice
+
+    class CudaQ:
+        device = torch.device("cuda", 0)
+    opts = flex_kernel_options(CudaQ, (qb, kb))
+    assert qb % opts["fwd_BLOCK_M"] == 0 and kb % opts["fwd_BLOCK_N"] == 0
+    assert kb % opts["bwd_BLOCK_N1"] == 0 and opts["bwd_BLOCK_N1"] % opts["bwd_BLOCK_M1"] == 0
+    assert qb % opts["bwd_BLOCK_M2"] == 0 and opts["bwd_BLOCK_M2"] % opts["bwd_BLOCK_N2"] == 0
+
+
+def test_band_kernel_options_by_head_dim(monkeypatch):
+    """Non-packed flex calls get BAND_OPTIONS of their head dim on CUDA (a copy), else None."""
+    from types import SimpleNamespace
+
+    from nsa_flex import kernel_options as ko
+
+    monkeypatch.setattr(ko, "BAND_OPTIONS", {192: {"bwd_num_warps": 8}})
+    cuda_q = lambda d: SimpleNamespace(device=SimpleNamespace(type="cuda"), shape=(1, 4, 8, d))
+    got = ko.band_kernel_options(cuda_q(192))
+    assert got == {"bwd_num_warps": 8} and got is not ko.BAND_OPTIONS[192]
+    assert ko.band_kernel_options(cuda_q(128)) is None
+    assert ko.band_kernel_options(torch.zeros(1, 4, 8, 192)) is None  # CPU: never

@@ -1,0 +1,55 @@
+"""nsa-train's user errors: one short message on stderr, exit code 2, no traceback."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "titan_configs" / "debug_nsa.toml"
+
+
+def _nsa_train(*args, cwd=ROOT):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-m", "nsa_flex.titan.cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def _typo_config(tmp_path):
+    p = tmp_path / "typo.toml"
+    p.write_text(CONFIG.read_text().replace('masks = "nsa"', 'masks = "nsa"\nwindw = 3'))
+    return p
+
+
+def _broken_config(tmp_path):
+    p = tmp_path / "broken.toml"
+    p.write_text("[job\ndump_folder = 'x'\n")
+    return p
+
+
+CASES = {
+    "bad value": (lambda t: ["--nsa.window", "-3"],
+                  "nsa-train: error: invalid NSA settings:\n  - [nsa] window=-3: must be a positive integer"),
+    "unknown flavor": (lambda t: ["--model.flavor", "7B"],
+                       "nsa-train: error: [model] flavor='7B': unknown nsa_flex flavor; allowed values are "
+                       "['125M', '1B', '30M', '30M_kv4', '350M', 'debugmodel']"),
+    "unknown field": (lambda t: ["--job.config_file", str(_typo_config(t))],
+                      "nsa-train: error: [nsa] unknown field(s) {'windw'}; valid fields: backend, cmp_mask"),
+    "toml syntax": (lambda t: ["--job.config_file", str(_broken_config(t))], "TOML syntax error: Expected ']'"),
+    "missing config": (lambda t: ["--job.config_file", str(t / "nope.toml")], "nope.toml' does not exist"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_user_errors_are_one_message_exit_2(tmp_path, case):
+    args, expected = CASES[case]
+    p = _nsa_train(*args(tmp_path), "--training.steps", "1", "--job.dump_folder", str(tmp_path / "out"))
+    out = p.stdout + p.stderr
+    assert p.returncode == 2, out[-3000:]
+    assert expected in p.stderr, p.stderr[-2000:]
+    assert "Traceback" not in out and "run_train.sh" not in out
+    assert len(p.stderr.strip().splitlines()) <= 3, p.stderr

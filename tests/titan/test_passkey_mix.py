@@ -1,0 +1,128 @@
+"""``[training] passkey_mix``: a text dataset with a fraction of its packed sequences replaced by
+generated passkey documents (the ablation configs' data): which sequences, their content, the text
+stream left intact, DP sharding, resume, the trainer's loader, and the errors."""
+
+from pathlib import Path
+
+import pytest
+from torchtitan.config import ConfigManager
+
+from nsa_flex.titan.data import DatasetError, PackedTokenDataset, PasskeyCorpus, build_dataloader
+from nsa_flex.titan.tokenizer import ByteTokenizer
+
+SEQ = 200
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
+FINEWEB = SHARED / "fineweb_edu_sample_150.parquet"
+
+
+class ListSource:
+    """Minimal stateful document source (the interface PackedTokenDataset uses)."""
+
+    def __init__(self, docs):
+        self.docs, self.i = docs, 0
+
+    def __iter__(self):
+        while self.i < len(self.docs):
+            self.i += 1
+            yield self.docs[self.i - 1]
+
+    def next_epoch(self):
+        self.i = 0
+
+    def restart(self):
+        self.i = 0
+
+    def state_dict(self):
+        return {"i": self.i}
+
+    def load_state_dict(self, sd):
+        self.i = sd["i"]
+
+    def describe(self):
+        return "list"
+
+
+TOK = ByteTokenizer()
+DOCS = [TOK.encode(f"document {i}: " + "lorem ipsum " * (i % 23 + 3), add_bos=True, add_eos=True)
+        for i in range(400)]
+
+
+def _ds(mix, rank=0, world=1, seed=0):
+    corpus = PasskeyCorpus(TOK, SEQ + 1, seed=seed)
+    return PackedTokenDataset(ListSource(DOCS), SEQ, rank, world, passkey=corpus, passkey_mix=mix)
+
+
+def _take(ds, n):
+    it = iter(ds)
+    return [next(it) for _ in range(n)]
+
+
+def _seq(sample):
+    inp, lab = sample
+    return inp["input"].tolist() + lab[-1:].tolist()
+
+
+def test_mix_fraction_content_and_text_stream():
+    plain = [_seq(s) for s in _take(_ds(0.0), 150)]
+    ds = _ds(0.3)
+    mixed = [_seq(s) for s in _take(ds, 200)]
+    corpus = PasskeyCorpus(TOK, SEQ + 1)
+    is_pk = [ds.is_passkey(k) for k in range(200)]
+    assert 0.2 < sum(is_pk) / 200 < 0.4, sum(is_pk)
+    text = []
+    for k, (x, pk) in enumerate(zip(mixed, is_pk)):
+        if pk:
+            assert x == corpus.document(k)[0]
+            assert "What is the pass key? The pass key is" in TOK.decode(x)
+        else:
+            text.append(x)
+    assert text == plain[: len(text)]  # the text stream goes on unchanged in the other sequences
+    assert [_ds(0.3, seed=1).is_passkey(k) for k in range(200)] != is_pk
+    assert all(_ds(1.0).is_passkey(k) for k in range(50))
+    assert not any(_ds(0.0).is_passkey(k) for k in range(50))
+
+
+def test_mix_dp_sharding_and_resume():
+    one = [_seq(s) for s in _take(_ds(0.5), 60)]
+    r0 = [_seq(s) for s in _take(_ds(0.5, 0, 2), 30)]
+    r1 = [_seq(s) for s in _take(_ds(0.5, 1, 2), 30)]
+    assert one[0::2] == r0 and one[1::2] == r1
+    ds = _ds(0.5)
+    it = iter(ds)
+    for _ in range(23):
+        next(it)
+    state = ds.state_dict()
+    rest = [_seq(next(it)) for _ in range(15)]
+    again = _ds(0.5)
+    again.load_state_dict(state)
+    assert [_seq(s) for s in _take(again, 15)] == rest == one[23:38]
+
+
+def _job(*args):
+    return ConfigManager().parse_args(["--job.custom_config_module", "nsa_flex.titan.job_config", *args])
+
+
+@pytest.mark.parametrize("bad", ["1.5", "-0.1"])
+def test_mix_bad_values_name_the_field(bad, tmp_path):
+    f = tmp_path / "a.txt"
+    f.write_text("some text\n\nmore text\n")
+    job = _job("--training.dataset", "local", "--training.dataset_path", str(f), "--training.passkey_mix", bad)
+    with pytest.raises(DatasetError, match=f"training.passkey_mix={bad}"):
+        build_dataloader(1, 0, TOK, job)
+
+
+def test_mix_on_passkey_dataset_is_an_error():
+    with pytest.raises(DatasetError, match="passkey_mix=0.5.*text dataset"):
+        build_dataloader(1, 0, TOK, _job("--training.passkey_mix", "0.5"))
+
+
+@pytest.mark.skipif(not FINEWEB.is_file(), reason=f"{FINEWEB} not found")
+def test_trainer_loader_mixes_fineweb_and_passkey(monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    job = _job("--training.dataset", "fineweb_edu", "--training.dataset_path", str(FINEWEB),
+               "--training.passkey_mix", "0.5", "--training.seq_len", "256", "--training.local_batch_size", "8")
+    batch, _ = next(iter(build_dataloader(1, 0, TOK, job)))
+    texts = [TOK.decode(row.tolist()) for row in batch["input"]]
+    n_pk = sum("What is the pass key? The pass key is" in t for t in texts)
+    ds = PackedTokenDataset(None, 256, passkey=PasskeyCorpus(TOK, 257), passkey_mix=0.5)
+    assert n_pk == sum(ds.is_passkey(k) for k in range(8)) and 0 < n_pk < 8
