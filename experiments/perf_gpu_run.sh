@@ -62,6 +62,9 @@ run_step() {
                 i=0; for o in "${SETS[@]}"; do i=$((i+1))
                   step 170 bwdtune_$i $B --T 65536 --stages-at 65536 --no-baselines --modes fwd_bwd \
                     --only attn_compressed,attn_window --item-limit 120 --band-options "$o"; done ;;
+    # issue 16 item 3: whole-model generation, 125M, 32k prompt, batch 1 and 8 (generate.csv)
+    generate32k) step 400 generate_32k python experiments/bench_generate.py --flavor 125M \
+                  --context 32768 --batches 1,8 ;;
     # issue 14: the layer table (layer.csv) at the other lengths
     layers)     step 560 layers $B --T ${LAYER_T:-8192,16384,32768,131072} --stages-at "" \
                   --only sdpa_causal,flex_causal,fla_parallel_nsa_w0,full_layer,nsa_layer --item-limit 150 ;;
