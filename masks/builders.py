@@ -169,7 +169,7 @@ def drop_forced(sel_idx: Tensor, l_sel: int, n_init: int, n_local: int,
                 starts: Tensor | None = None) -> Tensor:
     """sel_idx [B, H, T, n] with the blocks `forced_blocks` covers set to -1: the scored part of
     the selection. Every picked block is valid, so a picked block is forced exactly when it is
-    the document's first block or one of the n_local most recent (masks.forced_and_valid)."""
+    the document's first block or one of the n_local most recent (nsa_flex.rules.block_rules)."""
     T = sel_idx.shape[2]
     cur = (torch.arange(T, device=sel_idx.device) // l_sel).view(1, 1, T, 1)
     forced = (sel_idx > cur - n_local) & (sel_idx <= cur)

@@ -25,9 +25,8 @@ when triton imports and the compressed branch's lse is given.
 import torch
 from torch import Tensor
 
-from masks import forced_and_valid, pick_blocks
-
 from .ops import HAS_TRITON, group_slc_scores, topn_blocks, triton_interpreted
+from .rules import forced_and_valid, pick_blocks
 
 
 def overlap_kernel(l: int, d: int, l_sel: int, device=None) -> Tensor:

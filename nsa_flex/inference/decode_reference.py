@@ -6,8 +6,8 @@ are written (`write_token`), then the reads (`attend_cached`), per branch:
   cmp  all compressed blocks of the stream, masked to the visible ones (i d + l <= S)
   sel  the current token's compressed scores (Eq. 8), mapped to selection blocks (Eq. 9), summed
        over each GQA group's heads (Eq. 10), top-n with the forced blocks (the document's first
-       block, the n_local most recent) and ties to the lower index: `masks.pick_blocks`, the
-       function `select_topn` uses; then a gather of the n selected blocks (n * l' tokens)
+       block, the n_local most recent) and ties to the lower index: `nsa_flex.rules.pick_blocks`,
+       the function `select_topn` uses; then a gather of the n selected blocks (n * l' tokens)
   win  the rolling ring of the last `window` tokens
 The math is the reference backend's (fp32 scores, -inf masking, rows with no key give 0),
 whatever `cfg.backend` is.
@@ -18,7 +18,7 @@ import math
 import torch
 from torch import Tensor
 
-from masks import pick_blocks
+from ..rules import pick_blocks
 
 from ..selection import overlap_kernel
 from .cache import NSACache

@@ -17,7 +17,7 @@ CUDA-graph capturable):
                         stored scores (no second pass over K); Eq. 9 overlap weights; forced
                         blocks (first block of the document, n_local most recent); top-n by one
                         int64 key per block (score bits << 32 | reversed index: ties to the lower
-                        block, the keys of `masks.pick_blocks`) by n max-reductions; the
+                        block, the keys of `nsa_flex.rules.pick_blocks`) by n max-reductions; the
                         selection read counter.
   4. `_attn_kernel`     split-K over the selected blocks, read in place by index (l' contiguous
      (SEL=True)         tokens each, no gather copy); -1 slots are skipped.
@@ -155,8 +155,8 @@ def _score_kernel(pm_ptr, pl_ptr, NSPLIT, NSC, sc_ptr, pc_ptr, NC, c_ptr, idx_pt
                   N_LOCAL: tl.constexpr, NS_PAD: tl.constexpr, CHUNK: tl.constexpr,
                   TOPN: tl.constexpr):
     """The n selection blocks of one (row, KV group) for the current token (Eq. 8-10), as
-    `select_blocks` / `masks.pick_blocks`: forced blocks first, then by score, ties to the lower
-    block, -1 for unused slots. TOPN=False: the local_selection ablation (score = block index)."""
+    `select_blocks` / `nsa_flex.rules.pick_blocks`: forced blocks first, then by score, ties to
+    the lower block, -1 for unused slots. TOPN=False: the local_selection ablation (score = block index)."""
     pid = tl.program_id(0)
     b = pid // Hkv
     bh = pid.to(tl.int64)
