@@ -9,6 +9,8 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
+from .rules import num_cmp
+
 PHI_CHOICES = ("avg", "mlp")
 BACKEND_CHOICES = ("auto", "flex", "reference")
 SCORER_CHOICES = ("auto", "torch", "triton")
@@ -164,8 +166,8 @@ class NSAConfig:
         return {"cmp": self.cmp_mask or cmp, "sel": self.sel_mask or sel, "win": self.win_mask or win}
 
     def num_cmp(self, seq_len: int) -> int:
-        """Number of compressed blocks over seq_len tokens: 0 if S < l else (S - l) // d + 1."""
-        return 0 if seq_len < self.l else (seq_len - self.l) // self.d + 1
+        """Number of compressed blocks over seq_len tokens (`nsa_flex.rules.num_cmp`, Eq. 7)."""
+        return num_cmp(seq_len, self.l, self.d)
 
     def decode_reads(self, seq_len: int) -> int:
         """Key tokens read by one decode step at context length S (paper §5: num_cmp + n*l' + w).

@@ -2,8 +2,15 @@
 Triton wrappers call these. Pure torch: this module imports nothing from nsa_flex or masks, so
 `masks` may import it lazily without a cycle.
 
-Indices are 0-based: token t, selection block j covers tokens [j l', (j+1) l').
+Indices are 0-based: token t, compressed block i covers tokens [i d, i d + l), selection block j
+covers tokens [j l', (j+1) l').
 
+Compression (§3.3.1, Eq. 7): one compressed key per block of l tokens, stride d, over the tokens
+  seen so far: `num_cmp(S) = floor((S - l) / d) + 1` blocks for S >= l tokens, 0 below.
+Scores (Eq. 8-10): p_cmp = softmax(q K_cmp^T) (`masked_softmax`, the one softmax of both
+  reference paths); Eq. 9 maps it to selection blocks by overlap, p_slc[j] = sum_i w[i, j]
+  p_cmp[i] with w[i, j] the overlap of compressed block i and selection block j in strides of d
+  (`overlap_kernel`, `map_to_selection_blocks`); Eq. 10 sums p_slc over a GQA group's heads.
 Selection (§3.3.2):
   valid     a query at token t may select block j when the block starts at or before t and does
             not end before the first token of t's document
@@ -15,6 +22,65 @@ Ablation draws (not in the paper): uniform random scores (`random_topn`), recenc
 
 import torch
 from torch import Tensor
+
+
+# ---------------------------------------------------------------------- compression (Eq. 7)
+def num_cmp(S, l: int, d: int):
+    """Compressed blocks over S tokens (an int, or an integer tensor elementwise): blocks end at
+    i d + l - 1 <= S - 1, so floor((S - l) / d) + 1 of them, 0 when S < l."""
+    n = (S - l) // d + 1
+    return n.clamp_min(0) if isinstance(n, Tensor) else max(n, 0)
+
+
+# ---------------------------------------------------------------------- scores (Eq. 8-10)
+def masked_softmax(s: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Softmax over the last dim of the scores s where mask (broadcastable) is set: -> (p, lse
+    [..., 1]), in s's dtype. A row that sees nothing gives p = 0 and lse = -inf (no NaN); the max
+    subtracted for stability carries no gradient (the result does not depend on it)."""
+    s = s.masked_fill(~mask, float("-inf"))
+    mx = s.amax(-1, keepdim=True)
+    mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx)).detach()
+    e = torch.exp(s - mx)
+    den = e.sum(-1, keepdim=True)
+    return e / den.clamp_min(torch.finfo(s.dtype).tiny), torch.log(den) + mx
+
+
+def overlap_kernel(l: int, d: int, l_sel: int, device=None) -> Tensor:
+    """Eq. 9 weights as a strided 1-D kernel. With d | l and d | l' (validated), in units of d
+    compressed block i covers [i, i + l/d) and selection block j covers [j r, j r + r), r = l'/d,
+    so w[i, j] depends only on m = i - j r, for m in [-(l/d - 1), r - 1]:
+    c[m] = |[m, m + l/d) ∩ [0, r)|. Returns c (float32, length r + l/d - 1). For l=32, d=16,
+    l'=64 this is the paper's (1, 2, 2, 2, 1) pattern."""
+    r, qn = l_sel // d, l // d
+    m = torch.arange(-(qn - 1), r, device=device)
+    return (torch.minimum(m + qn, torch.tensor(r, device=device)) - m.clamp_min(0)).float()
+
+
+_OVERLAP: dict = {}
+
+
+def overlap_kernel_cached(l: int, d: int, l_sel: int, device, dtype=torch.float32) -> Tensor:
+    """`overlap_kernel` made once per (device, dtype): for decode, where a CUDA graph cannot
+    capture the host-scalar copy that building it takes."""
+    key = (l, d, l_sel, str(device), dtype)
+    if key not in _OVERLAP:
+        _OVERLAP[key] = overlap_kernel(l, d, l_sel, device).to(dtype).contiguous()
+    return _OVERLAP[key]
+
+
+def map_to_selection_blocks(p: Tensor, n_sel_blocks: int, l: int, d: int, l_sel: int,
+                            c: Tensor | None = None) -> Tensor:
+    """Eq. 9: p_cmp [..., Nc] -> p_slc [..., Ns], p_slc[j] = sum_m c[m] p_cmp[j*r + m].
+
+    A strided window sum (unfold view + one small product), O(Ns * (r + l/d)) per row. c: the
+    `overlap_kernel` in p's dtype (default: made here)."""
+    c = overlap_kernel(l, d, l_sel, p.device).to(p.dtype) if c is None else c
+    r, M = l_sel // d, c.numel()
+    left = l // d - 1
+    need = (n_sel_blocks - 1) * r + M  # padded length the last window reaches
+    right = max(0, need - left - p.shape[-1])
+    pp = torch.nn.functional.pad(p, (left, right))
+    return pp.unfold(-1, M, r)[..., :n_sel_blocks, :] @ c
 
 
 # ---------------------------------------------------------------------- selection (§3.3.2)

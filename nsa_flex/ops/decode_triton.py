@@ -43,6 +43,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..rules import overlap_kernel_cached, valid_blocks
+
 SEL_MODES = ("topn", "local_selection", "causal", "none")
 PROGRAMS_PER_SM = 4  # default size of the split-K launches: about this many programs per SM
 MAX_SPLITS = 64  # splits per (row, KV group) and branch (the combine holds them in registers)
@@ -595,7 +597,7 @@ def nsa_decode_attention(q: Tensor, pos: Tensor, start: Tensor, *, l: int, d: in
         idx = torch.empty(B, Hkv, n_sel, device=dev, dtype=torch.long)
         reads["sel"] = torch.empty(B, Hkv, device=dev, dtype=torch.long)
         pc = torch.empty(B * Hkv * max(Nc, 1) if topn else 1, **f32)
-        c = _overlap(l, d, l_sel, dev)
+        c = overlap_kernel_cached(l, d, l_sel, dev)
         _score_kernel[(B * Hkv,)](
             part_m, part_l, nsplit, nsc, scores, pc, max(Nc, 1), c, idx, reads["sel"], pos, start,
             Hkv, ns, G=G, G_PAD=G_PAD, NSC_PAD=_np2(max(nsc, 1)), L=l, D=d, LS=l_sel,
@@ -604,7 +606,7 @@ def nsa_decode_attention(q: Tensor, pos: Tensor, start: Tensor, *, l: int, d: in
         sel_idx = idx
     elif sel_mode == "causal":  # every block that holds a visible token
         j = torch.arange(ns, device=dev)
-        ok = (j * l_sel <= pos.view(B, 1)) & ((j + 1) * l_sel - 1 >= start.view(B, 1))
+        ok = valid_blocks(pos.view(B, 1), start.view(B, 1), ns, l_sel)
         sel_idx = torch.where(ok, j, -1).view(B, 1, ns).expand(B, Hkv, ns).contiguous()
         reads["sel"] = (pos - start + 1).view(B, 1).expand(B, Hkv)
     if nss > 0:  # selected blocks, read in place by index
@@ -646,17 +648,3 @@ def nsa_decode_attention(q: Tensor, pos: Tensor, start: Tensor, *, l: int, d: in
     if return_branches:
         branches = {b: br[i] for i, b in enumerate(("cmp", "sel", "win")) if present[b]}
     return DecodeResult(o, lse, idx, reads, branches, (nsc, nsw, nss))
-
-
-_OVERLAP: dict = {}
-
-
-def _overlap(l: int, d: int, l_sel: int, device) -> Tensor:
-    """Eq. 9's overlap weights (fp32), made once per device (a CUDA graph cannot capture the
-    host-scalar copy that building them takes)."""
-    key = (l, d, l_sel, str(device))
-    if key not in _OVERLAP:
-        from ..selection import overlap_kernel
-
-        _OVERLAP[key] = overlap_kernel(l, d, l_sel, device).float().contiguous()
-    return _OVERLAP[key]
