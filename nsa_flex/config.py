@@ -68,18 +68,22 @@ def knob(default, help: str):
 
 @dataclass
 class NSAConfig:
+    # model dims (a titan decoder sets them from its flavor: MODEL_DIMS)
     dim: int = knob(2560, "model width")
     n_heads: int = knob(64, "query heads")
     n_kv_heads: int = knob(4, "key/value heads (GQA groups; n_heads is a multiple)")
     d_qk: int = knob(192, "query/key head dim")
     d_v: int = knob(128, "value head dim")
+    # compression (§3.3.1)
     l: int = knob(32, "compression block length l")
     d: int = knob(16, "compression stride d (divides l and l_sel)")
+    # selection (§3.3.2) and sliding window (§3.3.3)
     l_sel: int = knob(64, "selection block length l'")
     n_sel: int = knob(16, "number of selected blocks n (including the forced initial/local blocks)")
     n_init: int = knob(1, "forced initial blocks (0 or 1)")
     n_local: int = knob(2, "forced local blocks")
     window: int = knob(512, "sliding-window size w")
+    # implementation and masks
     phi: str = knob("avg", "compression function: avg (mean pooling) | mlp (learned, with "
                            "intra-block positions)")
     backend: str = knob("auto", "attention backend: auto (flex on CUDA, reference elsewhere: see "
