@@ -7,7 +7,7 @@ loss with `attend_reference` in fp32 on the same inputs (rel = |a - b| / |b|):
   packed     the same selection as one packed call (the old path)
   compressed compressed keys with one K/V copy per query head (no GQA in flex's backward)
   causal     the full_causal preset's plain causal mask, run by SDPA
-  topn       the Triton top-n against masks.pick_blocks on the same scores (must be equal)
+  topn       the Triton top-n against nsa_flex.rules.pick_blocks on the same scores (must be equal)
 
     python experiments/check_flex_gpu.py --T 4096 --out OUT    # prints one PASS/FAIL line each
 """
@@ -21,11 +21,12 @@ from dataclasses import replace
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from masks import MaskContext, forced_and_valid, get_mask_builder, pick_blocks  # noqa: E402
+from masks import MaskContext, get_mask_builder  # noqa: E402
 from nsa_flex import NSAConfig  # noqa: E402
 from nsa_flex.attention import attend_flex, attend_reference  # noqa: E402
 from nsa_flex.kernel_options import install_small_block_bwd_configs  # noqa: E402
 from nsa_flex.ops import topn_blocks  # noqa: E402
+from nsa_flex.rules import forced_and_valid, pick_blocks  # noqa: E402
 from nsa_flex.selection import select_topn  # noqa: E402
 
 PAPER = dict(n_heads=64, n_kv_heads=4, d_qk=192, d_v=128, dim=2560)

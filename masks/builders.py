@@ -8,7 +8,7 @@ for `compressed_causal`, whose kv index is a compressed block i covering tokens
 import torch
 from torch import Tensor
 
-from .core import MaskSpec, captured, or_masks
+from .core import MaskSpec, captured, or_masks, transpose_lists
 
 
 def causal() -> MaskSpec:
@@ -169,7 +169,7 @@ def drop_forced(sel_idx: Tensor, l_sel: int, n_init: int, n_local: int,
                 starts: Tensor | None = None) -> Tensor:
     """sel_idx [B, H, T, n] with the blocks `forced_blocks` covers set to -1: the scored part of
     the selection. Every picked block is valid, so a picked block is forced exactly when it is
-    the document's first block or one of the n_local most recent (masks.forced_and_valid)."""
+    the document's first block or one of the n_local most recent (nsa_flex.rules.block_rules)."""
     T = sel_idx.shape[2]
     cur = (torch.arange(T, device=sel_idx.device) // l_sel).view(1, 1, T, 1)
     forced = (sel_idx > cur - n_local) & (sel_idx <= cur)
@@ -207,31 +207,6 @@ def _compact_lists(kvb, listed):
     return num, torch.where(key == big, 0, key).to(torch.int32)
 
 
-def _transpose_lists(num, idx, nkb):
-    """kv-major lists from q-major lists, without a dense [NQB, NKB] table.
-
-    num [B, H, NQB], idx [B, H, NQB, W] -> q_num [B, H, NKB], q_idx [B, H, NKB, NQB]. Static
-    shapes only (sort + scatter), so it traces into a compiled graph."""
-    B, H, nqb, W = idx.shape
-    dev = idx.device
-    listed = torch.arange(W, device=dev) < num.unsqueeze(-1)
-    j = torch.where(listed, idx.long(), nkb)  # unlisted slots -> dummy row nkb
-    qb = torch.arange(nqb, device=dev).view(1, 1, nqb, 1).expand(B, H, nqb, W)
-    key = (j * nqb + qb).reshape(B, H, -1)
-    key = key.sort(-1).values  # kv-major, then ascending q block
-    row = key // nqb
-    col = (key % nqb).to(torch.int32)
-    counts = torch.zeros(B, H, nkb + 1, dtype=torch.long, device=dev)
-    counts.scatter_add_(2, row, torch.ones_like(row))
-    starts = torch.cumsum(counts, -1) - counts
-    rank = torch.arange(key.shape[-1], device=dev).expand_as(key) - starts.gather(2, row)
-    rank = torch.where(row == nkb, 0, rank).clamp_max(nqb - 1)  # dummy row: discarded
-    q_idx = torch.zeros(B, H, (nkb + 1) * nqb, dtype=torch.int32, device=dev)
-    q_idx.scatter_(2, row * nqb + rank, col)
-    q_idx = q_idx.view(B, H, nkb + 1, nqb)[:, :, :nkb]
-    return counts[..., :nkb].to(torch.int32), q_idx.contiguous()
-
-
 def selection_block_mask_compact(sel_idx, l_sel, Q_LEN, KV_LEN, block_size, q_pack, mask_mod,
                                  lo=None, hi=None):
     """BlockMask of the selection mask in the packed layout with one position per q block
@@ -246,8 +221,8 @@ def selection_block_mask_compact(sel_idx, l_sel, Q_LEN, KV_LEN, block_size, q_pa
     kvb, any_tok, full_tok = _slot_classes(sel_idx, l_sel, KB, KV_LEN, lo, hi)
     kv_num, kv_idx = _compact_lists(kvb, any_tok & ~full_tok)
     f_num, f_idx = _compact_lists(kvb, full_tok)
-    q_num, q_idx = _transpose_lists(kv_num, kv_idx, nkb)
-    fq_num, fq_idx = _transpose_lists(f_num, f_idx, nkb)
+    q_num, q_idx = transpose_lists(kv_num, kv_idx, nkb)
+    fq_num, fq_idx = transpose_lists(f_num, f_idx, nkb)
     packed = (lambda b, h, q, kv: mask_mod(b, h, q // q_pack, kv)) if q_pack > 1 else mask_mod
     return BlockMask(seq_lengths=(Q_LEN * q_pack, KV_LEN), kv_num_blocks=kv_num,
                      kv_indices=kv_idx, full_kv_num_blocks=f_num, full_kv_indices=f_idx,

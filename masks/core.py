@@ -134,9 +134,7 @@ def fold_block_mask(bm: BlockMask, chunks: int, batch: int) -> BlockMask:
     head) that walks every q block listed for it, so a kv block many queries read (selection's
     forced block 0, every compressed key) is one long serial loop; folding cuts it `chunks`
     times and multiplies the programs. kv lists are a view-reshape; q lists come from
-    `_transpose_lists` (no dense [NQB, NKB] table)."""
-    from .builders import _transpose_lists
-
+    `transpose_lists` (no dense [NQB, NKB] table)."""
     Q_LEN, KV_LEN = bm.seq_lengths
     QB, KB = bm.BLOCK_SIZE
     nqb = bm.kv_num_blocks.shape[-1]
@@ -153,7 +151,7 @@ def fold_block_mask(bm: BlockMask, chunks: int, batch: int) -> BlockMask:
         idx = idx.expand(batch, H, nqb, W).reshape(batch, H, chunks, nqb // chunks, W)
         num = num.transpose(1, 2).reshape(batch * chunks, H, nqb // chunks).contiguous()
         idx = idx.transpose(1, 2).reshape(batch * chunks, H, nqb // chunks, W).contiguous()
-        return (num, idx) + _transpose_lists(num, idx, nkb)
+        return (num, idx) + transpose_lists(num, idx, nkb)
 
     kv_num, kv_idx, q_num, q_idx = fold(bm.kv_num_blocks, bm.kv_indices)
     f_num, f_idx, fq_num, fq_idx = fold(bm.full_kv_num_blocks, bm.full_kv_indices)
@@ -166,6 +164,31 @@ def fold_block_mask(bm: BlockMask, chunks: int, batch: int) -> BlockMask:
                      full_kv_num_blocks=f_num, full_kv_indices=f_idx, q_num_blocks=q_num,
                      q_indices=q_idx, full_q_num_blocks=fq_num, full_q_indices=fq_idx,
                      BLOCK_SIZE=(QB, KB), mask_mod=folded)
+
+
+def transpose_lists(num, idx, nkb):
+    """kv-major lists from q-major lists, without a dense [NQB, NKB] table.
+
+    num [B, H, NQB], idx [B, H, NQB, W] -> q_num [B, H, NKB], q_idx [B, H, NKB, NQB]. Static
+    shapes only (sort + scatter), so it traces into a compiled graph."""
+    B, H, nqb, W = idx.shape
+    dev = idx.device
+    listed = torch.arange(W, device=dev) < num.unsqueeze(-1)
+    j = torch.where(listed, idx.long(), nkb)  # unlisted slots -> dummy row nkb
+    qb = torch.arange(nqb, device=dev).view(1, 1, nqb, 1).expand(B, H, nqb, W)
+    key = (j * nqb + qb).reshape(B, H, -1)
+    key = key.sort(-1).values  # kv-major, then ascending q block
+    row = key // nqb
+    col = (key % nqb).to(torch.int32)
+    counts = torch.zeros(B, H, nkb + 1, dtype=torch.long, device=dev)
+    counts.scatter_add_(2, row, torch.ones_like(row))
+    starts = torch.cumsum(counts, -1) - counts
+    rank = torch.arange(key.shape[-1], device=dev).expand_as(key) - starts.gather(2, row)
+    rank = torch.where(row == nkb, 0, rank).clamp_max(nqb - 1)  # dummy row: discarded
+    q_idx = torch.zeros(B, H, (nkb + 1) * nqb, dtype=torch.int32, device=dev)
+    q_idx.scatter_(2, row * nqb + rank, col)
+    q_idx = q_idx.view(B, H, nkb + 1, nqb)[:, :, :nkb]
+    return counts[..., :nkb].to(torch.int32), q_idx.contiguous()
 
 
 def packed_mask_mod(mask_mod: MaskMod, q_pack: int) -> MaskMod:

@@ -82,6 +82,8 @@ def _register_builtin(name: str, kind: str, fn) -> None:
 
 
 def _random_topn(cfg, B: int, T: int, starts: Tensor, gen: torch.Generator) -> Tensor:
+    from nsa_flex.rules import forced_and_valid, pick_blocks
+
     valid, forced = forced_and_valid(cfg, T, starts, "cpu")
     scores = torch.rand(B, cfg.n_kv_heads, T, valid.shape[-1], generator=gen)
     return pick_blocks(scores, valid.unsqueeze(1), forced.unsqueeze(1), cfg.n_sel)
@@ -209,10 +211,11 @@ def _topn(ctx):
 
 
 def selection_parts(ctx, idx: Tensor) -> MaskSpec:
-    """The selection mask of the picked blocks idx [B, H, T, n] (every forced block among them, as
-    `pick_blocks` guarantees), with the same mask as disjoint parts: the forced blocks (static
-    bands with ordinary q blocks and GQA, `forced_parts`) and the rest. Why split: packed with the rest, block 0 makes one dK/dV program walk every
-    query (two thirds of the branch's backward at 64k)."""
+    """The selection mask of the picked blocks idx [B, H, T, n] (every forced block among them,
+    as `nsa_flex.rules.pick_blocks` guarantees), with the same mask as disjoint parts: the forced
+    blocks (static bands with ordinary q blocks and GQA, `forced_parts`) and the rest. Why split:
+    packed with the rest, block 0 makes one dK/dV program walk every query (two thirds of the
+    branch's backward at 64k)."""
     c = ctx.cfg
     whole = ctx.with_docs(selection(idx, c.l_sel))
     starts = None if ctx.doc_ids is None else ctx.doc_start()
@@ -223,74 +226,17 @@ def selection_parts(ctx, idx: Tensor) -> MaskSpec:
     return dataclasses.replace(whole, parts=tuple(ctx.with_docs(p) for p in (*forced, rest)))
 
 
-def forced_and_valid(cfg, T: int, starts: Tensor, device, t0: int = 0, t1: int | None = None
-                     ) -> tuple[Tensor, Tensor]:
-    """[B|1, t1-t0, Ns] masks of the blocks queries t0..t1-1 may select (start <= t, not wholly
-    before the query's document) and the forced ones (the document's first block, the n_local
-    most recent blocks). starts [B|1, T]: first token of each position's document."""
-    t1 = T if t1 is None else t1
-    ns = -(-T // cfg.l_sel)
-    t = torch.arange(t0, t1, device=device).view(1, -1, 1)
-    j = torch.arange(ns, device=device).view(1, 1, ns)
-    s = starts[:, t0:t1].unsqueeze(-1)
-    valid = (j * cfg.l_sel <= t) & ((j + 1) * cfg.l_sel - 1 >= s)
-    cur = t // cfg.l_sel
-    forced = (j > cur - cfg.n_local) & (j <= cur) if cfg.n_local > 0 else torch.zeros_like(valid)
-    if cfg.n_init:
-        forced = forced | (j == s // cfg.l_sel)
-    return valid, forced & valid
-
-
-def pick_blocks(scores: Tensor, valid: Tensor, forced: Tensor, n: int) -> Tensor:
-    """Top-n blocks per row: forced first, then by score, ties to the lower index; -1 pads.
-
-    scores [..., Ns] (>= 0) -> indices [..., n]. Exact and deterministic: each candidate is one
-    int64 key (float bits of the score << 32 | reversed index), so a plain top-k orders by score
-    and breaks ties toward the lower block, whatever the chunking or the device."""
-    ns = scores.shape[-1]
-    bits = scores.float().clamp_min(0).view(torch.int32).long()
-    bits = torch.where(forced, 0x7F800000, bits)  # +inf: forced blocks first
-    bits = torch.where(valid, bits, -1)  # never an invalid block (below every valid key)
-    j = torch.arange(ns, device=scores.device)
-    key = bits * (1 << 32) + (ns - 1 - j)
-    if ns < n:
-        key = torch.cat([key, key.new_full((*key.shape[:-1], n - ns), -(1 << 62))], -1)
-    top = torch.topk(key, n, dim=-1, sorted=True).values
-    return torch.where(top < 0, -1, ns - 1 - (top & 0xFFFFFFFF))
-
-
-def hash_uniform(B: int, H: int, T: int, N: int, step, device) -> Tensor:
-    """Reproducible uniform [0, 1) numbers [B, H, T, N] from a counter hash of (index, step):
-    tensor ops only, so it traces into a compiled graph (no generator state)."""
-    # every literal fits in int32: Inductor may index with int32 and Triton rejects a larger
-    # scalar there ("Scalar 2654435761 is out of range for type int32", H100 ablation run)
-    m = 0x7FFFFFFF
-    i = torch.arange(B * H * T * N, device=device, dtype=torch.long).view(B, H, T, N)
-    x = ((i + 1) * 0x1E3779B1 + torch.as_tensor(step, device=device) * 0x05EBCA77) & m
-    for _ in range(2):
-        x = ((x ^ (x >> 15)) * 0x2C1B3C6D) & m
-        x = ((x ^ (x >> 12)) * 0x297A2D39) & m
-    return (x & 0xFFFFFF).float() / float(1 << 24)
-
-
 def _random(ctx):
-    c = ctx.cfg
-    T = ctx.seq_len
-    valid, forced = forced_and_valid(c, T, ctx.doc_start(), ctx.device)
-    ns = valid.shape[-1]
-    scores = hash_uniform(ctx.batch, c.n_kv_heads, T, ns, ctx.step, ctx.device)
-    idx = pick_blocks(scores, valid.unsqueeze(1), forced.unsqueeze(1), c.n_sel)
+    from nsa_flex.rules import random_topn
+
+    idx = random_topn(ctx.cfg, ctx.batch, ctx.seq_len, ctx.doc_start(), ctx.step, ctx.device)
     return selection_parts(ctx, idx)
 
 
 def _local(ctx):
-    c = ctx.cfg
-    T = ctx.seq_len
-    valid, forced = forced_and_valid(c, T, ctx.doc_start(), ctx.device)
-    ns = valid.shape[-1]
-    recency = torch.arange(ns, device=ctx.device, dtype=torch.float32).expand(valid.shape)
-    idx = pick_blocks(recency, valid, forced, c.n_sel).unsqueeze(1)
-    idx = idx.expand(ctx.batch, c.n_kv_heads, T, c.n_sel)
+    from nsa_flex.rules import local_topn
+
+    idx = local_topn(ctx.cfg, ctx.batch, ctx.seq_len, ctx.doc_start(), ctx.device)
     return selection_parts(ctx, idx)
 
 

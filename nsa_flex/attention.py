@@ -32,6 +32,7 @@ from .config import resolve_backend
 from .kernel_options import (band_kernel_options, flex_kernel_options,
                              install_small_block_bwd_configs, packed_block_size,
                              query_chunks)
+from .rules import masked_softmax
 
 _compiled_flex = None
 
@@ -85,14 +86,8 @@ def attend_reference(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec,
     qg = q.view(B, Hkv, G, T, Dk)
     acc = torch.promote_types(q.dtype, torch.float32)  # fp32 softmax, fp64 stays fp64
     s = torch.einsum("bhgtd,bhsd->bhgts", qg, k).to(acc) * scale
-    s = s.masked_fill(~mask, float("-inf"))
-    mx = s.amax(-1, keepdim=True)
-    mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx)).detach()
-    e = torch.exp(s - mx)
-    den = e.sum(-1, keepdim=True)
-    p = e / den.clamp_min(torch.finfo(acc).tiny)
+    p, lse = masked_softmax(s, mask)
     out = torch.einsum("bhgts,bhsd->bhgtd", p.to(v.dtype), v)
-    lse = (torch.log(den) + mx).squeeze(-1)
     return out.reshape(B, Hq, T, -1), lse.reshape(B, Hq, T)
 
 

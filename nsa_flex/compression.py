@@ -1,15 +1,11 @@
 """Compression phi (paper §3.3.1): blocks of l tokens, stride d -> one compressed key/value each.
 
-Compressed block i covers tokens [i*d, i*d + l - 1]; there are num_cmp(T) = (T - l) // d + 1 of
-them (0 when T < l). Keys are compressed after RoPE.
+Compressed block i covers tokens [i*d, i*d + l - 1]; there are `nsa_flex.rules.num_cmp(T, l, d)`
+of them (0 when T < l). Keys are compressed after RoPE.
 """
 
 import torch
 from torch import Tensor, nn
-
-
-def num_cmp(T: int, l: int, d: int) -> int:
-    return 0 if T < l else (T - l) // d + 1
 
 
 def blocks(x: Tensor, l: int, d: int) -> Tensor:

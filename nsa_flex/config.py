@@ -5,9 +5,11 @@ n=16 selected blocks (1 initial + 2 local always included), window w=512, 64 que
 groups, d_k=192, d_v=128, hidden size 2560.
 """
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
+
+from .rules import num_cmp
 
 PHI_CHOICES = ("avg", "mlp")
 BACKEND_CHOICES = ("auto", "flex", "reference")
@@ -53,43 +55,56 @@ def resolve_backend(backend: str, device, training: bool = False) -> str:
     return backend
 
 
+# NSAConfig fields a decoder sets from its own dims (the titan flavor's), not from the [nsa] section
+MODEL_DIMS = ("dim", "n_heads", "n_kv_heads")
+
+
+def knob(default, help: str):
+    """An NSAConfig field with its help text: the titan `[nsa]` section and `--nsa.*` flags
+    (`nsa_flex/titan/job_config.py`) and the model args (`titan/args.py`) are derived from these
+    fields (names, types, defaults, help)."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class NSAConfig:
-    dim: int = 2560
-    n_heads: int = 64
-    n_kv_heads: int = 4
-    d_qk: int = 192
-    d_v: int = 128
-    # compression: block length l, stride d
-    l: int = 32
-    d: int = 16
-    # selection: block length l', number of selected blocks n, forced initial / local blocks
-    l_sel: int = 64
-    n_sel: int = 16
-    n_init: int = 1
-    n_local: int = 2
-    # sliding window
-    window: int = 512
-    # compression function phi: "avg" (mean pooling) or "mlp" (learned, with intra-block positions)
-    phi: str = "avg"
-    # attention backend: "auto" (flex on CUDA tensors, reference elsewhere: see resolve_backend),
-    # "flex" (compiled FlexAttention) or "reference" (dense, autograd anywhere)
-    backend: str = "auto"
-    # mask builders: a preset name (see masks.PRESETS) and optional per-branch overrides
-    # (names from masks.list_mask_builders(); "none" switches a branch off)
-    masks: str = "nsa"
-    cmp_mask: str | None = None
-    sel_mask: str | None = None
-    win_mask: str | None = None
-    rope_theta: float = 10000.0
-    # queries per chunk in the selection scorer (memory bound: B*H*chunk*num_cmp floats)
-    score_chunk: int = 1024
-    # selection scorer implementation: "auto" (the fused Triton kernel on CUDA tensors when triton
-    # imports and the compressed branch gives its lse, else torch), "torch" (the naive reference),
-    # "triton" (the fused kernel, an error where it cannot run)
-    scorer: str = "auto"
-    # seed for the random_selection ablation (a fresh draw per step, reproducible per seed)
-    seed: int = 0
+    # model dims (a titan decoder sets them from its flavor: MODEL_DIMS)
+    dim: int = knob(2560, "model width")
+    n_heads: int = knob(64, "query heads")
+    n_kv_heads: int = knob(4, "key/value heads (GQA groups; n_heads is a multiple)")
+    d_qk: int = knob(192, "query/key head dim")
+    d_v: int = knob(128, "value head dim")
+    # compression (§3.3.1)
+    l: int = knob(32, "compression block length l")
+    d: int = knob(16, "compression stride d (divides l and l_sel)")
+    # selection (§3.3.2) and sliding window (§3.3.3)
+    l_sel: int = knob(64, "selection block length l'")
+    n_sel: int = knob(16, "number of selected blocks n (including the forced initial/local blocks)")
+    n_init: int = knob(1, "forced initial blocks (0 or 1)")
+    n_local: int = knob(2, "forced local blocks")
+    window: int = knob(512, "sliding-window size w")
+    # implementation and masks
+    phi: str = knob("avg", "compression function: avg (mean pooling) | mlp (learned, with "
+                           "intra-block positions)")
+    backend: str = knob("auto", "attention backend: auto (flex on CUDA, reference elsewhere: see "
+                                "resolve_backend) | flex (compiled FlexAttention) | reference (dense, "
+                                "autograd anywhere). Training without CUDA switches flex to reference "
+                                "(one warning): compiled CPU flex has no backward.")
+    masks: str = knob("nsa", "mask preset (masks.PRESETS): nsa | full_causal | sliding_only | "
+                             "random_selection | local_selection | no_compressed")
+    cmp_mask: str | None = knob(None, "override of the compressed-branch mask builder "
+                                      '(masks.list_mask_builders(); "none" switches the branch off)')
+    sel_mask: str | None = knob(None, "override of the selection-branch mask builder")
+    win_mask: str | None = knob(None, "override of the sliding-window-branch mask builder")
+    rope_theta: float = knob(10000.0, "RoPE base")
+    score_chunk: int = knob(1024, "queries per chunk in the selection scorer (memory bound: "
+                                  "B*H*chunk*num_cmp floats)")
+    scorer: str = knob("auto", "selection scorer: auto (the fused Triton kernel on CUDA tensors when "
+                               "triton imports and the compressed branch gives its lse, else torch) | "
+                               "torch (the naive reference) | triton (the fused kernel, an error where "
+                               "it cannot run)")
+    seed: int = knob(0, "seed of the random_selection ablation (a fresh draw per step, reproducible "
+                        "per seed)")
 
     def __post_init__(self):
         self.validate()
@@ -164,8 +179,8 @@ class NSAConfig:
         return {"cmp": self.cmp_mask or cmp, "sel": self.sel_mask or sel, "win": self.win_mask or win}
 
     def num_cmp(self, seq_len: int) -> int:
-        """Number of compressed blocks over seq_len tokens: 0 if S < l else (S - l) // d + 1."""
-        return 0 if seq_len < self.l else (seq_len - self.l) // self.d + 1
+        """Number of compressed blocks over seq_len tokens (`nsa_flex.rules.num_cmp`, Eq. 7)."""
+        return num_cmp(seq_len, self.l, self.d)
 
     def decode_reads(self, seq_len: int) -> int:
         """Key tokens read by one decode step at context length S (paper §5: num_cmp + n*l' + w).

@@ -2,6 +2,7 @@
 
 x -> projections (shared q; own k/v per branch) -> RoPE -> compress -> score -> masks
   -> three attention calls (compressed, selected, window) -> per-head sigmoid gate -> out
+The projections are methods (`project_q`, `project_kv`) so decode projects one token the same way.
 """
 
 import torch
@@ -14,6 +15,7 @@ from .compression import PHI
 from .config import NSAConfig
 from .kernel_options import install_small_block_bwd_configs
 from .rope import apply_rope, rope_cos_sin
+from .rules import random_draw_step
 from .selection import select_topn
 from .telemetry import STATS_SIZE, layer_stats
 
@@ -60,72 +62,62 @@ class NSAAttention(nn.Module):
     def reset_parameters(self):
         self.init_weights()
 
+    # ------------------------------------------------------------------ projections
+    def project_q(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """x [B, T, dim] -> q [B, H, T, d_qk] with RoPE (cos, sin broadcastable to it)."""
+        B, T, _ = x.shape
+        return apply_rope(self.wq(x).view(B, T, self.cfg.n_heads, -1).transpose(1, 2), cos, sin)
+
+    def project_kv(self, x: Tensor, branch: str, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """x [B, T, dim] -> the branch's own k [B, Hkv, T, d_qk] (with RoPE; keys are rotated
+        before compression) and v [B, Hkv, T, d_v] (paper §3.3.3)."""
+        B, T, _ = x.shape
+        Hkv = self.cfg.n_kv_heads
+        k = self.wk[branch](x).view(B, T, Hkv, -1).transpose(1, 2)
+        v = self.wv[branch](x).view(B, T, Hkv, -1).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
     # ------------------------------------------------------------------ forward
     def forward(self, x: Tensor, doc_ids: Tensor | None = None) -> Tensor:
-        cfg = self.cfg
+        cfg, names = self.cfg, self.branch_names
         B, T, _ = x.shape
-        H, Hkv, dk, dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_qk, cfg.d_v
-        enabled = {b for b, n in self.branch_names.items() if n != "none"}
-        need_cmp = "cmp" in enabled or self.branch_names["sel"] == "topn"
+        cos, sin = rope_cos_sin(torch.arange(T, device=x.device), cfg.d_qk, cfg.rope_theta, x.dtype)
+        q = self.project_q(x, cos, sin)
+        k_cmp = lse_cmp = None  # set by the compressed branch below, read by the scorer
 
-        # projections and RoPE (keys are rotated before compression)
-        cos, sin = rope_cos_sin(torch.arange(T, device=x.device), dk, cfg.rope_theta, x.dtype)
-        q = apply_rope(self.wq(x).view(B, T, H, dk).transpose(1, 2), cos, sin)
+        def topn():  # selection scorer (Eq. 8-10) and top-n, when the selection builder asks
+            kc = self.phi_k(self.project_kv(x, "cmp", cos, sin)[0]) if k_cmp is None else k_cmp
+            lse = None if lse_cmp is None else lse_cmp.detach()
+            starts = None if doc_ids is None else doc_start(doc_ids.long())
+            return self.select_topn(q.detach(), kc.detach(), lse, cfg, starts)  # no gradient
 
-        def kv(branch):
-            k = self.wk[branch](x).view(B, T, Hkv, dk).transpose(1, 2)
-            v = self.wv[branch](x).view(B, T, Hkv, dv).transpose(1, 2)
-            return apply_rope(k, cos, sin), v
-
-        starts = doc_start(doc_ids.long()) if doc_ids is not None else None
-        ctx = MaskContext(cfg, B, T, x.device, doc_ids=doc_ids)
-        out = {}
-        specs = {}  # branch -> (MaskSpec, kv length) of the enabled branches, for telemetry
-
-        # compressed branch: compress -> attend (its lse feeds the scorer)
-        topn = None
-        if need_cmp:
-            k, v = kv("cmp")
-            k_cmp, v_cmp = self.phi_k(k), self.phi_v(v)
-            cmp_builder = self.builders["cmp"] if "cmp" in enabled else \
-                get_mask_builder("compressed_causal")
-            spec = cmp_builder(ctx)
-            o, lse_cmp = attend(q, k_cmp, v_cmp, spec, cfg.backend)
-            if "cmp" in enabled:
-                out["cmp"] = o
-                specs["cmp"] = (spec, k_cmp.shape[2])
-
-            # selection scorer (Eq. 8-10), no gradient through the top-n
-            def topn():
-                lse = None if lse_cmp is None else lse_cmp.detach()
-                return self.select_topn(q.detach(), k_cmp.detach(), lse, cfg, starts)
-        else:
-            # a custom selection builder may still ask for the scorer (registry contract):
-            # compressed keys on demand, the scorer computes its own lse
-            def topn():
-                k, _ = kv("cmp")
-                return self.select_topn(q.detach(), self.phi_k(k).detach(), None, cfg, starts)
-
-        step = 0
-        if self.branch_names["sel"] == "random_selection":
-            # a fresh draw per token, keyed by a hash of that token's own input (causal): the same
-            # draw when activation checkpointing recomputes the forward or a resumed run replays
-            h = x.detach().float().sum(-1).view(torch.int32).long()  # [B, T]
-            step = h.view(B, 1, T, 1) + cfg.seed * 1_000_003
+        step = random_draw_step(x, cfg.seed) if names["sel"] == "random_selection" else 0
         ctx = MaskContext(cfg, B, T, x.device, doc_ids=doc_ids, topn=topn, step=step)
+        out, specs = {}, {}  # branch -> output; branch -> (MaskSpec, kv length), for telemetry
 
+        # compressed branch (§3.3.1): phi over blocks of l keys / values, attend; its lse feeds
+        # the scorer. The top-n selection also needs the compressed keys when the branch is off.
+        if names["cmp"] != "none" or names["sel"] == "topn":
+            k, v = self.project_kv(x, "cmp", cos, sin)
+            k_cmp, v_cmp = self.phi_k(k), self.phi_v(v)
+            spec = self.builders["cmp"](ctx) if names["cmp"] != "none" else \
+                get_mask_builder("compressed_causal")(ctx)
+            o, lse_cmp = attend(q, k_cmp, v_cmp, spec, cfg.backend)
+            if names["cmp"] != "none":
+                out["cmp"], specs["cmp"] = o, (spec, k_cmp.shape[2])
+
+        # selected (§3.3.2) and sliding-window (§3.3.3) branches
         for b in ("sel", "win"):
-            if b in enabled:
-                k, v = kv(b)
+            if names[b] != "none":
+                k, v = self.project_kv(x, b, cos, sin)
                 specs[b] = (self.builders[b](ctx), T)
                 out[b], _ = attend(q, k, v, specs[b][0], cfg.backend)
 
         # gate (Eq. 5): per head, per branch sigmoid, mixing the branch outputs
-        g = torch.sigmoid(self.gate(x)).view(B, T, H, 3).permute(0, 2, 1, 3)  # [B, H, T, 3]
+        g = torch.sigmoid(self.gate(x)).view(B, T, -1, 3).permute(0, 2, 1, 3)  # [B, H, T, 3]
         o = sum(g[..., i : i + 1] * out[b] for i, b in enumerate(BRANCHES) if b in out)
         if self.telemetry:
             with torch.no_grad():
                 on = tuple(b in out for b in BRANCHES)
                 self.telemetry_stats.copy_(layer_stats(g, on, specs, cfg.l_sel, T))
-        o = o.transpose(1, 2).reshape(B, T, H * dv)
-        return self.wo(o.to(x.dtype))
+        return self.wo(o.transpose(1, 2).reshape(B, T, -1).to(x.dtype))

@@ -3,14 +3,13 @@ top-n blocks per (position, GQA group).
 
 Eq. 8  p_cmp = softmax(q . K_cmp^T) over the compressed blocks visible to the query. We reuse
        the compressed branch's log-sum-exp: p = exp(s - lse), no second softmax pass.
-Eq. 9  p_slc[j] = sum_i w[i, j] p_cmp[i], with w[i, j] = |cmp block i ∩ sel block j| / d, the
-       overlap in tokens of compressed block i = [i*d, i*d+l) and selection block j =
-       [j*l', (j+1)*l') counted in strides of d. For l=32, d=16, l'=64 this is the paper's
-       (1, 2, 2, 2, 1) pattern; other l, d, l' get their own overlap counts (a compressed block
+Eq. 9  p_slc[j] = sum_i w[i, j] p_cmp[i], w the overlap of compressed block i and selection
+       block j in strides of d (`nsa_flex.rules.map_to_selection_blocks`; a compressed block
        straddling two selection blocks shares its score between them in proportion).
 Eq. 10 summed over the heads of each GQA group, so a group shares one selection.
-Top-n: block 0 (of the query's document) and the n_local most recent blocks always; ties to the
-lower index; never a block that starts after the query; -1 pads rows with fewer valid blocks.
+Top-n (`nsa_flex.rules.pick_blocks` on `forced_and_valid`): block 0 (of the query's document)
+and the n_local most recent blocks always; ties to the lower index; never a block that starts
+after the query; -1 pads rows with fewer valid blocks.
 
 Memory: queries are processed in chunks of `chunk`, so the largest temporary is
 [B, H, chunk, num_cmp], never [B, H, T, num_cmp]. The result has no gradient.
@@ -25,32 +24,8 @@ when triton imports and the compressed branch's lse is given.
 import torch
 from torch import Tensor
 
-from masks import forced_and_valid, pick_blocks
-
 from .ops import HAS_TRITON, group_slc_scores, topn_blocks, triton_interpreted
-
-
-def overlap_kernel(l: int, d: int, l_sel: int, device=None) -> Tensor:
-    """Eq. 9 weights as a strided 1-D kernel. With d | l and d | l' (validated), in units of d
-    compressed block i covers [i, i + l/d) and selection block j covers [j r, j r + r), r = l'/d,
-    so w[i, j] depends only on m = i - j r, for m in [-(l/d - 1), r - 1]:
-    c[m] = |[m, m + l/d) ∩ [0, r)|. Returns c (float32, length r + l/d - 1)."""
-    r, qn = l_sel // d, l // d
-    m = torch.arange(-(qn - 1), r, device=device)
-    return (torch.minimum(m + qn, torch.tensor(r, device=device)) - m.clamp_min(0)).float()
-
-
-def map_to_selection_blocks(p: Tensor, n_sel_blocks: int, l: int, d: int, l_sel: int) -> Tensor:
-    """Eq. 9: p_cmp [..., Nc] -> p_slc [..., Ns], p_slc[j] = sum_m c[m] p_cmp[j*r + m].
-
-    A strided window sum (unfold view + one small product), O(Ns * (r + l/d)) per row."""
-    c = overlap_kernel(l, d, l_sel, p.device).to(p.dtype)
-    r, M = l_sel // d, c.numel()
-    left = l // d - 1
-    need = (n_sel_blocks - 1) * r + M  # padded length the last window reaches
-    right = max(0, need - left - p.shape[-1])
-    pp = torch.nn.functional.pad(p, (left, right))
-    return pp.unfold(-1, M, r)[..., :n_sel_blocks, :] @ c
+from .rules import forced_and_valid, map_to_selection_blocks, pick_blocks
 
 
 def use_triton_scorer(cfg, q: Tensor, lse: Tensor | None) -> bool:

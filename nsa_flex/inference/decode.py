@@ -18,7 +18,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from ..rope import apply_rope, rope_cos_sin
+from ..rope import rope_cos_sin
 from .cache import NSACache
 from .decode_fused import attend_triton, resolve_decode_backend, write_token_triton
 from .decode_reference import attend_cached, write_token
@@ -107,20 +107,13 @@ def decode_attention(cfg, modes: dict[str, str], q: Tensor, kv: dict, g: Tensor,
 
 def project(layer, x: Tensor, positions: Tensor, branches) -> tuple[Tensor, dict]:
     """q [B, H, T, Dk] and {branch: (k, v)} with RoPE at `positions` ([T] shared or [B] per row
-    for T = 1)."""
+    for T = 1): the layer's own `project_q` / `project_kv`."""
     cfg = layer.cfg
     B, T, _ = x.shape
-    H, Hkv, dk, dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_qk, cfg.d_v
-    cos, sin = rope_cos_sin(positions, dk, cfg.rope_theta, x.dtype)
+    cos, sin = rope_cos_sin(positions, cfg.d_qk, cfg.rope_theta, x.dtype)
     if positions.dim() == 1 and positions.shape[0] == B and T == 1:
-        cos, sin = cos.view(B, 1, 1, dk), sin.view(B, 1, 1, dk)
-    q = apply_rope(layer.wq(x).view(B, T, H, dk).transpose(1, 2), cos, sin)
-    kv = {}
-    for b in branches:
-        k = layer.wk[b](x).view(B, T, Hkv, dk).transpose(1, 2)
-        v = layer.wv[b](x).view(B, T, Hkv, dv).transpose(1, 2)
-        kv[b] = (apply_rope(k, cos, sin), v)
-    return q, kv
+        cos, sin = cos.view(B, 1, 1, cfg.d_qk), sin.view(B, 1, 1, cfg.d_qk)
+    return layer.project_q(x, cos, sin), {b: layer.project_kv(x, b, cos, sin) for b in branches}
 
 
 @torch.no_grad()

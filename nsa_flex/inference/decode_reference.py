@@ -6,8 +6,8 @@ are written (`write_token`), then the reads (`attend_cached`), per branch:
   cmp  all compressed blocks of the stream, masked to the visible ones (i d + l <= S)
   sel  the current token's compressed scores (Eq. 8), mapped to selection blocks (Eq. 9), summed
        over each GQA group's heads (Eq. 10), top-n with the forced blocks (the document's first
-       block, the n_local most recent) and ties to the lower index: `masks.pick_blocks`, the
-       function `select_topn` uses; then a gather of the n selected blocks (n * l' tokens)
+       block, the n_local most recent) and ties to the lower index: `nsa_flex.rules.pick_blocks`,
+       the function `select_topn` uses; then a gather of the n selected blocks (n * l' tokens)
   win  the rolling ring of the last `window` tokens
 The math is the reference backend's (fp32 scores, -inf masking, rows with no key give 0),
 whatever `cfg.backend` is.
@@ -18,9 +18,8 @@ import math
 import torch
 from torch import Tensor
 
-from masks import pick_blocks
-
-from ..selection import overlap_kernel
+from ..rules import (block_rules, map_to_selection_blocks, masked_softmax, num_cmp,
+                     overlap_kernel_cached, pick_blocks)
 from .cache import NSACache
 
 BRANCHES = ("cmp", "sel", "win")
@@ -29,37 +28,8 @@ BRANCHES = ("cmp", "sel", "win")
 def _attend(s: Tensor, mask: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     """Masked softmax attention, the reference backend's math. s [B, Hkv, G, N] fp32 scores,
     mask broadcastable to s, v [B, Hkv, N, Dv] -> out [B, Hkv, G, Dv], lse [B, Hkv, G]."""
-    s = s.masked_fill(~mask, float("-inf"))
-    mx = s.amax(-1, keepdim=True)
-    mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
-    e = torch.exp(s - mx)
-    den = e.sum(-1, keepdim=True)
-    p = e / den.clamp_min(torch.finfo(torch.float32).tiny)
-    out = torch.einsum("bhgn,bhnd->bhgd", p.to(v.dtype), v)
-    return out, (torch.log(den) + mx).squeeze(-1)
-
-
-_OVERLAP: dict = {}
-
-
-def map_to_selection_blocks(p: Tensor, n_sel_blocks: int, l: int, d: int, l_sel: int) -> Tensor:
-    """Eq. 9, the same math as `nsa_flex.selection.map_to_selection_blocks` (unfold + product
-    with the overlap kernel), with the kernel made once per device: building it allocates a
-    host scalar, which a CUDA graph cannot capture."""
-    key = (l, d, l_sel, str(p.device), p.dtype)
-    if key not in _OVERLAP:
-        _OVERLAP[key] = overlap_kernel(l, d, l_sel, p.device).to(p.dtype)
-    c = _OVERLAP[key]
-    r, M = l_sel // d, c.numel()
-    left = l // d - 1
-    need = (n_sel_blocks - 1) * r + M
-    right = max(0, need - left - p.shape[-1])
-    pp = torch.nn.functional.pad(p, (left, right))
-    return pp.unfold(-1, M, r)[..., :n_sel_blocks, :] @ c
-
-
-def _num_cmp(cfg, S: Tensor) -> Tensor:
-    return torch.where(S >= cfg.l, torch.div(S - cfg.l, cfg.d, rounding_mode="floor") + 1, 0)
+    p, lse = masked_softmax(s, mask)
+    return torch.einsum("bhgn,bhnd->bhgd", p.to(v.dtype), v), lse.squeeze(-1)
 
 
 def _write(buf: Tensor, slot: Tensor, val: Tensor) -> None:
@@ -72,17 +42,10 @@ def select_blocks(cfg, mode: str, p: Tensor | None, pos: Tensor, start: Tensor, 
                   Hkv: int) -> Tensor:
     """Selection block indices [B, Hkv, n_sel] (-1 unused) for tokens at positions pos [B].
     p [B, Hkv, ns] group importance (Eq. 9-10) for "topn"; recency for "local_selection"."""
-    dev = pos.device
-    j = torch.arange(ns, device=dev).view(1, ns)
-    t, s0 = pos.view(-1, 1), start.view(-1, 1)
-    valid = (j * cfg.l_sel <= t) & ((j + 1) * cfg.l_sel - 1 >= s0)
-    cur = torch.div(t, cfg.l_sel, rounding_mode="floor")
-    forced = (j > cur - cfg.n_local) & (j <= cur) if cfg.n_local > 0 else torch.zeros_like(valid)
-    if cfg.n_init:
-        forced = forced | (j == torch.div(s0, cfg.l_sel, rounding_mode="floor"))
-    forced = forced & valid
+    valid, forced = block_rules(pos.view(-1, 1), start.view(-1, 1), ns, cfg.l_sel, cfg.n_init,
+                                cfg.n_local)
     if mode == "local_selection":
-        p = torch.arange(ns, device=dev, dtype=torch.float32).expand(pos.shape[0], Hkv, ns)
+        p = torch.arange(ns, device=pos.device, dtype=torch.float32).expand(pos.shape[0], Hkv, ns)
     return pick_blocks(p, valid.unsqueeze(1), forced.unsqueeze(1), cfg.n_sel)
 
 
@@ -165,7 +128,7 @@ def attend_cached(cfg, modes: dict[str, str], q: Tensor, g: Tensor, caches: dict
         Nc = kc.shape[2]
         if Nc > 0:
             i = torch.arange(Nc, device=dev).view(1, Nc)
-            vis = (i < _num_cmp(cfg, S).view(B, 1)) & (i * cfg.d >= start.view(B, 1))  # [B, Nc]
+            vis = (i < num_cmp(S, cfg.l, cfg.d).view(B, 1)) & (i * cfg.d >= start.view(B, 1))
             raw = _qk(qg, kc)
             o, lse = _attend(raw * scale, vis.view(B, 1, 1, Nc), vc)
             reads["cmp"] = vis.sum(-1)
@@ -193,7 +156,8 @@ def attend_cached(cfg, modes: dict[str, str], q: Tensor, g: Tensor, caches: dict
             ns = cap // ls
             p_slc = None
             if modes["sel"] == "topn":
-                p_slc = map_to_selection_blocks(p_cmp, ns, cfg.l, cfg.d, ls)  # Eq. 9
+                c = overlap_kernel_cached(cfg.l, cfg.d, ls, dev, p_cmp.dtype)
+                p_slc = map_to_selection_blocks(p_cmp, ns, cfg.l, cfg.d, ls, c)  # Eq. 9
             idx = select_blocks(cfg, modes["sel"], p_slc, pos, start, ns, Hkv)  # [B, Hkv, n]
             n = idx.shape[-1]
             blk = idx.clamp_min(0)

@@ -1,8 +1,8 @@
 """Fused kernels beside their naive torch references (the torch code stays the reference).
 
 `group_slc_scores`: the selection scorer (Eq. 8-10 + Eq. 9) as one Triton kernel, the fast path
-of `nsa_flex.selection.block_scores`; `topn_blocks`: the top-n rule of `masks.pick_blocks` on its
-scores, in registers. None when triton cannot be imported (the torch path runs).
+of `nsa_flex.selection.block_scores`; `topn_blocks`: the top-n rule of
+`nsa_flex.rules.pick_blocks` on its scores, in registers. None when triton cannot be imported (the torch path runs).
 """
 
 try:

@@ -17,7 +17,7 @@ CUDA-graph capturable):
                         stored scores (no second pass over K); Eq. 9 overlap weights; forced
                         blocks (first block of the document, n_local most recent); top-n by one
                         int64 key per block (score bits << 32 | reversed index: ties to the lower
-                        block, the keys of `masks.pick_blocks`) by n max-reductions; the
+                        block, the keys of `nsa_flex.rules.pick_blocks`) by n max-reductions; the
                         selection read counter.
   4. `_attn_kernel`     split-K over the selected blocks, read in place by index (l' contiguous
      (SEL=True)         tokens each, no gather copy); -1 slots are skipped.
@@ -42,6 +42,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from ..rules import overlap_kernel_cached, valid_blocks
 
 SEL_MODES = ("topn", "local_selection", "causal", "none")
 PROGRAMS_PER_SM = 4  # default size of the split-K launches: about this many programs per SM
@@ -155,8 +157,8 @@ def _score_kernel(pm_ptr, pl_ptr, NSPLIT, NSC, sc_ptr, pc_ptr, NC, c_ptr, idx_pt
                   N_LOCAL: tl.constexpr, NS_PAD: tl.constexpr, CHUNK: tl.constexpr,
                   TOPN: tl.constexpr):
     """The n selection blocks of one (row, KV group) for the current token (Eq. 8-10), as
-    `select_blocks` / `masks.pick_blocks`: forced blocks first, then by score, ties to the lower
-    block, -1 for unused slots. TOPN=False: the local_selection ablation (score = block index)."""
+    `select_blocks` / `nsa_flex.rules.pick_blocks`: forced blocks first, then by score, ties to
+    the lower block, -1 for unused slots. TOPN=False: the local_selection ablation (score = block index)."""
     pid = tl.program_id(0)
     b = pid // Hkv
     bh = pid.to(tl.int64)
@@ -595,7 +597,7 @@ def nsa_decode_attention(q: Tensor, pos: Tensor, start: Tensor, *, l: int, d: in
         idx = torch.empty(B, Hkv, n_sel, device=dev, dtype=torch.long)
         reads["sel"] = torch.empty(B, Hkv, device=dev, dtype=torch.long)
         pc = torch.empty(B * Hkv * max(Nc, 1) if topn else 1, **f32)
-        c = _overlap(l, d, l_sel, dev)
+        c = overlap_kernel_cached(l, d, l_sel, dev)
         _score_kernel[(B * Hkv,)](
             part_m, part_l, nsplit, nsc, scores, pc, max(Nc, 1), c, idx, reads["sel"], pos, start,
             Hkv, ns, G=G, G_PAD=G_PAD, NSC_PAD=_np2(max(nsc, 1)), L=l, D=d, LS=l_sel,
@@ -604,7 +606,7 @@ def nsa_decode_attention(q: Tensor, pos: Tensor, start: Tensor, *, l: int, d: in
         sel_idx = idx
     elif sel_mode == "causal":  # every block that holds a visible token
         j = torch.arange(ns, device=dev)
-        ok = (j * l_sel <= pos.view(B, 1)) & ((j + 1) * l_sel - 1 >= start.view(B, 1))
+        ok = valid_blocks(pos.view(B, 1), start.view(B, 1), ns, l_sel)
         sel_idx = torch.where(ok, j, -1).view(B, 1, ns).expand(B, Hkv, ns).contiguous()
         reads["sel"] = (pos - start + 1).view(B, 1).expand(B, Hkv)
     if nss > 0:  # selected blocks, read in place by index
@@ -646,17 +648,3 @@ def nsa_decode_attention(q: Tensor, pos: Tensor, start: Tensor, *, l: int, d: in
     if return_branches:
         branches = {b: br[i] for i, b in enumerate(("cmp", "sel", "win")) if present[b]}
     return DecodeResult(o, lse, idx, reads, branches, (nsc, nsw, nss))
-
-
-_OVERLAP: dict = {}
-
-
-def _overlap(l: int, d: int, l_sel: int, device) -> Tensor:
-    """Eq. 9's overlap weights (fp32), made once per device (a CUDA graph cannot capture the
-    host-scalar copy that building them takes)."""
-    key = (l, d, l_sel, str(device))
-    if key not in _OVERLAP:
-        from ..selection import overlap_kernel
-
-        _OVERLAP[key] = overlap_kernel(l, d, l_sel, device).float().contiguous()
-    return _OVERLAP[key]

@@ -1,12 +1,12 @@
-"""Top-n selection blocks (the rule of `masks.pick_blocks`) as one Triton kernel.
+"""Top-n selection blocks (the rule of `nsa_flex.rules.pick_blocks`) as one Triton kernel.
 
 Same function as `pick_blocks(scores, valid, forced, n)` with `valid, forced` from
-`masks.forced_and_valid` (forced: the document's first block and the n_local most recent blocks;
-valid: starts at or before the query, not wholly before its document), computed in registers
-instead of as [B, Hkv, C, Ns] int64 tensors: each row's candidates get the same int64 key
-(float bits of the score << 32 | reversed block index, +inf bits for forced blocks, negative for
-invalid ones), and n max-reductions pick them in order (keys are unique per row, so removing the
-maximum by equality is exact). One program = BLOCK_R rows of one (batch, KV group).
+`nsa_flex.rules.forced_and_valid` (forced: the document's first block and the n_local most
+recent blocks; valid: starts at or before the query, not wholly before its document), computed in
+registers instead of as [B, Hkv, C, Ns] int64 tensors: each row's candidates get the same int64
+key (float bits of the score << 32 | reversed block index, +inf bits for forced blocks, negative
+for invalid ones), and n max-reductions pick them in order (keys are unique per row, so removing
+the maximum by equality is exact). One program = BLOCK_R rows of one (batch, KV group).
 
 `torch.ops.nsa_flex.topn_blocks` is a `triton_op` (no graph break under torch.compile). Under
 TRITON_INTERPRET=1 it runs on CPU tensors through the interpreter (how the CPU tests check it).

@@ -11,18 +11,32 @@ from torch import nn
 from torchtitan.protocols.model import BaseModelArgs
 from torchtitan.tools.logging import logger
 
-from nsa_flex.config import NSAConfig, NSAConfigError, UserError, resolve_backend
+from nsa_flex.config import MODEL_DIMS, NSAConfig, NSAConfigError, UserError, resolve_backend
 
-# NSAConfig fields that come from the model args' own dims (not from the [nsa] section)
-_MODEL_DIMS = ("dim", "n_heads", "n_kv_heads")
+# NSAConfig's fields besides the decoder's own dims (MODEL_DIMS): the attention knobs
+_KNOBS = tuple(f for f in dataclasses.fields(NSAConfig) if f.name not in MODEL_DIMS)
 # [nsa] section fields that override model args (None = keep the flavor's value)
-NSA_SECTION_FIELDS = tuple(f.name for f in dataclasses.fields(NSAConfig) if f.name not in _MODEL_DIMS) + (
-    "doc_masking",
-)
+NSA_SECTION_FIELDS = tuple(f.name for f in _KNOBS) + ("doc_masking",)
+# model-args defaults that differ from NSAConfig's (paper-sized) ones
+_DEFAULTS = {"d_qk": 64, "d_v": 64}
+# the knobs as model-args fields: NSAConfig's names and types, its defaults but _DEFAULTS
+_NSAFields = dataclasses.make_dataclass("_NSAFields", [
+    (f.name, f.type, dataclasses.field(default=_DEFAULTS.get(f.name, f.default))) for f in _KNOBS])
+
+
+def apply_nsa_section(args, nsa) -> None:
+    """Set the [nsa] section's values (those not None) on model args `args`."""
+    for name in NSA_SECTION_FIELDS:
+        v = getattr(nsa, name, None)
+        if v is not None:
+            setattr(args, name, v)
 
 
 @dataclass
-class NSAModelArgs(BaseModelArgs):
+class NSAModelArgs(BaseModelArgs, _NSAFields):
+    """The decoder's fields below, and NSAConfig's attention knobs (`_NSAFields`: d_qk, l, d,
+    l_sel, n_sel, window, masks, ...; see nsa_flex.config.NSAConfig for their help)."""
+
     # decoder
     dim: int = 768
     n_layers: int = 12
@@ -35,26 +49,6 @@ class NSAModelArgs(BaseModelArgs):
     norm_eps: float = 1e-5
     max_seq_len: int = 8192
     depth_init: bool = True
-    # NSA attention (nsa_flex.config.NSAConfig fields; see there)
-    d_qk: int = 64
-    d_v: int = 64
-    l: int = 32
-    d: int = 16
-    l_sel: int = 64
-    n_sel: int = 16
-    n_init: int = 1
-    n_local: int = 2
-    window: int = 512
-    phi: str = "avg"
-    backend: str = "auto"
-    masks: str = "nsa"
-    cmp_mask: str | None = None
-    sel_mask: str | None = None
-    win_mask: str | None = None
-    rope_theta: float = 10000.0
-    score_chunk: int = 1024
-    scorer: str = "auto"
-    seed: int = 0
     # attention restricted to the current document (split at eos_id); eos_id set from the tokenizer
     doc_masking: bool = False
     eos_id: int = -1
@@ -77,10 +71,7 @@ class NSAModelArgs(BaseModelArgs):
 
         nsa = getattr(job_config, "nsa", None)
         if nsa is not None:
-            for name in NSA_SECTION_FIELDS:
-                v = getattr(nsa, name, None)
-                if v is not None:
-                    setattr(self, name, v)
+            apply_nsa_section(self, nsa)
 
         # auto -> flex on CUDA, reference on the CPU; flex on the CPU -> reference, one warning
         # (the rule lives in nsa_flex.config.resolve_backend, shared with the layer)
@@ -100,7 +91,7 @@ class NSAModelArgs(BaseModelArgs):
         except NSAConfigError as e:
             def section(rule: str) -> str:  # a rule starts with its first field: "window=-3: ..."
                 field = rule.split("=", 1)[0]
-                return f"[model] flavor={job_config.model.flavor!r}: " if field in _MODEL_DIMS else "[nsa] "
+                return f"[model] flavor={job_config.model.flavor!r}: " if field in MODEL_DIMS else "[nsa] "
 
             errs = [section(r) + r for r in e.errors]
             raise NSAConfigError("invalid NSA settings:\n  - " + "\n  - ".join(errs), errs) from None

@@ -19,52 +19,28 @@ Sections:
               SIGTERM halt, data-wait telemetry; preflight thresholds.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, make_dataclass
+from typing import Annotated
+
+import tyro
+
+from nsa_flex.config import MODEL_DIMS, NSAConfig
+
+
+def _section_field(f):
+    """An NSAConfig field as an [nsa] field: same name and help, optional, default None."""
+    return f.name, Annotated[f.type | None, tyro.conf.arg(help=f.metadata["help"])], field(default=None)
+
+
+# the NSAConfig fields a run sets in [nsa] (the model dims come from the [model] flavor)
+_NSAKnobs = make_dataclass("_NSAKnobs", [_section_field(f) for f in fields(NSAConfig)
+                                         if f.name not in MODEL_DIMS])
 
 
 @dataclass
-class NSA:
+class NSA(_NSAKnobs):
     """[nsa] NSA attention knobs (see nsa_flex.config.NSAConfig). None keeps the flavor's value."""
 
-    d_qk: int | None = None
-    """query/key head dim"""
-    d_v: int | None = None
-    """value head dim"""
-    l: int | None = None
-    """compression block length l"""
-    d: int | None = None
-    """compression stride d (divides l and l_sel)"""
-    l_sel: int | None = None
-    """selection block length l'"""
-    n_sel: int | None = None
-    """number of selected blocks n (including the forced initial/local blocks)"""
-    n_init: int | None = None
-    """forced initial blocks (0 or 1)"""
-    n_local: int | None = None
-    """forced local blocks"""
-    window: int | None = None
-    """sliding-window size w"""
-    phi: str | None = None
-    """compression function: avg | mlp"""
-    backend: str | None = None
-    """auto (flex on CUDA, reference on the CPU) | flex | reference. On a machine without CUDA, flex is
-    switched to reference (one warning): compiled CPU flex has no backward."""
-    masks: str | None = None
-    """mask preset: nsa | full_causal | sliding_only | random_selection | local_selection | no_compressed"""
-    cmp_mask: str | None = None
-    """override of the compressed-branch mask builder ("none" switches the branch off)"""
-    sel_mask: str | None = None
-    """override of the selection-branch mask builder"""
-    win_mask: str | None = None
-    """override of the sliding-window-branch mask builder"""
-    rope_theta: float | None = None
-    """RoPE base"""
-    score_chunk: int | None = None
-    """queries per chunk in the selection scorer"""
-    scorer: str | None = None
-    """selection scorer: auto (fused Triton kernel on CUDA, else torch) | torch | triton"""
-    seed: int | None = None
-    """seed of the random_selection ablation"""
     doc_masking: bool | None = None
     """restrict attention to the current document (documents split at the tokenizer's EOS)"""
     telemetry_every: int = 0

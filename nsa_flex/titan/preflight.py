@@ -86,7 +86,7 @@ def config_problems(jc) -> list[str]:
     from nsa_flex.config import NSAConfigError
 
     from . import ops
-    from .args import NSA_SECTION_FIELDS, nsa_flex_args
+    from .args import apply_nsa_section, nsa_flex_args
     from .data import DATASET_CHOICES
 
     probs: list[str] = []
@@ -98,10 +98,7 @@ def config_problems(jc) -> list[str]:
     else:
         args = nsa_flex_args[m.flavor]
         args.max_seq_len = t.seq_len
-        for name in NSA_SECTION_FIELDS:
-            v = getattr(jc.nsa, name, None)
-            if v is not None:
-                setattr(args, name, v)
+        apply_nsa_section(args, jc.nsa)
         try:
             args.nsa_config()
         except (NSAConfigError, ValueError, TypeError) as e:

@@ -60,8 +60,9 @@ def _one_case(cfg_kw: dict, lens: list[int], opt: dict, seed: int) -> dict:
     from nsa_flex.inference.cache import NSACache
     from nsa_flex.inference.decode import branch_modes, cache_branches
     from nsa_flex.inference.decode_fused import write_token_triton
-    from nsa_flex.inference.decode_reference import _attend, _num_cmp, _qk, attend_cached, write_token
+    from nsa_flex.inference.decode_reference import _attend, _qk, attend_cached, write_token
     from nsa_flex.ops.decode_triton import nsa_decode_attention
+    from nsa_flex.rules import num_cmp
 
     torch.manual_seed(seed)
     cfg = NSAConfig(dim=16, backend="reference", **cfg_kw)
@@ -128,7 +129,8 @@ def _one_case(cfg_kw: dict, lens: list[int], opt: dict, seed: int) -> dict:
             Nc, S = kc.shape[2], ref.lengths + 1
             if Nc > 0:
                 i = torch.arange(Nc).view(1, Nc)
-                vis = (i < _num_cmp(cfg, S).view(B, 1)) & (i * cfg.d >= ref.doc_start.view(B, 1))
+                vis = ((i < num_cmp(S, cfg.l, cfg.d).view(B, 1))
+                       & (i * cfg.d >= ref.doc_start.view(B, 1)))
                 qg = q.reshape(B, Hkv, H // Hkv, dk)
                 _, lse = _attend(_qk(qg, kc) / math.sqrt(dk), vis.view(B, 1, 1, Nc), vc)
                 lse = lse.reshape(B, H)

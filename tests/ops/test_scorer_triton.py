@@ -27,6 +27,7 @@ import masks  # noqa: E402
 from nsa_flex import NSAConfig, NSAConfigError  # noqa: E402
 from nsa_flex.attention import attend_reference  # noqa: E402
 from nsa_flex.ops import HAS_TRITON, triton_interpreted  # noqa: E402
+from nsa_flex.rules import forced_and_valid, pick_blocks  # noqa: E402
 from nsa_flex.selection import block_scores, select_topn, use_triton_scorer  # noqa: E402
 
 CUDA = torch.cuda.is_available() and HAS_TRITON
@@ -176,7 +177,7 @@ def check_case(c, device="cpu", dtype=torch.float32, rtol=1e-5):
 
 
 def check_topn(seed, device="cpu"):
-    """topn_blocks == masks.pick_blocks on forced_and_valid: scores with many exact ties (small
+    """topn_blocks == pick_blocks on forced_and_valid: scores with many exact ties (small
     integers), zeros, documents, n_init / n_local of 0, more slots than blocks, a chunk offset."""
     from nsa_flex.ops import topn_blocks
 
@@ -195,8 +196,8 @@ def check_topn(seed, device="cpu"):
         cuts = sorted(rng.sample(range(1, T), rng.randint(1, min(3, T - 1))))
         docs = masks.doc_start(torch.tensor([[sum(c <= t for c in cuts) for t in range(T)]] * B))
     starts = docs if docs is not None else torch.zeros(1, T, dtype=torch.long)
-    valid, forced = masks.forced_and_valid(cfg, T, starts, "cpu", t0, T)
-    want = masks.pick_blocks(p, valid.unsqueeze(1), forced.unsqueeze(1), n_sel)
+    valid, forced = forced_and_valid(cfg, T, starts, "cpu", t0, T)
+    want = pick_blocks(p, valid.unsqueeze(1), forced.unsqueeze(1), n_sel)
     mv = (lambda x: None if x is None else x.to(device))
     got = topn_blocks(p.to(device), mv(docs), t0, l_sel, n_sel, n_init, n_local).cpu()
     assert torch.equal(got, want), (seed, l_sel, T, t0, n_sel, n_init, n_local, got, want)

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 import masks
 from masks import MaskContext, register_mask_builder, selection
 from nsa_flex import NSAAttention, NSAConfig
-from nsa_flex.selection import block_scores, map_to_selection_blocks, overlap_kernel, select_topn
+from nsa_flex.rules import map_to_selection_blocks, overlap_kernel
+from nsa_flex.selection import block_scores, select_topn
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -13,11 +13,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from masks import (MaskContext, forced_and_valid, forced_blocks, get_mask_builder, or_masks,
-                   pick_blocks, sliding_window)
+from masks import MaskContext, forced_blocks, get_mask_builder, or_masks, sliding_window
 from masks.registry import selection_parts
 from nsa_flex import NSAConfig
 from nsa_flex.attention import attend_reference, merge_parts
+from nsa_flex.rules import forced_and_valid, pick_blocks
 from tests.masks.test_masks import check_block_mask, random_docs
 
 pytestmark = pytest.mark.usefixtures("single_thread")
