@@ -169,14 +169,13 @@ def drop_forced(sel_idx: Tensor, l_sel: int, n_init: int, n_local: int,
                 starts: Tensor | None = None) -> Tensor:
     """sel_idx [B, H, T, n] with the blocks `forced_blocks` covers set to -1: the scored part of
     the selection. Every picked block is valid, so a picked block is forced exactly when it is
-    the document's first block or one of the n_local most recent (nsa_flex.rules.block_rules)."""
+    the document's first block or one of the n_local most recent (nsa_flex.rules.is_forced)."""
+    from nsa_flex.rules import is_forced  # the rule, written once (masks imports no nsa_flex)
+
     T = sel_idx.shape[2]
-    cur = (torch.arange(T, device=sel_idx.device) // l_sel).view(1, 1, T, 1)
-    forced = (sel_idx > cur - n_local) & (sel_idx <= cur)
-    if n_init:
-        first = 0 if starts is None else (starts.long() // l_sel)[:, None, :, None]
-        forced = forced | (sel_idx == first)
-    return torch.where(forced, -1, sel_idx)
+    t = torch.arange(T, device=sel_idx.device).view(1, 1, T, 1)
+    start = 0 if starts is None else starts.long()[:, None, :, None]
+    return torch.where(is_forced(sel_idx, t, start, l_sel, n_init, n_local), -1, sel_idx)
 
 
 def _slot_classes(sel_idx, l_sel, KB, KV_LEN, lo, hi):

@@ -91,6 +91,18 @@ def valid_blocks(t: Tensor, start: Tensor, ns: int, l_sel: int) -> Tensor:
     return (j * l_sel <= t) & ((j + 1) * l_sel - 1 >= start)
 
 
+def is_forced(j: Tensor, t: Tensor, start, l_sel: int, n_init: int, n_local: int) -> Tensor:
+    """Whether block j is forced for a query at token t whose document starts at `start` (paper
+    §3.3.2): the document's first block (n_init = 1) or one of the n_local most recent blocks (t's
+    own block and the n_local - 1 before it). Elementwise on broadcastable j, t, start; a forced
+    block is selected only where it is also valid (`valid_blocks`)."""
+    cur = torch.div(t, l_sel, rounding_mode="floor")
+    forced = (j > cur - n_local) & (j <= cur)  # empty when n_local = 0
+    if n_init:
+        forced = forced | (j == torch.div(start, l_sel, rounding_mode="floor"))
+    return forced
+
+
 def block_rules(t: Tensor, start: Tensor, ns: int, l_sel: int, n_init: int, n_local: int
                 ) -> tuple[Tensor, Tensor]:
     """(valid, forced) [..., ns] for queries at tokens t whose documents start at `start`
@@ -99,11 +111,7 @@ def block_rules(t: Tensor, start: Tensor, ns: int, l_sel: int, n_init: int, n_lo
     before it)."""
     valid = valid_blocks(t, start, ns, l_sel)
     j = torch.arange(ns, device=t.device)
-    cur = torch.div(t, l_sel, rounding_mode="floor")
-    forced = (j > cur - n_local) & (j <= cur) if n_local > 0 else torch.zeros_like(valid)
-    if n_init:
-        forced = forced | (j == torch.div(start, l_sel, rounding_mode="floor"))
-    return valid, forced & valid
+    return valid, is_forced(j, t, start, l_sel, n_init, n_local) & valid
 
 
 def forced_and_valid(cfg, T: int, starts: Tensor, device, t0: int = 0, t1: int | None = None
