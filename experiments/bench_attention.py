@@ -147,12 +147,22 @@ def first_call(fn, dev):
         torch.cuda.synchronize()
 
 
+TIMING_LOCK = ""  # --timing-lock: a file several bench processes lock while they time
+
+
 def bench(fn, dev, reps=3):
-    """Median ms of fn over fresh calls (fn rotates its own inputs); call first_call before."""
+    """Median ms of fn over fresh calls (fn rotates its own inputs); call first_call before.
+    With TIMING_LOCK set, the timing holds an exclusive lock on that file: processes that compile
+    concurrently (CPU-bound) never time at the same time on the GPU."""
     if dev == "cuda":
+        import fcntl
+
         from triton.testing import do_bench
 
-        return do_bench(fn, warmup=10, rep=max(50, reps * 10), return_mode="median")
+        with open(TIMING_LOCK, "a") if TIMING_LOCK else contextlib.nullcontext() as lk:
+            if lk:
+                fcntl.flock(lk, fcntl.LOCK_EX)
+            return do_bench(fn, warmup=10, rep=max(50, reps * 10), return_mode="median")
     ts = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -607,6 +617,9 @@ def main(argv=None):
                          "stages (compressed, forced bands, window), e.g. "
                          "'{\"bwd_num_warps\": 8, \"bwd_BLOCK_M1\": 32}': sets "
                          "nsa_flex.kernel_options.BAND_OPTIONS for the paper config's head dim")
+    ap.add_argument("--timing-lock", default="",
+                    help="file locked while timing: bench processes run side by side (compiles "
+                         "overlap, GPU timings never do)")
     ap.add_argument("--out", default="experiments/results/bench")
     ap.add_argument("--merge", default="",
                     help="comma list of bench.csv files from earlier runs: rows merged (a later "
@@ -616,6 +629,8 @@ def main(argv=None):
     if args.merge:
         return merge(args.merge.split(","), args.out)
     only = set(_names(args.only, ITEMS, "--only", ap))
+    global TIMING_LOCK
+    TIMING_LOCK = args.timing_lock
     # items compile flex calls on their own, before any layer exists (the layer installs it too)
     from nsa_flex.kernel_options import install_small_block_bwd_configs
 

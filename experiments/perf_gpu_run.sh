@@ -56,12 +56,40 @@ run_step() {
     # issue 14: the changed stages, the old packed selection, and the layers at 64k
     split64k)   step 480 split_64k $B --T 65536 --stages-at 65536 --item-limit 200 \
                   --only score_topn,attn_compressed,attn_selected,attn_selected_packed,sdpa_causal,full_layer,nsa_layer ;;
-    # issue 14, next: backward tiles of the non-packed flex calls (d_k 192) at 64k, one process
-    # per option set (BAND_OPTIONS_SETS: ;-separated JSON dicts)
-    bwdtune)    IFS=';' read -ra SETS <<< "${BAND_OPTIONS_SETS:-{\"bwd_num_warps\": 8};{\"bwd_BLOCK_M1\": 32, \"bwd_BLOCK_N2\": 32};{\"bwd_num_warps\": 8, \"bwd_num_stages\": 1}}"
+    # issue 14: flex tile options (kernel_options) of the non-packed calls (d_k 192: compressed,
+    # window) at 64k. One process per option set (BAND_OPTIONS_SETS: ;-separated JSON dicts, the
+    # first is {} = inductor's defaults), TUNE_PAR of them side by side: their compiles overlap,
+    # their GPU timings never do (--timing-lock); CSVs and logs in perf.tgz, result rows in summary.txt.
+    bwdtune)    IFS=';' read -ra SETS <<< "${BAND_OPTIONS_SETS:-"{}"}"
+                say "== bwdtune: ${#SETS[@]} sets, ${TUNE_PAR:-3} at a time (t=${SECONDS}s)"
                 i=0; for o in "${SETS[@]}"; do i=$((i+1))
-                  step 170 bwdtune_$i $B --T 65536 --stages-at 65536 --no-baselines --modes fwd_bwd \
-                    --only attn_compressed,attn_window --item-limit 120 --band-options "$o"; done ;;
+                  say "   set $i: $o"
+                  ( timeout $((BUDGET - SECONDS - 20)) $B --T 65536 --stages-at 65536 --no-baselines \
+                      --modes ${TUNE_MODES:-fwd_bwd} --only attn_compressed,attn_window --item-limit 200 \
+                      --band-options "$o" --timing-lock "$W/timing.lock" --out "$W/bwdtune_$i" \
+                      > "$W/bwdtune_$i.log" 2>&1
+                  ) &
+                  while [ "$(jobs -rp | wc -l)" -ge "${TUNE_PAR:-3}" ]; do sleep 2; done
+                done; wait
+                for k in $(seq 1 $i); do say "   set $k: $(grep -E '^[a-z0-9_]+ +T= *[0-9]+ ' "$W/bwdtune_$k.log" | tr '\n' ' ' | cut -c1-400)"
+                  tail -n 2 "$W/bwdtune_$k.log" | cut -c1-200 >> "$OUT/summary.txt"; done
+                pack ;;
+    # the first NSA layer compile at 16k (> 200 s before): where it waits, Python stacks every
+    # 30 s, inductor/Triton caches of its own (kernel list with times), dynamo recompiles. Runs in
+    # the background (the next steps start at once; the script waits for it at the end).
+    compile16k) mkdir -p "$W/c16"; say "== compile16k (background, t=${SECONDS}s)"; (
+                TORCHINDUCTOR_CACHE_DIR="$W/c16/inductor" TRITON_CACHE_DIR="$W/c16/triton" \
+                TORCH_LOGS="recompiles,graph_breaks" timeout $((BUDGET - SECONDS - 15)) \
+                  python -c "import faulthandler, runpy, sys; faulthandler.dump_traceback_later(30, repeat=True, file=open('$W/c16/stacks.txt', 'w')); sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')" \
+                  experiments/bench_attention.py --configs paper --T 16384 --stages-at "" --no-baselines \
+                  --only nsa_layer --modes fwd,fwd_bwd --item-limit 400 --timing-lock "$W/timing.lock" \
+                  --out "$W/c16/bench" > "$W/c16.log" 2>&1; say "   rc=$? t=${SECONDS}s"
+                grep -E '^[a-z0-9_]+ +T= *[0-9]+ ' "$W/c16.log" | tee -a "$OUT/summary.txt"
+                tail -n 3 "$W/c16.log" | cut -c1-300 | tee -a "$OUT/summary.txt"
+                cp "$W/c16/bench/bench.csv" "$OUT/compile16k.csv" 2>/dev/null
+                ( cd "$W/c16" && find triton -name '*.json' ! -name '__grp*' -printf '%T@ %p\n' | sort -n \
+                  > kernels_by_time.txt; find inductor -name '*.py' -printf '%T@ %s %p\n' | sort -n > inductor_py.txt )
+                pack ) & ;;
     # issue 16 item 3: whole-model generation, 125M, 32k prompt, batch 1 and 8 (generate.csv)
     generate32k) step 400 generate_32k python experiments/bench_generate.py --flavor 125M \
                   --context 32768 --batches 1,8 ;;
@@ -72,4 +100,5 @@ run_step() {
   esac
 }
 for s in ${PLAN:-stages64k layer64k bwd64k fla64k layer128k small4k16k}; do run_step "$s"; done
+wait; pack
 say "== done t=${SECONDS}s"
