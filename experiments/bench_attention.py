@@ -617,6 +617,9 @@ def main(argv=None):
                          "stages (compressed, forced bands, window), e.g. "
                          "'{\"bwd_num_warps\": 8, \"bwd_BLOCK_M1\": 32}': sets "
                          "nsa_flex.kernel_options.BAND_OPTIONS for the paper config's head dim")
+    ap.add_argument("--packed-options", default="",
+                    help="JSON overrides of the packed selection call's kernel_options: sets "
+                         "nsa_flex.kernel_options.PACKED_OPTIONS for the paper config's head dim")
     ap.add_argument("--timing-lock", default="",
                     help="file locked while timing: bench processes run side by side (compiles "
                          "overlap, GPU timings never do)")
@@ -635,14 +638,17 @@ def main(argv=None):
     from nsa_flex.kernel_options import install_small_block_bwd_configs
 
     install_small_block_bwd_configs()
-    if args.band_options:
+    if args.band_options or args.packed_options:
         import json
 
         from nsa_flex import kernel_options
 
-        for cname in args.configs.split(","):
-            kernel_options.BAND_OPTIONS[CONFIGS[cname]["d_qk"]] = json.loads(args.band_options)
-        log(f"band kernel_options: {kernel_options.BAND_OPTIONS}")
+        for given, table in ((args.band_options, kernel_options.BAND_OPTIONS),
+                             (args.packed_options, kernel_options.PACKED_OPTIONS)):
+            for cname in args.configs.split(",") if given else ():
+                table[CONFIGS[cname]["d_qk"]] = json.loads(given)
+        log(f"kernel_options: band {kernel_options.BAND_OPTIONS}, "
+            f"packed {kernel_options.PACKED_OPTIONS}")
     modes = _names(args.modes, MODES, "--modes", ap)
     os.makedirs(args.out, exist_ok=True)
     dev = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"

@@ -47,10 +47,17 @@ def flex_kernel_options(q: torch.Tensor, block_size: tuple[int, int]) -> dict | 
         return None
     QB, KB = block_size
     bm, bn = _largest_tile(QB), _largest_tile(KB)
-    return {
+    opts = {
         "fwd_BLOCK_M": bm, "fwd_BLOCK_N": bn,
         "bwd_BLOCK_M1": 16, "bwd_BLOCK_N1": bn, "bwd_BLOCK_M2": bm, "bwd_BLOCK_N2": 16,
     }
+    opts.update(PACKED_OPTIONS.get(q.shape[-1], {}))
+    return opts
+
+
+# Overrides of the packed call's options above, by q/k head dim; every tile must divide the
+# packed block sizes. Filled only from H100 measurements (`bench_attention.py --packed-options`).
+PACKED_OPTIONS: dict[int, dict] = {}
 
 
 # Triton options of the flex calls with ordinary 128-row q blocks (compressed keys, the forced
