@@ -74,22 +74,24 @@ run_step() {
                 for k in $(seq 1 $i); do say "   set $k: $(grep -E '^[a-z0-9_]+ +T= *[0-9]+ ' "$W/bwdtune_$k.log" | tr '\n' ' ' | cut -c1-400)"
                   tail -n 2 "$W/bwdtune_$k.log" | cut -c1-200 >> "$OUT/summary.txt"; done
                 pack ;;
-    # the first NSA layer compile at 16k (> 200 s before): where it waits, Python stacks every
-    # 30 s, inductor/Triton caches of its own (kernel list with times), dynamo recompiles. Runs in
-    # the background (the next steps start at once; the script waits for it at the end).
-    compile16k) mkdir -p "$W/c16"; say "== compile16k (background, t=${SECONDS}s)"; (
-                TORCHINDUCTOR_CACHE_DIR="$W/c16/inductor" TRITON_CACHE_DIR="$W/c16/triton" \
-                TORCH_LOGS="recompiles,graph_breaks" timeout $((BUDGET - SECONDS - 15)) \
-                  python -c "import faulthandler, runpy, sys; faulthandler.dump_traceback_later(30, repeat=True, file=open('$W/c16/stacks.txt', 'w')); sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')" \
-                  experiments/bench_attention.py --configs paper --T 16384 --stages-at "" --no-baselines \
-                  --only nsa_layer --modes fwd,fwd_bwd --item-limit 400 --timing-lock "$W/timing.lock" \
-                  --out "$W/c16/bench" > "$W/c16.log" 2>&1; say "   rc=$? t=${SECONDS}s"
-                grep -E '^[a-z0-9_]+ +T= *[0-9]+ ' "$W/c16.log" | tee -a "$OUT/summary.txt"
-                tail -n 3 "$W/c16.log" | cut -c1-300 | tee -a "$OUT/summary.txt"
-                cp "$W/c16/bench/bench.csv" "$OUT/compile16k.csv" 2>/dev/null
-                ( cd "$W/c16" && find triton -name '*.json' ! -name '__grp*' -printf '%T@ %p\n' | sort -n \
-                  > kernels_by_time.txt; find inductor -name '*.py' -printf '%T@ %s %p\n' | sort -n > inductor_py.txt )
-                pack ) & ;;
+    # issue 14: the 64k stages + layers and the 16k layers in two processes side by side (one
+    # timing lock: their compiles overlap, their timings never do). The 16k process has inductor /
+    # Triton caches of its own (a fresh machine's first compile) and lists the kernels it compiled
+    # with their finish times (kernels_16k.txt in perf.tgz).
+    layers2)    say "== layers2: 64k and 16k side by side (t=${SECONDS}s)"
+                ( timeout $((BUDGET - SECONDS - 20)) $B --T 65536 --stages-at 65536 --item-limit 240 \
+                    --only score_topn,attn_compressed,attn_selected,attn_window,sdpa_causal,full_layer,nsa_layer \
+                    --timing-lock "$W/timing.lock" --out "$W/l64" > "$W/l64.log" 2>&1 ) &
+                ( mkdir -p "$W/c16"; TORCHINDUCTOR_CACHE_DIR="$W/c16/inductor" TRITON_CACHE_DIR="$W/c16/triton" \
+                    TORCH_LOGS="recompiles" timeout $((BUDGET - SECONDS - 20)) $B --T 16384 --stages-at "" \
+                    --item-limit 400 --only sdpa_causal,full_layer,nsa_layer --timing-lock "$W/timing.lock" \
+                    --out "$W/l16" > "$W/l16.log" 2>&1
+                  find "$W/c16/triton" -name '*.json' ! -name '__grp*' -printf '%T@ %p\n' | sort -n > "$W/kernels_16k.txt" ) &
+                wait
+                for n in l64 l16; do say "   $n:"; grep -E '^[a-z0-9_]+ +T= *[0-9]+ ' "$W/$n.log" | tee -a "$OUT/summary.txt"
+                  tail -n 2 "$W/$n.log" | cut -c1-250 | tee -a "$OUT/summary.txt"; done
+                cat "$W/l64/bench.csv" > "$OUT/layers2.csv" 2>/dev/null; tail -n +2 "$W/l16/bench.csv" >> "$OUT/layers2.csv" 2>/dev/null
+                pack ;;
     # issue 16 item 3: whole-model generation, 125M, 32k prompt, batch 1 and 8 (generate.csv)
     generate32k) step 400 generate_32k python experiments/bench_generate.py --flavor 125M \
                   --context 32768 --batches 1,8 ;;

@@ -61,10 +61,17 @@ PACKED_OPTIONS: dict[int, dict] = {}
 
 
 # Triton options of the flex calls with ordinary 128-row q blocks (compressed keys, the forced
-# selection bands, the window), by q/k head dim. Empty: inductor's defaults (sm90, head dim > 128:
-# bwd tiles 64x64, 4 warps, 2 stages). Filled only from H100 measurements
-# (`bench_attention.py --band-options`, experiments/NOTES.md 23).
-BAND_OPTIONS: dict[int, dict] = {}
+# selection bands, the window), by q/k head dim; a head dim not listed gets inductor's defaults.
+# Filled only from H100 measurements (experiments/tune_flex_options.py, experiments/NOTES.md 24).
+# d_k 192 (paper config): inductor's sm90 default for head dims > 128 is fwd 64x64 / 4 warps and
+# bwd 64x64 tiles / 4 warps / 2 stages; with dK/dV over 128 keys per program (N1 = M2 = 128),
+# 32-row q steps, 8 warps, 3 stages the 64k compressed call's fwd+bwd takes 78.9 ms instead of
+# 135.4 and the window's 28.6 instead of 48.4; the 128x64 / 8-warp forward takes 1-3 ms more off.
+BAND_OPTIONS: dict[int, dict] = {
+    192: {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "fwd_num_warps": 8, "fwd_num_stages": 2,
+          "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 32,
+          "bwd_num_warps": 8, "bwd_num_stages": 3},
+}
 
 
 def band_kernel_options(q: torch.Tensor) -> dict | None:

@@ -81,10 +81,37 @@ def test_kernel_options_tiles_divide_packed_blocks():
 
     class CudaQ:
         device = torch.device("cuda", 0)
+        shape = (1, 64, 4096, 192)
     opts = flex_kernel_options(CudaQ, (qb, kb))
-    assert qb % opts["fwd_BLOCK_M"] == 0 and kb % opts["fwd_BLOCK_N"] == 0
+    _check_tiles(opts, qb, kb)
+
+
+def _check_tiles(opts, qb, kb):
+    """What inductor's flex templates need of explicit tiles for (q block, kv block) sizes."""
+    assert qb % opts.get("fwd_BLOCK_M", 16) == 0 and kb % opts.get("fwd_BLOCK_N", 16) == 0
     assert kb % opts["bwd_BLOCK_N1"] == 0 and opts["bwd_BLOCK_N1"] % opts["bwd_BLOCK_M1"] == 0
     assert qb % opts["bwd_BLOCK_M2"] == 0 and opts["bwd_BLOCK_M2"] % opts["bwd_BLOCK_N2"] == 0
+
+
+def test_packed_options_override_by_head_dim(monkeypatch):
+    import nsa_flex.kernel_options as ko
+
+    class CudaQ:
+        device = torch.device("cuda", 0)
+        shape = (1, 64, 4096, 192)
+    monkeypatch.setattr(ko, "PACKED_OPTIONS", {192: {"bwd_num_stages": 3}})
+    got = ko.flex_kernel_options(CudaQ, (16, 64))
+    assert got["bwd_num_stages"] == 3 and got["bwd_BLOCK_M1"] == 16
+    monkeypatch.setattr(ko, "PACKED_OPTIONS", {128: {"bwd_num_stages": 3}})
+    assert "bwd_num_stages" not in ko.flex_kernel_options(CudaQ, (16, 64))
+
+
+def test_band_options_fit_the_128_blocks():
+    """The measured BAND_OPTIONS serve flex calls with 128 x 128 sparse blocks."""
+    from nsa_flex.kernel_options import BAND_OPTIONS
+
+    for opts in BAND_OPTIONS.values():
+        _check_tiles(opts, 128, 128)
 
 
 def test_band_kernel_options_by_head_dim(monkeypatch):
