@@ -23,7 +23,9 @@ stuck). Ranks need no communication: in a collective hang every rank stalls and 
 
 SIGUSR1. ``faulthandler.register`` writes the stacks from the C signal handler into a pipe that the
 watchdog thread reads, so a dump is written even while the main thread is blocked inside C code (a
-CUDA sync, an NCCL wait, a blocked read), and the run goes on. Same file name and content.
+CUDA sync, an NCCL wait, a blocked read), and the run goes on. Same file name and content. The
+handler is installed again when the first step completes: what starts with the first step (CUDA,
+NCCL, compile workers) may install its own SIGUSR1 handler in between.
 
 Halt. ``<dump_folder>/<halt_file>`` (checked by every rank after every step) or SIGTERM: the ranks
 agree (one MAX all-reduce of a flag on a gloo group per step when world size > 1, so all stop after
@@ -342,6 +344,8 @@ class OpsMonitor:
         self.t_beat, self.last_step, self.first_done = now, step, True
         self.win_wait += data_wait_s
         self.win_steps += 1
+        if first and self._pipe is not None:
+            faulthandler.register(signal.SIGUSR1, file=self._pipe[1], all_threads=True, chain=False)
         if not first:  # the first step's time is build + compile
             msg = self.data.update(step, data_wait_s, step_s)
             if msg:
