@@ -34,6 +34,14 @@ output against the torch path's (max abs error, share of (row, group) selections
 bf16 scores may break near-ties differently). Before the grid (CUDA): prefill + decode == full
 forward for both backends (fp32), and Triton == torch at the paper's head dims (fp32).
 Robust: an error in one measurement is recorded in the row's `errors` column and the run goes on.
+--breakdown: per-kernel device time of one step of each Triton path and of the full-attention
+baseline (torch.profiler, every kernel's launches summed per step, median over the profiled
+steps; on the CPU the top-level torch ops instead), into <out>/decode_breakdown.csv (columns
+S, batch, kernel, us, launches; kernel = "<implementation>/<kernel name>", plus the rows
+"<implementation>/ALL_KERNELS" (their sum) and "<implementation>/GRAPH_STEP" (the timed step,
+CUDA graphs when timed so: the difference to ALL_KERNELS is launch gaps and idle time)).
+Implementations: nsa_triton (the default launch path of `nsa_decode_attention`, fused), and
+nsa_triton_unfused (fused=False: the five-launch path), timed side by side.
 Output: <out>/bench_decode.csv (rewritten after every row), <out>/bench_decode.png, stdout table.
 """
 
@@ -147,6 +155,47 @@ class Timer:
         return ms / 1e3
 
 
+def kernel_breakdown(fn, device, reps: int = 20) -> list[dict]:
+    """[{kernel, us, launches}] of one call of fn: `reps` calls profiled (synchronised after
+    each); per kernel name its launches' durations summed per call, median over the calls.
+    CUDA: the CUDA kernels (device time); CPU: the top-level torch ops (self CPU time)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile as prof
+
+    cuda = device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    for _ in range(2):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    with torch.no_grad(), prof(activities=acts) as pr:
+        for _ in range(reps):
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+    per = {}
+    for e in pr.events():
+        if cuda:
+            if e.device_type != DeviceType.CUDA:
+                continue
+            us = e.time_range.elapsed_us()
+        else:
+            if e.device_type != DeviceType.CPU or e.cpu_parent is not None:
+                continue
+            us = e.self_cpu_time_total
+        per.setdefault(e.name, []).append((e.time_range.start, us))
+    out = []
+    for name, ev in per.items():
+        ev.sort()
+        n = max(1, round(len(ev) / reps))
+        sums = [sum(u for _, u in ev[i : i + n]) for i in range(0, len(ev), n)]
+        out.append({"kernel": name, "us": statistics.median(sums), "launches": n})
+    out.sort(key=lambda r: -r["us"])
+    out.append({"kernel": "ALL_KERNELS", "us": sum(r["us"] for r in out),
+                "launches": sum(r["launches"] for r in out)})
+    return out
+
+
 def triton_available(device) -> tuple[bool, str]:
     try:
         resolve_decode_backend("triton", device)
@@ -157,7 +206,8 @@ def triton_available(device) -> tuple[bool, str]:
 
 def bench_one(cfg: NSAConfig, S: int, B: int, device, dtype, timer: Timer, graph_modes,
               compile_: bool, with_proj: bool, seed: int, triton_cfgs: list[dict],
-              profile: bool = False, log=print) -> dict:
+              profile: bool = False, log=print, breakdown: list | None = None) -> dict:
+    """One (S, B) row; with `breakdown` (a list) its per-kernel rows are appended to it."""
     H, Hkv, dk, dv, G = cfg.n_heads, cfg.n_kv_heads, cfg.d_qk, cfg.d_v, cfg.group_size
     gen = torch.Generator(device=device).manual_seed(seed)
     rnd = lambda *shape: torch.randn(*shape, generator=gen, device=device, dtype=dtype)  # noqa: E731
@@ -234,6 +284,8 @@ def bench_one(cfg: NSAConfig, S: int, B: int, device, dtype, timer: Timer, graph
     ok_tr, why = triton_available(device)
     if ok_tr:
         fns["nsa_triton"] = nsa_step("triton", opts=launch_opts(triton_cfgs[0], device))
+        fns["nsa_triton_unfused"] = nsa_step(
+            "triton", opts=dict(launch_opts(triton_cfgs[0], device), fused=False))
     else:
         row["skipped"] = f"nsa_triton: {why}"
     if compile_:
@@ -270,6 +322,18 @@ def bench_one(cfg: NSAConfig, S: int, B: int, device, dtype, timer: Timer, graph
                     row["triton_sel_agree"] = same.all(-1).float().mean().item()
             except Exception as e:  # noqa: BLE001
                 fail("check nsa_triton", e)
+        if "nsa_triton_unfused" in fns:
+            try:
+                o_u = fns["nsa_triton_unfused"]().float()
+                reads = {k: v.float().mean().item() for k, v in cache.reads.items()}
+                if reads != {k: float(v) for k, v in exp.items()}:
+                    raise AssertionError(f"unfused read counters {reads} != expected {exp}")
+                if o_t is not None:
+                    row["triton_unfused_max_abs_err"] = (o_u - o_t).abs().max().item()
+                    same = cache.last_selection.sort(-1).values == sel_t
+                    row["triton_unfused_sel_agree"] = same.all(-1).float().mean().item()
+            except Exception as e:  # noqa: BLE001
+                fail("check nsa_triton_unfused", e)
         try:
             o_a, o_b = fns["full_gqa"](), fns["full_fold"]()
             if not torch.allclose(o_a.float(), o_b.float(), atol=2e-2, rtol=2e-2):
@@ -280,7 +344,7 @@ def bench_one(cfg: NSAConfig, S: int, B: int, device, dtype, timer: Timer, graph
     if profile and device.type == "cuda":
         from torch.profiler import ProfilerActivity, profile as prof
 
-        for name in [n for n in ("nsa_torch", "nsa_triton") if n in fns]:
+        for name in [n for n in ("nsa_torch", "nsa_triton", "nsa_triton_unfused") if n in fns]:
             acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
             with torch.no_grad(), prof(activities=acts) as pr:
                 for _ in range(10):
@@ -312,6 +376,25 @@ def bench_one(cfg: NSAConfig, S: int, B: int, device, dtype, timer: Timer, graph
                     row[key] = float("nan")
                     fail(f"nsa_triton[{cfg_name(opts)}]/graph", e)
 
+    if breakdown is not None:
+        sfx = "_graph_ms" if "graph" in graph_modes else "_ms"
+        for name in [n for n in ("nsa_triton", "nsa_triton_unfused", "nsa_torch", "full_fold")
+                     if n in fns and (device.type == "cuda" or n == "nsa_torch")]:
+            try:
+                with torch.no_grad():
+                    rows_k = kernel_breakdown(fns[name], device)
+                step = row.get(f"{name}{sfx}")
+                if isinstance(step, float) and math.isfinite(step):
+                    rows_k.append({"kernel": "GRAPH_STEP" if sfx == "_graph_ms" else "STEP",
+                                   "us": step * 1e3, "launches": rows_k[-1]["launches"]})
+                for r in rows_k:
+                    breakdown.append({"S": S, "batch": B, "kernel": f"{name}/{r['kernel']}",
+                                      "us": round(r["us"], 3), "launches": r["launches"]})
+                log(f"    breakdown {name}: " + ", ".join(
+                    f"{r['kernel']} {r['us']:.1f} us x{r['launches']}" for r in rows_k), flush=True)
+            except Exception as e:  # noqa: BLE001
+                fail(f"breakdown {name}", e)
+
     # ---------------------------------------------------------------- summary
     def best(keys):
         vals = [(row[k], k) for k in keys
@@ -328,6 +411,8 @@ def bench_one(cfg: NSAConfig, S: int, B: int, device, dtype, timer: Timer, graph
                        if which == "nsa_triton_best_ms" else "torch" if which else "")
     row["speedup"] = row["full_ms"] / row["nsa_ms"]
     row["speedup_triton_vs_torch"] = row["nsa_torch_best_ms"] / row["nsa_triton_best_ms"]
+    row["speedup_fused_vs_unfused"] = (row.get(f"nsa_triton_unfused{mode_sfx}", float("nan"))
+                                       / row.get(f"nsa_triton{mode_sfx}", float("nan")))
     if "eager" in graph_modes:
         f_e, _ = best(["full_gqa_ms", "full_fold_ms"])
         n_e, _ = best(["nsa_triton_ms", "nsa_torch_ms"])
@@ -479,6 +564,9 @@ def main(argv=None):
                    help="include the q/k/v/gate/output projections of the layer in both steps")
     p.add_argument("--reps", type=int, default=None)
     p.add_argument("--profile", action="store_true", help="print CUDA kernel profiles of NSA steps")
+    p.add_argument("--breakdown", action="store_true",
+                   help="per-kernel device times of one step (torch.profiler, median over steps) "
+                        "of both Triton paths and the baseline -> <out>/decode_breakdown.csv")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-check", action="store_true",
                    help="skip the device checks before the grid (prefill+decode == forward for "
@@ -518,7 +606,7 @@ def main(argv=None):
             assert r["sel_agree"] < 1 or r["max_abs_err"] < 1e-3, r
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "bench_decode.csv")
-    rows = []
+    rows, kernels = [], ([] if a.breakdown else None)
     t_start = time.time()
     grid = [(B, S) for B in (int(b) for b in a.batches.split(",")) for S in
             (int(s) for s in a.contexts.split(","))]
@@ -526,7 +614,7 @@ def main(argv=None):
         print(f"[{i + 1}/{len(grid)}] S={S} B={B} ({time.time() - t_start:.0f} s)", flush=True)
         try:
             r = bench_one(cfg, S, B, device, dtype, timer, modes, a.compile, a.with_proj,
-                          a.seed + 1000 * B + S, triton_cfgs, a.profile)
+                          a.seed + 1000 * B + S, triton_cfgs, a.profile, breakdown=kernels)
         except Exception as e:  # noqa: BLE001 - e.g. out of memory building the caches
             traceback.print_exc()
             r = {"S": S, "batch": B, "dtype": str(dtype).replace("torch.", ""),
@@ -540,10 +628,13 @@ def main(argv=None):
         tt = r.get("speedup_triton_vs_torch", float("nan"))
         print(f"  S={S:>7} B={B:>3}  nsa {r['nsa_ms']:8.4f} ms ({r.get('nsa_best', '')})  "
               f"full {r['full_ms']:8.4f} ms ({r.get('full_best', '')})  speedup "
-              f"{r['speedup']:6.2f}x  triton/torch {tt:.2f}x"
+              f"{r['speedup']:6.2f}x  triton/torch {tt:.2f}x  "
+              f"fused/unfused {r.get('speedup_fused_vs_unfused', float('nan')):.2f}x"
               f"  reads {r['nsa_reads']}/{S} ({r['read_ratio']:.2f}x fewer)"
               + (f"  ERRORS: {r['errors']}" if r.get("errors") else ""), flush=True)
         write_csv(rows, path)
+        if kernels:
+            write_csv(kernels, os.path.join(a.out, "decode_breakdown.csv"))
     print(f"wrote {path}")
     plot(rows, os.path.join(a.out, "bench_decode.png"))
     return rows
