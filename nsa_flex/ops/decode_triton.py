@@ -417,6 +417,289 @@ def _combine_kernel(po_ptr, pm_ptr, pl_ptr, NSPLIT, NSC, NSW, NSS, H, Hkv, BH,
     tl.store(o_ptr + row[:, None] * DV + dv[None, :], o.to(o_ptr.dtype.element_ty), mask=om)
 
 
+# ------------------------------------------------ fused path (fused=True): 3 and 4 below
+@triton.jit
+def _merge_splits(po_ptr, pm_ptr, pl_ptr, first, n, g, gm, dv,
+                  G: tl.constexpr, DV: tl.constexpr, P_PAD: tl.constexpr, CG: tl.constexpr):
+    """Splits [first, first + n) of one (row, KV group) merged for heads g (mask gm): (out
+    [GB, DV_PAD] normalised, 0 for a head without any key; den; max). CG: loads bypass L1
+    (the splits were written by other programs of the same launch)."""
+    sp = tl.arange(0, P_PAD)
+    ok = (sp < n)[:, None] & gm[None, :]  # [P_PAD, GB]
+    slot = (first + sp)[:, None] * G + g[None, :]
+    aptr = po_ptr + slot[:, :, None] * DV + dv[None, None, :]
+    amask = ok[:, :, None] & (dv < DV)[None, None, :]
+    if CG:
+        m = tl.load(pm_ptr + slot, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        lsum = tl.load(pl_ptr + slot, mask=ok, other=0.0, cache_modifier=".cg")
+        a = tl.load(aptr, mask=amask, other=0.0, cache_modifier=".cg")
+    else:
+        m = tl.load(pm_ptr + slot, mask=ok, other=float("-inf"))
+        lsum = tl.load(pl_ptr + slot, mask=ok, other=0.0)
+        a = tl.load(aptr, mask=amask, other=0.0)
+    mx = tl.max(m, 0)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    w = tl.exp(m - mx[None, :])
+    den = tl.sum(lsum * w, 0)  # [GB]
+    safe = tl.where(den > 0, den, 1.0)
+    ob = tl.sum(a * w[:, :, None], 0) / safe[:, None]
+    ob = tl.where((den > 0)[:, None], ob, 0.0)
+    return ob, den, mx
+
+
+@triton.jit
+def _slc_kernel(pm_ptr, pl_ptr, po_ptr, NSPLIT, NSC, NSW, sc_ptr, NC, c_ptr, cand_ptr, NCH,
+                br_ptr, BH, H, lse_ptr, rcmp_ptr, rwin_ptr, pos_ptr, start_ptr, Hkv, NS, W, NGC,
+                G: tl.constexpr, G_PAD: tl.constexpr, NSC_PAD: tl.constexpr,
+                L: tl.constexpr, D: tl.constexpr, LS: tl.constexpr, R: tl.constexpr,
+                QN: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr,
+                NSEL_PAD: tl.constexpr, CH: tl.constexpr, GB: tl.constexpr, DV: tl.constexpr,
+                DV_PAD: tl.constexpr, P_PAD: tl.constexpr, PICK: tl.constexpr,
+                TOPN: tl.constexpr, HAS_CMP: tl.constexpr, HAS_WIN: tl.constexpr):
+    """Program (row b, KV group h, c), two independent jobs:
+    c < NCH (PICK): selection blocks [c CH, (c + 1) CH): their scores p_slc (Eq. 8-10 from the
+      compressed scores and the compressed splits' (m, l); Eq. 9 straight from the scores, so no
+      p_cmp round trip), forced / valid rules and keys as `_score_kernel`, then the chunk's
+      N_SEL best keys (rank by counting: no serial max-reductions) -> candidates [NSEL_PAD].
+      TOPN=False: the local_selection ablation (score = block index).
+    c < NGC: heads [c GB, (c + 1) GB): the compressed and window splits merged into the branch
+      outputs (fp32, br[0] and br[2]), the compressed lse, the compressed / window counters."""
+    pid = tl.program_id(0)
+    c = tl.program_id(1)
+    b = pid // Hkv
+    h = pid % Hkv
+    bh = pid.to(tl.int64)
+    pos = tl.load(pos_ptr + b)
+    start = tl.load(start_ptr + b)
+    if PICK:
+        if c < NCH:
+            jj = c * CH + tl.arange(0, CH)
+            if TOPN:
+                offs_g = tl.arange(0, G_PAD)
+                sp = tl.arange(0, NSC_PAD)
+                msk = (sp < NSC)[:, None] & (offs_g < G)[None, :]
+                ptr = (bh * NSPLIT + sp)[:, None] * G + offs_g[None, :]
+                m = tl.load(pm_ptr + ptr, mask=msk, other=float("-inf"))
+                lsum = tl.load(pl_ptr + ptr, mask=msk, other=0.0)
+                mx = tl.max(m, 0)
+                mx = tl.where(mx == float("-inf"), 0.0, mx)
+                den = tl.sum(lsum * tl.exp(m - mx[None, :]), 0)
+                # compressed lse per head (0 for a head without any visible block)
+                lse = tl.where(den > 0, tl.log(tl.where(den > 0, den, 1.0)) + mx, 0.0)
+                S = pos + 1
+                ncmp = tl.where(S >= L, tl.maximum(S - L, 0) // D + 1, 0)
+                lo0 = (start + D - 1) // D
+                # Eq. 9 over Eq. 8 + 10: p_slc[j] = sum_m c[m] sum_g exp(s_g,jr+m - lse_g)
+                score = tl.zeros([CH], tl.float32)
+                for k in tl.static_range(R + QN - 1):
+                    ck = tl.load(c_ptr + k)
+                    i = jj * R + (k - (QN - 1))
+                    ok = (jj < NS) & (i >= lo0) & (i < ncmp) & (i >= 0)
+                    s = tl.load(sc_ptr + bh * G * NC + offs_g[:, None] * NC + i[None, :],
+                                mask=(offs_g < G)[:, None] & ok[None, :], other=float("-inf"))
+                    score += tl.sum(tl.exp(s - lse[:, None]), 0) * ck
+            else:
+                score = jj.to(tl.float32)
+            valid = (jj < NS) & (jj * LS <= pos) & ((jj + 1) * LS - 1 >= start)
+            cur = pos // LS
+            if N_LOCAL > 0:
+                forced = (jj > cur - N_LOCAL) & (jj <= cur)
+            else:
+                forced = jj < 0
+            if N_INIT > 0:
+                forced = forced | (jj == start // LS)
+            forced = forced & valid
+            bits = tl.maximum(score, 0.0).to(tl.int32, bitcast=True).to(tl.int64)
+            bits = tl.where(forced, 2139095040, bits)  # 0x7F800000 (+inf): forced blocks first
+            bits = tl.where(valid, bits, -1)
+            two32 = tl.full([CH], 4294967296, tl.int64)
+            key = bits * two32 + (NS - 1 - jj)
+            lowest = tl.full([CH], -4611686018427387904, tl.int64)  # -(1 << 62)
+            key = tl.where(jj < NS, key, lowest)
+            # keys are unique within a row (the block index is in the low bits; padding ties at
+            # `lowest`, which never wins a slot over a real key): slot t = the key of rank t
+            rank = tl.sum((key[None, :] > key[:, None]).to(tl.int32), 1)
+            tt = tl.arange(0, NSEL_PAD)
+            best = tl.max(tl.where(rank[None, :] == tt[:, None], key[None, :],
+                                   -4611686018427387904), 1)
+            tl.store(cand_ptr + (bh * NCH + c) * NSEL_PAD + tt, best)
+    if c < NGC:
+        g = c * GB + tl.arange(0, GB)
+        gm = g < G
+        row = b.to(tl.int64) * H + h * G + g
+        dv = tl.arange(0, DV_PAD)
+        om = gm[:, None] & (dv < DV)[None, :]
+        base = bh * NSPLIT
+        if HAS_CMP:
+            ob, den, mx = _merge_splits(po_ptr, pm_ptr, pl_ptr, base, NSC, g, gm, dv, G, DV,
+                                        P_PAD, False)
+            tl.store(br_ptr + row[:, None] * DV + dv[None, :], ob, mask=om)
+            lse = tl.where(den > 0, tl.log(tl.where(den > 0, den, 1.0)) + mx, float("-inf"))
+            tl.store(lse_ptr + row, lse, mask=gm)
+            if (h == 0) & (c == 0):
+                S = pos + 1
+                ncmp = tl.where(S >= L, tl.maximum(S - L, 0) // D + 1, 0)
+                tl.store(rcmp_ptr + b, tl.maximum(ncmp - (start + D - 1) // D, 0))
+        if HAS_WIN:
+            ob, den, mx = _merge_splits(po_ptr, pm_ptr, pl_ptr, base + NSC, NSW, g, gm, dv, G, DV,
+                                        P_PAD, False)
+            tl.store(br_ptr + (2 * BH + row)[:, None] * DV + dv[None, :], ob, mask=om)
+            if (h == 0) & (c == 0):
+                tl.store(rwin_ptr + b, tl.minimum(W, pos + 1 - start))
+
+
+@triton.jit
+def _sel_kernel(q_ptr, sqb, sqh, pos_ptr, start_ptr, Hkv, k_a, v_a, NA, NS,
+                cand_ptr, NCAND, gidx_ptr, idx_ptr, rsel_ptr, N_IDX, BPS, SPLIT0,
+                po_ptr, pm_ptr, pl_ptr, NSPLIT, NSS, cnt_ptr, br_ptr, BH, H,
+                g_ptr, sgb, sgh, o_ptr,
+                G: tl.constexpr, G_PAD: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                DK1: tl.constexpr, DK2: tl.constexpr, DV_PAD: tl.constexpr, LS: tl.constexpr,
+                BLOCK_N: tl.constexpr, NIDX_PAD: tl.constexpr, NCAND_PAD: tl.constexpr,
+                RB: tl.constexpr, PICK: tl.constexpr, GB: tl.constexpr, NGC: tl.constexpr,
+                P_PAD: tl.constexpr, HAS_CMP: tl.constexpr, HAS_WIN: tl.constexpr,
+                USE_CMP: tl.constexpr, USE_SEL: tl.constexpr, USE_WIN: tl.constexpr,
+                GATED: tl.constexpr, STORE_BR: tl.constexpr, SCALE: tl.constexpr):
+    """Split sid of the selected blocks of (row b, KV group h), and the end of the step.
+
+    PICK: the row's top-n from the chunks' candidates (`_slc_kernel`), by rank counting, in
+    every program (a few hundred keys from L2: cheaper than a launch); program 0 stores the
+    indices and the selection read counter. Else the indices come from gidx (causal mode).
+    Then split-K attention over selected blocks [sid BPS, (sid + 1) BPS), read in place, as
+    `_attn_kernel` (SEL=True), partial (acc, m, l) stored. The last program of (b, h) to arrive
+    (an acq_rel counter per (b, h), reset by that program for the next launch) merges the
+    selection splits and writes the gated output (Eq. 5, the torch path's order) for all G
+    heads, with the compressed / window outputs of `_slc_kernel`."""
+    pid = tl.program_id(0)
+    sid = tl.program_id(1)
+    b = pid // Hkv
+    h = pid % Hkv
+    bh = pid.to(tl.int64)
+    pos = tl.load(pos_ptr + b).to(tl.int32)
+    start = tl.load(start_ptr + b).to(tl.int32)
+    b0 = sid * BPS
+    b1 = tl.minimum(b0 + BPS, N_IDX)
+    tt = tl.arange(0, NIDX_PAD)
+    if PICK:
+        cc = tl.arange(0, NCAND_PAD)
+        call = tl.load(cand_ptr + bh * NCAND + cc, mask=cc < NCAND, other=-4611686018427387904)
+        top = tl.full([NIDX_PAD], -4611686018427387904, tl.int64)
+        for r0 in range(0, NCAND, RB):
+            rr = r0 + tl.arange(0, RB)
+            ck = tl.load(cand_ptr + bh * NCAND + rr, mask=rr < NCAND, other=-4611686018427387904)
+            rank = tl.sum((call[None, :] > ck[:, None]).to(tl.int32), 1)  # [RB]
+            top = tl.maximum(top, tl.max(tl.where(rank[None, :] == tt[:, None], ck[None, :],
+                                                  -4611686018427387904), 1))
+        blks = tl.where(top < 0, -1, NS - 1 - top % 4294967296)
+        blks = tl.where(tt < N_IDX, blks, -1).to(tl.int32)
+        if sid == 0:
+            tl.store(idx_ptr + bh * N_IDX + tt, blks.to(tl.int64), mask=tt < N_IDX)
+            lo = tl.maximum(blks * LS, start)
+            hi = tl.minimum(blks * LS + LS - 1, pos)
+            n_tok = tl.sum(tl.where(blks >= 0, tl.maximum(hi - lo + 1, 0), 0), 0)
+            tl.store(rsel_ptr + bh, n_tok.to(tl.int64))
+    offs_g = tl.arange(0, G_PAD)
+    offs_n = tl.arange(0, BLOCK_N)
+    gm = offs_g < G
+    d1 = tl.arange(0, DK1)
+    dv = tl.arange(0, DV_PAD)
+    q_base = q_ptr + b.to(tl.int64) * sqb + (h * G + offs_g)[:, None] * sqh
+    q1 = tl.load(q_base + d1[None, :], mask=gm[:, None] & (d1 < DK)[None, :], other=0.0)
+    if DK2 > 0:
+        d2 = DK1 + tl.arange(0, DK2)
+        q2 = tl.load(q_base + d2[None, :], mask=gm[:, None] & (d2 < DK)[None, :], other=0.0)
+    else:
+        d2 = d1
+        q2 = q1
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, DV_PAD], tl.float32)
+    k_base = k_a + bh * NA * DK
+    v_base = v_a + bh * NA * DV
+    hi_r = (b1 - b0) * LS
+    for r0 in range(0, hi_r, BLOCK_N):
+        rr = r0 + offs_n
+        slot = b0 + rr // LS
+        inb = rr < hi_r
+        if PICK:  # the slot's block from registers
+            blk = tl.sum(tl.where(slot[:, None] == tt[None, :], blks[None, :], 0), 1)
+            blk = tl.where(inb, blk, -1)
+        else:
+            blk = tl.load(gidx_ptr + bh * N_IDX + slot, mask=inb, other=-1).to(tl.int32)
+        rows = blk * LS + rr % LS
+        valid = inb & (blk >= 0) & (rows <= pos) & (rows >= start)
+        kt = tl.load(k_base + rows[None, :] * DK + d1[:, None],
+                     mask=valid[None, :] & (d1 < DK)[:, None], other=0.0)  # [DK1, BLOCK_N]
+        v = tl.load(v_base + rows[:, None] * DV + dv[None, :],
+                    mask=valid[:, None] & (dv < DV)[None, :], other=0.0)  # [BLOCK_N, DV_PAD]
+        s = tl.dot(q1, kt, input_precision="ieee")
+        if DK2 > 0:
+            kt2 = tl.load(k_base + rows[None, :] * DK + d2[:, None],
+                          mask=valid[None, :] & (d2 < DK)[:, None], other=0.0)
+            s += tl.dot(q2, kt2, input_precision="ieee")
+        s = tl.where(valid[None, :], s * SCALE, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+    first = bh * NSPLIT + SPLIT0
+    slot_s = first + sid
+    tl.store(pm_ptr + slot_s * G + offs_g, m_i, mask=gm)
+    tl.store(pl_ptr + slot_s * G + offs_g, l_i, mask=gm)
+    tl.store(po_ptr + (slot_s * G + offs_g[:, None]) * DV + dv[None, :], acc,
+             mask=gm[:, None] & (dv < DV)[None, :])
+    # "finish the step yourself": every thread's stores above happen before the barrier, the
+    # release half of the counter update publishes them; the last arrival's acquire (and the
+    # L1-bypassing loads in the merge) sees every split of (b, h)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+    if arrived == NSS - 1:
+        tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+        tl.debug_barrier()
+        for gc in tl.static_range(NGC):
+            g = gc * GB + tl.arange(0, GB)
+            gmc = g < G
+            hq = h * G + g
+            row = b.to(tl.int64) * H + hq
+            om = gmc[:, None] & (dv < DV)[None, :]
+            o = tl.zeros([GB, DV_PAD], tl.float32)
+            if HAS_CMP:
+                if USE_CMP:
+                    ob = tl.load(br_ptr + row[:, None] * DV + dv[None, :], mask=om, other=0.0)
+                    if GATED:
+                        gate = tl.load(g_ptr + b.to(tl.int64) * sgb + hq * sgh, mask=gmc,
+                                       other=0.0).to(tl.float32)
+                        o = o + gate[:, None] * ob
+                    else:
+                        o = o + ob
+            ob, den, mx = _merge_splits(po_ptr, pm_ptr, pl_ptr, first, NSS, g, gmc, dv, G, DV,
+                                        P_PAD, True)
+            if STORE_BR:
+                tl.store(br_ptr + (BH + row)[:, None] * DV + dv[None, :], ob, mask=om)
+            if USE_SEL:
+                if GATED:
+                    gate = tl.load(g_ptr + b.to(tl.int64) * sgb + hq * sgh + 1, mask=gmc,
+                                   other=0.0).to(tl.float32)
+                    o = o + gate[:, None] * ob
+                else:
+                    o = o + ob
+            if HAS_WIN:
+                if USE_WIN:
+                    ob = tl.load(br_ptr + (2 * BH + row)[:, None] * DV + dv[None, :], mask=om,
+                                 other=0.0)
+                    if GATED:
+                        gate = tl.load(g_ptr + b.to(tl.int64) * sgb + hq * sgh + 2, mask=gmc,
+                                       other=0.0).to(tl.float32)
+                        o = o + gate[:, None] * ob
+                    else:
+                        o = o + ob
+            tl.store(o_ptr + row[:, None] * DV + dv[None, :], o.to(o_ptr.dtype.element_ty),
+                     mask=om)
+
+
 # ============================================================================ host wrappers
 def _rows(t: Tensor) -> tuple[Tensor, int, int]:
     """t [B, Hkv, 1, D] or [B, Hkv, D] -> (t, stride_b, stride_h) with a unit last stride."""
@@ -519,7 +802,8 @@ def nsa_decode_attention(q: Tensor, pos: Tensor, start: Tensor, *, l: int, d: in
                          use: tuple = ("cmp", "sel", "win"), g: Tensor | None = None,
                          scale: float | None = None, return_branches: bool = False,
                          num_programs: int | None = None, block_n: int = 32, num_warps: int = 4,
-                         num_stages: int = 2) -> DecodeResult:
+                         num_stages: int = 2, fused: bool = True,
+                         score_chunk: int | None = None) -> DecodeResult:
     """The attention reads of one NSA decode step (the caches already hold the new token).
 
     q [B, H, Dk] or [B, H, 1, Dk] (after RoPE); pos [B] the new token's position (S = pos + 1
@@ -533,7 +817,15 @@ def nsa_decode_attention(q: Tensor, pos: Tensor, start: Tensor, *, l: int, d: in
 
     Launch options: num_programs (about how many programs per attention launch; default
     PROGRAMS_PER_SM per SM), block_n (keys per tile, >= 16), num_warps / num_stages of the
-    attention kernels."""
+    attention kernels. fused (default; sel_mode "none" always takes the five-launch path):
+    three launches after the compressed + window split-K instead of three plus the combine:
+    `_slc_kernel` (block scores and per-chunk top-n candidates over (b, h, chunk) programs, the
+    compressed / window merge) and `_sel_kernel` (top-n from the candidates, selected split-K,
+    the combine by the last program of each (b, h) to arrive); score_chunk: selection blocks
+    per scoring program (a power of two; default min(128, ...)). fused=False: the five launches
+    of the module docstring. Both compute the same function; the fused path keeps per-device
+    arrival counters (`_arrival_counters`) between calls, so steps on the same device must not
+    run concurrently on different streams."""
     if sel_mode not in SEL_MODES:
         raise ValueError(f"sel_mode={sel_mode!r}: allowed values are {SEL_MODES}")
     if block_n < 16 or block_n & (block_n - 1):
@@ -593,6 +885,12 @@ def nsa_decode_attention(q: Tensor, pos: Tensor, start: Tensor, *, l: int, d: in
 
     reads = {}
     idx = None
+    if fused and sel_mode != "none":
+        return _finish_fused(
+            q, sqb, sqh, pos, start, B, H, Hkv, G, Dk, Dv, l, d, l_sel, n_sel, n_init, n_local,
+            sel_mode, use, present, g, return_branches, k_sel, v_sel, kref, vref, Nc, W, ns,
+            n_idx, nsc, nsw, nss, bps, nsplit, scores, part_o, part_m, part_l, common,
+            score_chunk)
     if sel_mode in ("topn", "local_selection"):
         idx = torch.empty(B, Hkv, n_sel, device=dev, dtype=torch.long)
         reads["sel"] = torch.empty(B, Hkv, device=dev, dtype=torch.long)
@@ -640,6 +938,106 @@ def nsa_decode_attention(q: Tensor, pos: Tensor, start: Tensor, *, l: int, d: in
         HAS_CMP=present["cmp"], HAS_SEL=present["sel"], HAS_WIN=present["win"],
         USE_CMP="cmp" in use, USE_SEL="sel" in use, USE_WIN="win" in use,
         GATED=g is not None, STORE_BR=return_branches, num_warps=8)
+    if rcmp is not None:
+        reads["cmp"] = rcmp
+    if rwin is not None:
+        reads["win"] = rwin
+    branches = {}
+    if return_branches:
+        branches = {b: br[i] for i, b in enumerate(("cmp", "sel", "win")) if present[b]}
+    return DecodeResult(o, lse, idx, reads, branches, (nsc, nsw, nss))
+
+
+_COUNTERS: dict = {}
+
+
+def _arrival_counters(device, n: int) -> Tensor:
+    """n zeroed int32 arrival counters on `device` for `_sel_kernel` (one per (row, KV group));
+    every launch leaves them at zero. Kept for the life of the process (a captured CUDA graph
+    holds their address), one tensor per (device, n)."""
+    key = (device.type, device.index, n)
+    t = _COUNTERS.get(key)
+    if t is None:
+        t = _COUNTERS[key] = torch.zeros(max(n, 1), dtype=torch.int32, device=device)
+    return t
+
+
+def _heads_per_program(G: int, p_pad: int, dv_pad: int) -> int:
+    """Query heads merged per pass: a [P_PAD, GB, DV_PAD] fp32 tile of at most 4k elements (more
+    spills registers on sm_90)."""
+    return min(_np2(G), 1 << max(0, (4096 // (p_pad * dv_pad)).bit_length() - 1))
+
+
+def _finish_fused(q, sqb, sqh, pos, start, B, H, Hkv, G, Dk, Dv, l, d, l_sel, n_sel, n_init,
+                  n_local, sel_mode, use, present, g, return_branches, k_sel, v_sel, kref, vref,
+                  Nc, W, ns, n_idx, nsc, nsw, nss, bps, nsplit, scores, part_o, part_m, part_l,
+                  common, score_chunk) -> DecodeResult:
+    """The fused path after the compressed + window split-K launch: `_slc_kernel`, then
+    `_sel_kernel` (see nsa_decode_attention)."""
+    dev = q.device
+    f32 = dict(device=dev, dtype=torch.float32)
+    pick = sel_mode in ("topn", "local_selection")
+    topn = sel_mode == "topn"
+    DV_PAD = common["DV_PAD"]
+    br = torch.empty(3, B, H, Dv, **f32)  # fp32 branch outputs: cmp / win from 3, sel from 4
+    lse = torch.empty(B, H, **f32) if present["cmp"] else None
+    rcmp = torch.empty(B, device=dev, dtype=torch.long) if present["cmp"] else None
+    rwin = torch.empty(B, device=dev, dtype=torch.long) if present["win"] else None
+    reads, idx = {}, None
+    nidx_pad = _np2(max(n_idx, 1))
+    ch = score_chunk or min(128, max(16, _np2(max(ns, 1))))
+    if ch < 16 or ch & (ch - 1):
+        raise ValueError(f"score_chunk={ch}: must be a power of two >= 16")
+    nch = max(1, _cdiv(ns, ch)) if pick else 0
+    cand = torch.empty(B * Hkv * max(nch, 1) * nidx_pad if pick else 1, device=dev,
+                       dtype=torch.long)
+    p3 = _np2(max(nsc, nsw, 1))
+    gb3 = _heads_per_program(G, p3, DV_PAD)
+    ngc3 = _cdiv(G, gb3) if (present["cmp"] or present["win"]) else 0
+    if pick:
+        idx = torch.empty(B, Hkv, n_sel, device=dev, dtype=torch.long)
+        reads["sel"] = torch.empty(B, Hkv, device=dev, dtype=torch.long)
+    if max(nch, ngc3) > 0:
+        c = overlap_kernel_cached(l, d, l_sel, dev) if topn else part_m
+        _slc_kernel[(B * Hkv, max(nch, ngc3))](
+            part_m, part_l, part_o, nsplit, nsc, nsw, scores, max(Nc, 1), c, cand, max(nch, 1),
+            br, B * H, H, lse if lse is not None else part_m,
+            rcmp if rcmp is not None else pos, rwin if rwin is not None else pos, pos, start,
+            Hkv, ns, max(W, 1), ngc3, G=G, G_PAD=common["G_PAD"], NSC_PAD=_np2(max(nsc, 1)),
+            L=l, D=d, LS=l_sel, R=l_sel // d, QN=l // d, N_INIT=n_init, N_LOCAL=n_local,
+            NSEL_PAD=nidx_pad, CH=ch, GB=gb3, DV=Dv, DV_PAD=DV_PAD, P_PAD=p3, PICK=pick,
+            TOPN=topn, HAS_CMP=present["cmp"], HAS_WIN=present["win"], num_warps=8)
+    if sel_mode == "causal":  # every block that holds a visible token
+        j = torch.arange(ns, device=dev)
+        ok = valid_blocks(pos.view(B, 1), start.view(B, 1), ns, l_sel)
+        gidx = torch.where(ok, j, -1).view(B, 1, ns).expand(B, Hkv, ns).contiguous()
+        reads["sel"] = (pos - start + 1).view(B, 1).expand(B, Hkv)
+    else:
+        gidx = cand
+    o = torch.empty(B, H, Dv, device=dev, dtype=vref.dtype)
+    if g is not None:
+        if g.dim() == 4:
+            g = g[:, :, 0]
+        if g.shape != (B, H, 3):
+            raise ValueError(f"g: expected [B, H, 3] gates, got {tuple(g.shape)}")
+        g, sgb, sgh = _rows(g)
+    else:
+        sgb = sgh = 0
+    ncand = max(nch, 1) * nidx_pad
+    p4 = _np2(max(nss, 1))
+    gb4 = _heads_per_program(G, p4, DV_PAD)
+    _sel_kernel[(B * Hkv, nss)](
+        q, sqb, sqh, pos, start, Hkv, k_sel, v_sel, k_sel.shape[2], ns, cand, ncand, gidx,
+        idx if idx is not None else cand, reads["sel"] if pick else cand, n_idx, bps, nsc + nsw,
+        part_o, part_m, part_l, nsplit, nss, _arrival_counters(dev, B * Hkv), br, B * H, H,
+        g if g is not None else part_m, sgb, sgh, o,
+        G=G, G_PAD=common["G_PAD"], DK=Dk, DV=Dv, DK1=common["DK1"], DK2=common["DK2"],
+        DV_PAD=DV_PAD, LS=l_sel, BLOCK_N=common["BLOCK_N"], NIDX_PAD=nidx_pad,
+        NCAND_PAD=_np2(ncand), RB=min(32, _np2(ncand)), PICK=pick, GB=gb4, NGC=_cdiv(G, gb4),
+        P_PAD=p4, HAS_CMP=present["cmp"], HAS_WIN=present["win"], USE_CMP="cmp" in use,
+        USE_SEL="sel" in use, USE_WIN="win" in use, GATED=g is not None,
+        STORE_BR=return_branches, SCALE=common["SCALE"], num_warps=common["num_warps"],
+        num_stages=common["num_stages"])
     if rcmp is not None:
         reads["cmp"] = rcmp
     if rwin is not None:

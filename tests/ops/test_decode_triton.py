@@ -111,7 +111,8 @@ def _one_case(cfg_kw: dict, lens: list[int], opt: dict, seed: int) -> dict:
             k_win=tc.get("k_win"), v_win=tc.get("v_win"), sel_mode=sel,
             use=tuple(b for b in ("cmp", "sel", "win") if modes[b] != "none"), g=g,
             return_branches=True, num_programs=opt.get("programs", 4),
-            block_n=opt.get("block_n", 32))
+            block_n=opt.get("block_n", 32), fused=opt.get("fused", True),
+            score_chunk=opt.get("score_chunk"))
         out["o_err"] = (r.o - o_ref[:, :, 0]).abs().max().item()
         out["branch_err"] = {b: (r.branches[b] - br_ref[b]).abs().max().item() for b in br_ref}
         out["branches"] = sorted(r.branches)
@@ -256,6 +257,10 @@ def test_decode_backend_validation():
             resolve_decode_backend("triton", "cpu")
 
 
+KERNELS = ("_write_kernel", "_attn_kernel", "_score_kernel", "_combine_kernel", "_slc_kernel",
+           "_sel_kernel")
+
+
 @pytest.mark.parametrize("case", ["paper_bf16", "small_fp32"])
 def test_kernels_compile_for_h100(monkeypatch, case):
     """Every kernel of a step compiles (Triton front end, TTGIR, PTX, ptxas) for sm_90 with the
@@ -271,7 +276,7 @@ def test_kernels_compile_for_h100(monkeypatch, case):
     if M.interpreter_active():
         pytest.skip("TRITON_INTERPRET is set in this process")
     calls = Launches()
-    for name in ("_write_kernel", "_attn_kernel", "_score_kernel", "_combine_kernel"):
+    for name in KERNELS:
         monkeypatch.setattr(M, name, calls.wrap(getattr(M, name)))
     if case == "paper_bf16":
         cfg, dt, sel = NSAConfig(backend="reference"), torch.bfloat16, "topn"
@@ -285,14 +290,16 @@ def test_kernels_compile_for_h100(monkeypatch, case):
     new = {b: (torch.zeros(B, Hkv, 1, dk, dtype=dt), torch.zeros(B, Hkv, 1, dv, dtype=dt))
            for b in ("cmp", "sel", "win")}
     M.nsa_decode_write(c.lengths, new, l=cfg.l, d=cfg.d, emit_avg=True, **c.tensors())
-    M.nsa_decode_attention(q, c.lengths, c.doc_start, l=cfg.l, d=cfg.d, l_sel=cfg.l_sel,
-                           n_sel=cfg.n_sel, k_cmp=c.k_cmp, v_cmp=c.v_cmp, k_sel=c.k_sel,
-                           v_sel=c.v_sel, k_win=c.k_win, v_win=c.v_win, sel_mode=sel,
-                           g=q[..., :3], num_programs=528)
-    assert sorted({k.__name__ for k, _, _ in calls}) == [
-        "_attn_kernel", "_combine_kernel", "_score_kernel", "_write_kernel"]
-    if case == "small_fp32":  # the padded d_k / d_v / G paths of the attention kernel only
-        calls = [c for c in calls if c[0].__name__ == "_attn_kernel"]
+    for fused in (True, False):  # both launch paths; batch 1 and 2 (split counts differ)
+        for b in (1, B):
+            M.nsa_decode_attention(
+                q[:b], c.lengths[:b], c.doc_start[:b], l=cfg.l, d=cfg.d, l_sel=cfg.l_sel,
+                n_sel=cfg.n_sel, k_cmp=c.k_cmp[:b], v_cmp=c.v_cmp[:b], k_sel=c.k_sel[:b],
+                v_sel=c.v_sel[:b], k_win=c.k_win[:b], v_win=c.v_win[:b], sel_mode=sel,
+                g=q[:b, :, :, :3], num_programs=528, fused=fused)
+    assert sorted({k.__name__ for k, _, _ in calls}) == sorted(KERNELS)
+    if case == "small_fp32":  # the padded d_k / d_v / G paths of the attention kernels only
+        calls = [c for c in calls if c[0].__name__ in ("_attn_kernel", "_sel_kernel", "_slc_kernel")]
     for kernel, args, kw in calls:
         compile_for_h100(kernel, args, kw)
 
