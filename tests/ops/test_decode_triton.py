@@ -47,6 +47,18 @@ CASES = [
                            **BLOCKS), [130, 9], {}),
     ("sliding_only", dict(n_heads=4, n_kv_heads=1, d_qk=24, d_v=24, masks="sliding_only",
                           **BLOCKS), [130, 9], {}),
+    # the fused path's chunked scorer: several score chunks per row (candidates merged across
+    # chunks), several selection splits (the last-arriving combine), block boundaries
+    ("g16_chunks_boundaries", dict(n_heads=16, n_kv_heads=1, d_qk=48, d_v=24, **BLOCKS),
+     [255, 256, 239, 15], dict(score_chunk=16, programs=64, repeat=True)),
+    ("g8_docs_chunks", dict(n_heads=16, n_kv_heads=2, d_qk=24, d_v=24, **BLOCKS),
+     [300, 191, 64], dict(starts=[128, 37, 64], score_chunk=16, programs=48)),
+    ("g8_local_selection_chunks", dict(n_heads=16, n_kv_heads=2, d_qk=24, d_v=24,
+                                       masks="local_selection", **BLOCKS),
+     [300, 47], dict(score_chunk=16, programs=32)),
+    ("g16_paper_blocks", dict(n_heads=32, n_kv_heads=2, d_qk=192, d_v=128, l=32, d=16, l_sel=64,
+                              n_sel=16, window=512), [3000, 1023], dict(starts=[0, 512],
+                                                                       programs=64)),
 ]
 
 
@@ -103,28 +115,44 @@ def _one_case(cfg_kw: dict, lens: list[int], opt: dict, seed: int) -> dict:
                 br_ref[b] = attend_cached(cfg, modes, q, one.expand(B, H, 1, 3), *args)[0][:, :, 0]
         sel = modes["sel"]
         tc = {k: v for k, v in tri.tensors().items() if k not in ("k_raw", "v_raw")}
-        r = nsa_decode_attention(
-            q, tri.lengths, tri.doc_start, l=cfg.l, d=cfg.d, l_sel=cfg.l_sel, n_sel=cfg.n_sel,
-            n_init=cfg.n_init, n_local=cfg.n_local, k_cmp=tc.get("k_cmp"), v_cmp=tc.get("v_cmp"),
-            k_sel=tc.get("k_sel") if sel != "none" else None,
-            v_sel=tc.get("v_sel") if sel != "none" else None,
-            k_win=tc.get("k_win"), v_win=tc.get("v_win"), sel_mode=sel,
-            use=tuple(b for b in ("cmp", "sel", "win") if modes[b] != "none"), g=g,
-            return_branches=True, num_programs=opt.get("programs", 4),
-            block_n=opt.get("block_n", 32), fused=opt.get("fused", True),
-            score_chunk=opt.get("score_chunk"))
-        out["o_err"] = (r.o - o_ref[:, :, 0]).abs().max().item()
-        out["branch_err"] = {b: (r.branches[b] - br_ref[b]).abs().max().item() for b in br_ref}
-        out["branches"] = sorted(r.branches)
-        out["idx_equal"] = (idx_ref is None and r.idx is None) or (
-            idx_ref is not None and r.idx is not None
-            and torch.equal(idx_ref.sort(-1).values, r.idx.sort(-1).values))
-        out["minus_one_slots"] = int((r.idx < 0).sum()) if r.idx is not None else 0
-        out["reads_equal"] = sorted(reads_ref) == sorted(r.reads) and all(
-            torch.equal(reads_ref[k].long(), r.reads[k].long().expand_as(reads_ref[k]))
-            for k in reads_ref)
-        out["reads"] = {k: v.tolist() for k, v in r.reads.items()}
-        out["splits"] = list(r.splits)
+        paths = {}
+        for fused in (True, False):  # both launch paths of the same step
+            r = nsa_decode_attention(
+                q, tri.lengths, tri.doc_start, l=cfg.l, d=cfg.d, l_sel=cfg.l_sel,
+                n_sel=cfg.n_sel, n_init=cfg.n_init, n_local=cfg.n_local, k_cmp=tc.get("k_cmp"),
+                v_cmp=tc.get("v_cmp"), k_sel=tc.get("k_sel") if sel != "none" else None,
+                v_sel=tc.get("v_sel") if sel != "none" else None,
+                k_win=tc.get("k_win"), v_win=tc.get("v_win"), sel_mode=sel,
+                use=tuple(b for b in ("cmp", "sel", "win") if modes[b] != "none"), g=g,
+                return_branches=True, num_programs=opt.get("programs", 4),
+                block_n=opt.get("block_n", 32), fused=fused, score_chunk=opt.get("score_chunk"))
+            one = {}
+            one["o_err"] = (r.o - o_ref[:, :, 0]).abs().max().item()
+            one["branch_err"] = {b: (r.branches[b] - br_ref[b]).abs().max().item()
+                                 for b in br_ref}
+            one["branches"] = sorted(r.branches)
+            one["idx_equal"] = (idx_ref is None and r.idx is None) or (
+                idx_ref is not None and r.idx is not None
+                and torch.equal(idx_ref.sort(-1).values, r.idx.sort(-1).values))
+            one["minus_one_slots"] = int((r.idx < 0).sum()) if r.idx is not None else 0
+            one["reads_equal"] = sorted(reads_ref) == sorted(r.reads) and all(
+                torch.equal(reads_ref[k].long(), r.reads[k].long().expand_as(reads_ref[k]))
+                for k in reads_ref)
+            one["reads"] = {k: v.tolist() for k, v in r.reads.items()}
+            one["splits"] = list(r.splits)
+            one["lse"] = r.lse_cmp
+            paths[fused] = one
+        if opt.get("repeat"):  # the same step again: the arrival counters were left at zero
+            r2 = nsa_decode_attention(
+                q, tri.lengths, tri.doc_start, l=cfg.l, d=cfg.d, l_sel=cfg.l_sel,
+                n_sel=cfg.n_sel, n_init=cfg.n_init, n_local=cfg.n_local, k_cmp=tc.get("k_cmp"),
+                v_cmp=tc.get("v_cmp"), k_sel=tc.get("k_sel"), v_sel=tc.get("v_sel"),
+                k_win=tc.get("k_win"), v_win=tc.get("v_win"), sel_mode=sel, g=g,
+                num_programs=opt.get("programs", 4), block_n=opt.get("block_n", 32),
+                score_chunk=opt.get("score_chunk"))
+            paths[True]["repeat_err"] = (r2.o - o_ref[:, :, 0]).abs().max().item()
+        out.update(paths[True])
+        out["unfused"] = {k: v for k, v in paths[False].items() if k != "lse"}
         if "k_cmp" in caches:  # the compressed lse of the torch path's own compressed attention
             kc, vc = caches["k_cmp"], caches["v_cmp"]
             Nc, S = kc.shape[2], ref.lengths + 1
@@ -138,9 +166,11 @@ def _one_case(cfg_kw: dict, lens: list[int], opt: dict, seed: int) -> dict:
             else:
                 lse = torch.full((B, H), float("-inf"))
             fin = torch.isfinite(lse)
-            out["lse_inf_equal"] = torch.equal(fin, torch.isfinite(r.lse_cmp))
-            out["lse_err"] = (r.lse_cmp[fin] - lse[fin]).abs().max().item() if fin.any() else 0.0
+            for one, lse_k in ((out, paths[True]["lse"]), (out["unfused"], paths[False]["lse"])):
+                one["lse_inf_equal"] = torch.equal(fin, torch.isfinite(lse_k))
+                one["lse_err"] = (lse_k[fin] - lse[fin]).abs().max().item() if fin.any() else 0.0
             out["lse_finite_rows"] = int(fin.sum())
+    out.pop("lse", None)
     return out
 
 
@@ -202,16 +232,21 @@ def report():
     return res
 
 
+@pytest.mark.parametrize("path", ["fused", "unfused"])
 @pytest.mark.parametrize("name", [c[0] for c in CASES])
-def test_fused_step_matches_torch(report, name):
-    r = report[name]
-    assert r["cache_err"] <= 1e-6, r
+def test_fused_step_matches_torch(report, name, path):
+    """Both launch paths of `nsa_decode_attention` (fused=True: score chunks + selection with the
+    last-arriving combine; fused=False: five launches) against the torch step."""
+    r = report[name] if path == "fused" else report[name]["unfused"]
+    assert report[name]["cache_err"] <= 1e-6, report[name]
     assert r["o_err"] <= TOL, r
     assert r["branch_err"] and max(r["branch_err"].values()) <= TOL, r
     assert r["idx_equal"], r
     assert r["reads_equal"], r
     if "lse_err" in r:
         assert r["lse_inf_equal"] and r["lse_err"] <= TOL, r
+    if "repeat_err" in r:
+        assert r["repeat_err"] <= TOL, r
 
 
 def test_cases_cover_what_they_claim(report):
@@ -227,6 +262,10 @@ def test_cases_cover_what_they_claim(report):
     assert report["full_causal"]["branches"] == ["sel"]
     assert report["sliding_only"]["branches"] == ["win"]
     assert report["no_compressed"]["branches"] == ["cmp", "sel", "win"]  # cmp feeds the scorer
+    r = report["g16_chunks_boundaries"]
+    assert r["splits"][2] > 1 and r["reads"]["sel"][0] != r["reads"]["sel"][1]
+    assert report["g8_docs_chunks"]["splits"][2] > 1
+    assert report["g8_local_selection_chunks"]["splits"][2] > 1
 
 
 def test_decode_step_trajectory_triton(report):
