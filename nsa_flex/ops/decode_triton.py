@@ -48,6 +48,8 @@ from ..rules import overlap_kernel_cached, valid_blocks
 SEL_MODES = ("topn", "local_selection", "causal", "none")
 PROGRAMS_PER_SM = 4  # default size of the split-K launches: about this many programs per SM
 MAX_SPLITS = 64  # splits per (row, KV group) and branch (the combine holds them in registers)
+# `_attn_kernel` launch constants of a launch that writes nothing
+NO_WRITE = dict(W_CMP=False, W_SEL=False, W_WIN=False, EMIT_AVG=False, DK_PAD=16, L_PAD=16)
 
 
 def interpreter_active() -> bool:
@@ -128,24 +130,34 @@ def _write_kernel(pos_ptr, Hkv,
         tl.store(k_raw + (bh * L + slot) * DK + dk, k, mask=mk)
         tl.store(v_raw + (bh * L + slot) * DV + dv, v, mask=mv)
         if EMIT_AVG:
-            # the block of the last L positions, completed by this token when d | S - L
-            S = pos + 1
-            emit = tl.where((S >= L) & ((S - L) % D == 0), 1, 0)  # as 0/1: masks below
-            dst = tl.minimum(tl.maximum(S - L, 0) // D, NC - 1)
-            r = tl.arange(0, L_PAD)
-            own = (r == slot)[:, None]  # the ring slot just written: take the new token
-            kr = tl.load(k_raw + (bh * L + r[:, None]) * DK + dk[None, :],
-                         mask=(r < L)[:, None] & mk[None, :], other=0.0)
-            kr = tl.where(own, k[None, :], kr).to(tl.float32)
-            vr = tl.load(v_raw + (bh * L + r[:, None]) * DV + dv[None, :],
-                         mask=(r < L)[:, None] & mv[None, :], other=0.0)
-            vr = tl.where(own, v[None, :], vr).to(tl.float32)
-            km = tl.sum(kr, 0) / L
-            vm = tl.sum(vr, 0) / L
-            tl.store(k_cmp + (bh * NC + dst) * DK + dk, km.to(k_cmp.dtype.element_ty),
-                     mask=dk < DK * emit)
-            tl.store(v_cmp + (bh * NC + dst) * DV + dv, vm.to(v_cmp.dtype.element_ty),
-                     mask=dv < DV * emit)
+            _emit_avg(bh, pos, slot, k, v, k_raw, v_raw, k_cmp, v_cmp, NC, dk, dv, mk, mv,
+                      DK, DV, L, L_PAD, D)
+
+
+@triton.jit
+def _emit_avg(bh, pos, slot, k, v, k_raw, v_raw, k_cmp, v_cmp, NC, dk, dv, mk, mv,
+              DK: tl.constexpr, DV: tl.constexpr, L: tl.constexpr, L_PAD: tl.constexpr,
+              D: tl.constexpr):
+    """The compressed block of the last L positions (phi = mean of the raw ring, whose slot
+    `slot` now holds the new token (k, v)), stored at block (S - L) / D when the token completes
+    it (d | S - L); branch-free: other rows store nothing."""
+    S = pos + 1
+    emit = tl.where((S >= L) & ((S - L) % D == 0), 1, 0)  # as 0/1: masks below
+    dst = tl.minimum(tl.maximum(S - L, 0) // D, NC - 1)
+    r = tl.arange(0, L_PAD)
+    own = (r == slot)[:, None]  # the ring slot just written: take the new token
+    kr = tl.load(k_raw + (bh * L + r[:, None]) * DK + dk[None, :],
+                 mask=(r < L)[:, None] & mk[None, :], other=0.0)
+    kr = tl.where(own, k[None, :], kr).to(tl.float32)
+    vr = tl.load(v_raw + (bh * L + r[:, None]) * DV + dv[None, :],
+                 mask=(r < L)[:, None] & mv[None, :], other=0.0)
+    vr = tl.where(own, v[None, :], vr).to(tl.float32)
+    km = tl.sum(kr, 0) / L
+    vm = tl.sum(vr, 0) / L
+    tl.store(k_cmp + (bh * NC + dst) * DK + dk, km.to(k_cmp.dtype.element_ty),
+             mask=dk < DK * emit)
+    tl.store(v_cmp + (bh * NC + dst) * DV + dv, vm.to(v_cmp.dtype.element_ty),
+             mask=dv < DV * emit)
 
 
 @triton.jit
@@ -231,11 +243,17 @@ def _score_kernel(pm_ptr, pl_ptr, NSPLIT, NSC, sc_ptr, pc_ptr, NC, c_ptr, idx_pt
 def _attn_kernel(q_ptr, sqb, sqh, pos_ptr, start_ptr, Hkv,
                  k_a, v_a, NA, k_w, v_w, W, NSC, WPER, idx_ptr, N_IDX, BPS, SPLIT0,
                  sc_ptr, po_ptr, pm_ptr, pl_ptr, NSPLIT,
+                 kc_ptr, vc_ptr, skc_b, skc_h, svc_b, svc_h,
+                 ks_ptr, vs_ptr, sks_b, sks_h, svs_b, svs_h,
+                 kw_ptr, vw_ptr, skw_b, skw_h, svw_b, svw_h,
+                 k_raw, v_raw, k_s, v_s, CAP,
                  G: tl.constexpr, G_PAD: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                  DK1: tl.constexpr, DK2: tl.constexpr, DV_PAD: tl.constexpr,
                  L: tl.constexpr, D: tl.constexpr, LS: tl.constexpr, BLOCK_N: tl.constexpr,
                  SEL: tl.constexpr, STORE_S: tl.constexpr,
-                 SCALE: tl.constexpr):  # constexpr: under torch.compile a float arg would be fp64
+                 SCALE: tl.constexpr,  # constexpr: under torch.compile a float arg would be fp64
+                 W_CMP: tl.constexpr, W_SEL: tl.constexpr, W_WIN: tl.constexpr,
+                 EMIT_AVG: tl.constexpr, DK_PAD: tl.constexpr, L_PAD: tl.constexpr):
     """Split-K attention of one (row b, KV group h) over one split of keys, the group's G query
     heads as one [G_PAD, d_k] tile; writes the split's (acc, m, l).
 
@@ -243,7 +261,13 @@ def _attn_kernel(q_ptr, sqb, sqh, pos_ptr, start_ptr, Hkv,
     visible when i d + L <= S and i d >= start; the row's visible blocks are shared evenly at run
     time), splits [NSC, ..) window ring slots (slot j holds the latest p <= pos with p = j mod W).
     SEL=True: split sid takes selected blocks [sid BPS, (sid + 1) BPS) of the index list, read in
-    place from the selection cache (cache a; block j = tokens [j LS, (j + 1) LS))."""
+    place from the selection cache (cache a; block j = tokens [j LS, (j + 1) LS)).
+
+    W_CMP / W_SEL / W_WIN (SEL=False, the fused path): the new token's write (`_write_kernel`'s)
+    done here by the one program that reads what it writes, before its reads: the window slot by
+    the window split holding it, the raw ring (+ the emitted block, EMIT_AVG) by the compressed
+    split holding block (S - L) / D (split 0 when that block is hidden or not emitted), the
+    selection slot by split 0 (read only by a later launch)."""
     pid = tl.program_id(0)
     sid = tl.program_id(1)
     b = pid // Hkv
@@ -297,6 +321,42 @@ def _attn_kernel(q_ptr, sqb, sqh, pos_ptr, start_ptr, Hkv,
             sc_hi = lo * 0  # window splits store no scores
             k_base = k_w + bh * W * DK
             v_base = v_w + bh * W * DV
+    if W_CMP or W_SEL or W_WIN:
+        dkw = tl.arange(0, DK_PAD)
+        dvw = tl.arange(0, DV_PAD)
+        mk = dkw < DK
+        mv = dvw < DV
+        if W_SEL:
+            if sid == 0:
+                k = tl.load(ks_ptr + b * sks_b + h * sks_h + dkw, mask=mk)
+                v = tl.load(vs_ptr + b * svs_b + h * svs_h + dvw, mask=mv)
+                tl.store(k_s + (bh * CAP + pos) * DK + dkw, k, mask=mk)
+                tl.store(v_s + (bh * CAP + pos) * DV + dvw, v, mask=mv)
+        if W_WIN:
+            if (sid >= NSC) & (p0 >= lo) & (p0 < hi):
+                k = tl.load(kw_ptr + b * skw_b + h * skw_h + dkw, mask=mk)
+                v = tl.load(vw_ptr + b * svw_b + h * svw_h + dvw, mask=mv)
+                tl.store(k_w + (bh * W + p0) * DK + dkw, k, mask=mk)
+                tl.store(v_w + (bh * W + p0) * DV + dvw, v, mask=mv)
+        if W_CMP:
+            Sw = pos + 1
+            nc_w = tl.where(Sw >= L, tl.maximum(Sw - L, 0) // D + 1, 0)
+            lo0_w = (start + D - 1) // D
+            nsc1 = tl.maximum(NSC, 1)
+            per_w = ((tl.maximum(nc_w - lo0_w, 0) + nsc1 - 1) // nsc1 + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+            dst = nc_w - 1  # the block this token completes, when it emits
+            emits = (Sw >= L) & ((Sw - L) % D == 0) & (dst >= lo0_w) & (per_w > 0)
+            owner = tl.where(emits, (dst - lo0_w) // tl.maximum(per_w, 1), 0)
+            if sid == owner:
+                k = tl.load(kc_ptr + b * skc_b + h * skc_h + dkw, mask=mk)
+                v = tl.load(vc_ptr + b * svc_b + h * svc_h + dvw, mask=mv)
+                slot_r = pos % L
+                tl.store(k_raw + (bh * L + slot_r) * DK + dkw, k, mask=mk)
+                tl.store(v_raw + (bh * L + slot_r) * DV + dvw, v, mask=mv)
+                if EMIT_AVG:
+                    _emit_avg(bh, pos, slot_r, k, v, k_raw, v_raw, k_a, v_a, NA, dkw, dvw, mk,
+                              mv, DK, DV, L, L_PAD, D)
+        tl.debug_barrier()  # this program's writes visible to all its threads before the reads
     sc_row = sc_ptr + bh * G * NA + offs_g[:, None] * NA
     for r0 in range(lo, hi, BLOCK_N):
         rr = r0 + offs_n
@@ -717,6 +777,19 @@ def _check_cache(name: str, t: Tensor | None, B: int, Hkv: int | None) -> None:
         raise ValueError(f"{name}: the Triton decode kernels need contiguous caches")
 
 
+def _new_token_args(new: dict, k_ref: Tensor, v_ref: Tensor) -> list:
+    """(k, v, stride_b(k), stride_h(k), stride_b(v), stride_h(v)) of the new token for the
+    branches cmp, sel, win in that order; a branch not in `new` gets a slice of the reference
+    cache (never read)."""
+    args = []
+    for b in ("cmp", "sel", "win"):
+        src = new[b] if b in new else (k_ref[:, :, :1], v_ref[:, :, :1])
+        k, skb, skh = _rows(src[0])
+        v, svb, svh = _rows(src[1])
+        args += [k, v, skb, skh, svb, svh]
+    return args
+
+
 @torch.no_grad()
 def nsa_decode_write(pos: Tensor, new: dict, *, l: int, d: int, k_raw=None, v_raw=None,
                      k_cmp=None, v_cmp=None, k_sel=None, v_sel=None, k_win=None, v_win=None,
@@ -733,20 +806,13 @@ def nsa_decode_write(pos: Tensor, new: dict, *, l: int, d: int, k_raw=None, v_ra
         return
     B, Hkv, _, Dk = ref[0].shape
     Dv = ref[1].shape[-1]
-    args = []
-    for b in ("cmp", "sel", "win"):
+    for b in new:
         kc, vc = caches[b]
-        if b in new:
-            if kc is None or vc is None:
-                raise ValueError(f"new token for branch {b!r} but no {b} cache")
-            _check_cache(f"k cache of {b}", kc, B, Hkv)
-            _check_cache(f"v cache of {b}", vc, B, Hkv)
-            k, skb, skh = _rows(new[b][0])
-            v, svb, svh = _rows(new[b][1])
-        else:
-            k, skb, skh = _rows(ref[0][:, :, :1])
-            v, svb, svh = _rows(ref[1][:, :, :1])
-        args += [k, v, skb, skh, svb, svh]
+        if kc is None or vc is None:
+            raise ValueError(f"new token for branch {b!r} but no {b} cache")
+        _check_cache(f"k cache of {b}", kc, B, Hkv)
+        _check_cache(f"v cache of {b}", vc, B, Hkv)
+    args = _new_token_args(new, *ref)
     has_cmp = "cmp" in new
     nc = k_cmp.shape[2] if (has_cmp and k_cmp is not None) else 0
     emit = bool(emit_avg and has_cmp and nc > 0)
@@ -803,7 +869,8 @@ def nsa_decode_attention(q: Tensor, pos: Tensor, start: Tensor, *, l: int, d: in
                          scale: float | None = None, return_branches: bool = False,
                          num_programs: int | None = None, block_n: int = 32, num_warps: int = 4,
                          num_stages: int = 2, fused: bool = True,
-                         score_chunk: int | None = None) -> DecodeResult:
+                         score_chunk: int | None = None, new: dict | None = None, k_raw=None,
+                         v_raw=None, emit_avg: bool = False) -> DecodeResult:
     """The attention reads of one NSA decode step (the caches already hold the new token).
 
     q [B, H, Dk] or [B, H, 1, Dk] (after RoPE); pos [B] the new token's position (S = pos + 1
@@ -823,7 +890,11 @@ def nsa_decode_attention(q: Tensor, pos: Tensor, start: Tensor, *, l: int, d: in
     compressed / window merge) and `_sel_kernel` (top-n from the candidates, selected split-K,
     the combine by the last program of each (b, h) to arrive); score_chunk: selection blocks
     per scoring program (a power of two; default min(128, ...)). fused=False: the five launches
-    of the module docstring. Both compute the same function; the fused path keeps per-device
+    of the module docstring. new (+ k_raw, v_raw, emit_avg): the new token, written first as
+    `nsa_decode_write` does (the caches must then hold the step's other tokens only); the fused
+    path writes it inside its first launch, so the whole step is three launches (a learned phi
+    must emit its block between the write and the reads: call `nsa_decode_write` + emit first
+    instead). Both compute the same function; the fused path keeps per-device
     arrival counters (`_arrival_counters`) between calls, so steps on the same device must not
     run concurrently on different streams."""
     if sel_mode not in SEL_MODES:
@@ -876,16 +947,36 @@ def nsa_decode_attention(q: Tensor, pos: Tensor, start: Tensor, *, l: int, d: in
     kw, vw = (k_win, v_win) if W > 0 else (kref, vref)
     common = dict(G=G, G_PAD=G_PAD, DK=Dk, DV=Dv, DK1=DK1, DK2=DK2, DV_PAD=DV_PAD, L=l, D=d,
                   LS=l_sel, BLOCK_N=block_n, SCALE=float(scale), num_warps=num_warps, num_stages=num_stages)
+    fused = fused and sel_mode != "none"
+    no_write = _new_token_args({}, kref, vref) + [kref, vref, kref, vref, 1]
+    write_opts = NO_WRITE
+    if new:
+        caches = dict(k_raw=k_raw, v_raw=v_raw, k_cmp=k_cmp, v_cmp=v_cmp, k_sel=k_sel,
+                      v_sel=v_sel, k_win=k_win, v_win=v_win)
+        for b, (kn, vn) in (("cmp", ("k_raw", "v_raw")), ("sel", ("k_sel", "v_sel")),
+                            ("win", ("k_win", "v_win"))):
+            if b in new and (caches[kn] is None or caches[vn] is None):
+                raise ValueError(f"new token for branch {b!r} but no {b} cache")
+        emit = bool(emit_avg and "cmp" in new and Nc > 0)
+        if fused and nsc + nsw > 0 and ("win" not in new or nsw > 0):
+            # the write inside the compressed + window launch (see `_attn_kernel`)
+            ks_, vs_ = (k_sel, v_sel) if "sel" in new else (kref, vref)
+            kr_, vr_ = (k_raw, v_raw) if "cmp" in new else (kref, vref)
+            no_write = _new_token_args(new, kref, vref) + [kr_, vr_, ks_, vs_, ks_.shape[2]]
+            write_opts = dict(W_CMP="cmp" in new, W_SEL="sel" in new, W_WIN="win" in new,
+                              EMIT_AVG=emit, DK_PAD=_np2(Dk), L_PAD=_np2(l))
+        else:
+            nsa_decode_write(pos, new, l=l, d=d, emit_avg=emit_avg, **caches)
     if nsc + nsw > 0:  # compressed + window splits, one launch
         wper = _cdiv(_cdiv(W, nsw), block_n) * block_n if nsw else 0
         _attn_kernel[(B * Hkv, nsc + nsw)](
             q, sqb, sqh, pos, start, Hkv, kc, vc, max(Nc, 1), kw, vw, max(W, 1), nsc,
-            wper, pos, 1, 1, 0, scores, part_o, part_m, part_l, nsplit, SEL=False,
-            STORE_S=topn, **common)
+            wper, pos, 1, 1, 0, scores, part_o, part_m, part_l, nsplit, *no_write, SEL=False,
+            STORE_S=topn, **common, **write_opts)
 
     reads = {}
     idx = None
-    if fused and sel_mode != "none":
+    if fused:
         return _finish_fused(
             q, sqb, sqh, pos, start, B, H, Hkv, G, Dk, Dv, l, d, l_sel, n_sel, n_init, n_local,
             sel_mode, use, present, g, return_branches, k_sel, v_sel, kref, vref, Nc, W, ns,
@@ -910,8 +1001,9 @@ def nsa_decode_attention(q: Tensor, pos: Tensor, start: Tensor, *, l: int, d: in
     if nss > 0:  # selected blocks, read in place by index
         _attn_kernel[(B * Hkv, nss)](
             q, sqb, sqh, pos, start, Hkv, k_sel, v_sel, k_sel.shape[2], kref, vref, 1, 0, 0,
-            sel_idx, n_idx, bps, nsc + nsw, scores, part_o, part_m, part_l, nsplit, SEL=True,
-            STORE_S=False, **common)
+            sel_idx, n_idx, bps, nsc + nsw, scores, part_o, part_m, part_l, nsplit,
+            *_new_token_args({}, kref, vref), kref, vref, kref, vref, 1, SEL=True, STORE_S=False,
+            **common, **NO_WRITE)
 
     o = torch.empty(B, H, Dv, device=dev, dtype=vref.dtype)
     lse = torch.empty(B, H, **f32) if present["cmp"] else None

@@ -86,10 +86,12 @@ def _one_case(cfg_kw: dict, lens: list[int], opt: dict, seed: int) -> dict:
     if "starts" in opt:
         ref.doc_start.copy_(torch.tensor(opt["starts"]))
     tri = NSACache.empty(cfg, B, cap, branches=cache_branches(modes))
-    for k, t in ref.tensors().items():
-        getattr(tri, k).copy_(t)
-    tri.lengths.copy_(ref.lengths)
-    tri.doc_start.copy_(ref.doc_start)
+    pre = NSACache.empty(cfg, B, cap, branches=cache_branches(modes))  # written by the step
+    for c in (tri, pre):
+        for k, t in ref.tensors().items():
+            getattr(c, k).copy_(t)
+        c.lengths.copy_(ref.lengths)
+        c.doc_start.copy_(ref.doc_start)
     phi_k, phi_v = PHI[cfg.phi](cfg.l, cfg.d, dk), PHI[cfg.phi](cfg.l, cfg.d, dv)
     if cfg.phi == "mlp":
         for m in (phi_k, phi_v):
@@ -114,19 +116,30 @@ def _one_case(cfg_kw: dict, lens: list[int], opt: dict, seed: int) -> dict:
                 one[i] = 1.0
                 br_ref[b] = attend_cached(cfg, modes, q, one.expand(B, H, 1, 3), *args)[0][:, :, 0]
         sel = modes["sel"]
-        tc = {k: v for k, v in tri.tensors().items() if k not in ("k_raw", "v_raw")}
         paths = {}
-        for fused in (True, False):  # both launch paths of the same step
+        # the launch paths of the same step: "write" = fused, the new token written by the
+        # step's first launch (phi = mean only: a learned phi emits between write and reads)
+        avg = cfg.phi == "avg"
+        new = {b: kv[b] for b in cache_branches(modes)}
+        for path in ("write", True, False) if avg else (True, False):
+            cs, wr = (pre, dict(new=new, k_raw=pre.k_raw, v_raw=pre.v_raw, emit_avg=True)) \
+                if path == "write" else (tri, {})
+            tc = {k: v for k, v in cs.tensors().items() if k not in ("k_raw", "v_raw")}
             r = nsa_decode_attention(
-                q, tri.lengths, tri.doc_start, l=cfg.l, d=cfg.d, l_sel=cfg.l_sel,
+                q, cs.lengths, cs.doc_start, l=cfg.l, d=cfg.d, l_sel=cfg.l_sel,
                 n_sel=cfg.n_sel, n_init=cfg.n_init, n_local=cfg.n_local, k_cmp=tc.get("k_cmp"),
                 v_cmp=tc.get("v_cmp"), k_sel=tc.get("k_sel") if sel != "none" else None,
                 v_sel=tc.get("v_sel") if sel != "none" else None,
                 k_win=tc.get("k_win"), v_win=tc.get("v_win"), sel_mode=sel,
                 use=tuple(b for b in ("cmp", "sel", "win") if modes[b] != "none"), g=g,
                 return_branches=True, num_programs=opt.get("programs", 4),
-                block_n=opt.get("block_n", 32), fused=fused, score_chunk=opt.get("score_chunk"))
+                block_n=opt.get("block_n", 32), fused=path is not False,
+                score_chunk=opt.get("score_chunk"), **wr)
+            fused = path
             one = {}
+            if path == "write":
+                one["cache_err"] = max((getattr(pre, k) - t).abs().max().item()
+                                       for k, t in ref.tensors().items() if t.numel())
             one["o_err"] = (r.o - o_ref[:, :, 0]).abs().max().item()
             one["branch_err"] = {b: (r.branches[b] - br_ref[b]).abs().max().item()
                                  for b in br_ref}
@@ -153,6 +166,8 @@ def _one_case(cfg_kw: dict, lens: list[int], opt: dict, seed: int) -> dict:
             paths[True]["repeat_err"] = (r2.o - o_ref[:, :, 0]).abs().max().item()
         out.update(paths[True])
         out["unfused"] = {k: v for k, v in paths[False].items() if k != "lse"}
+        if "write" in paths:
+            out["fused_write"] = {k: v for k, v in paths["write"].items() if k != "lse"}
         if "k_cmp" in caches:  # the compressed lse of the torch path's own compressed attention
             kc, vc = caches["k_cmp"], caches["v_cmp"]
             Nc, S = kc.shape[2], ref.lengths + 1
@@ -166,7 +181,11 @@ def _one_case(cfg_kw: dict, lens: list[int], opt: dict, seed: int) -> dict:
             else:
                 lse = torch.full((B, H), float("-inf"))
             fin = torch.isfinite(lse)
-            for one, lse_k in ((out, paths[True]["lse"]), (out["unfused"], paths[False]["lse"])):
+            for name, one in (("fused", out), ("unfused", out["unfused"]),
+                              ("write", out.get("fused_write"))):
+                if one is None:
+                    continue
+                lse_k = paths[{"fused": True, "unfused": False}.get(name, name)]["lse"]
                 one["lse_inf_equal"] = torch.equal(fin, torch.isfinite(lse_k))
                 one["lse_err"] = (lse_k[fin] - lse[fin]).abs().max().item() if fin.any() else 0.0
             out["lse_finite_rows"] = int(fin.sum())
@@ -232,13 +251,18 @@ def report():
     return res
 
 
-@pytest.mark.parametrize("path", ["fused", "unfused"])
+@pytest.mark.parametrize("path", ["fused_write", "fused", "unfused"])
 @pytest.mark.parametrize("name", [c[0] for c in CASES])
 def test_fused_step_matches_torch(report, name, path):
-    """Both launch paths of `nsa_decode_attention` (fused=True: score chunks + selection with the
-    last-arriving combine; fused=False: five launches) against the torch step."""
-    r = report[name] if path == "fused" else report[name]["unfused"]
+    """The launch paths of `nsa_decode_attention` against the torch step: fused=True (score
+    chunks + selection with the last-arriving combine) with the new token written inside its
+    first launch ("fused_write", not with a learned phi) or by `nsa_decode_write` before
+    ("fused"), and fused=False (five launches)."""
+    if path == "fused_write" and path not in report[name]:
+        pytest.skip("learned phi: the write is a separate launch")
+    r = report[name] if path == "fused" else report[name][path]
     assert report[name]["cache_err"] <= 1e-6, report[name]
+    assert r.get("cache_err", 0.0) <= 1e-6, r
     assert r["o_err"] <= TOL, r
     assert r["branch_err"] and max(r["branch_err"].values()) <= TOL, r
     assert r["idx_equal"], r
@@ -329,13 +353,16 @@ def test_kernels_compile_for_h100(monkeypatch, case):
     new = {b: (torch.zeros(B, Hkv, 1, dk, dtype=dt), torch.zeros(B, Hkv, 1, dv, dtype=dt))
            for b in ("cmp", "sel", "win")}
     M.nsa_decode_write(c.lengths, new, l=cfg.l, d=cfg.d, emit_avg=True, **c.tensors())
-    for fused in (True, False):  # both launch paths; batch 1 and 2 (split counts differ)
+    # every launch path (fused with the write inside, fused, five launches) at batch 1 and 2
+    for fused, write in ((True, True), (True, False), (False, False)):
         for b in (1, B):
+            wr = dict(new={k: (x[:b], y[:b]) for k, (x, y) in new.items()}, k_raw=c.k_raw[:b],
+                      v_raw=c.v_raw[:b], emit_avg=True) if write else {}
             M.nsa_decode_attention(
                 q[:b], c.lengths[:b], c.doc_start[:b], l=cfg.l, d=cfg.d, l_sel=cfg.l_sel,
                 n_sel=cfg.n_sel, k_cmp=c.k_cmp[:b], v_cmp=c.v_cmp[:b], k_sel=c.k_sel[:b],
                 v_sel=c.v_sel[:b], k_win=c.k_win[:b], v_win=c.v_win[:b], sel_mode=sel,
-                g=q[:b, :, :, :3], num_programs=528, fused=fused)
+                g=q[:b, :, :, :3], num_programs=528, fused=fused, **wr)
     assert sorted({k.__name__ for k, _, _ in calls}) == sorted(KERNELS)
     if case == "small_fp32":  # the padded d_k / d_v / G paths of the attention kernels only
         calls = [c for c in calls if c[0].__name__ in ("_attn_kernel", "_sel_kernel", "_slc_kernel")]
@@ -365,7 +392,7 @@ def test_auto_backend_falls_back_to_torch(monkeypatch):
 
     monkeypatch.setattr(dec, "resolve_decode_backend",
                         lambda name, device: "torch" if name == "torch" else "triton")
-    monkeypatch.setattr(dec, "write_token_triton", broken)
+    monkeypatch.setattr(dec, "step_triton", broken)
     monkeypatch.setattr(dec, "_FALLBACK_WARNED", set())
     ref = [dec.decode_step(layer, x[:, t : t + 1], caches["torch"]) for t in (10, 11)]
     with pytest.warns(RuntimeWarning, match="Triton decode failed"):
