@@ -15,10 +15,13 @@ same matmuls for both up to NSA's extra k/v pairs and are excluded; --with-proj 
               completes (branch-free), compressed attention, top-n scoring (Eq. 8-10, forced
               blocks, ties to the lower index), gather of the n selected blocks + attention,
               window attention, sigmoid-gated sum: ~50 small kernels (the reference the tests check)
-  nsa_triton  `decode_attention(backend="triton")`: the same step in five Triton launches
-              (`nsa_flex.ops.decode_triton`: write, compressed + window split-K, scorer + top-n,
-              selected split-K, combine + gates); extra launch configs (--triton-configs) are timed
-              in graph mode only, the row keeps the fastest
+  nsa_triton  `decode_attention(backend="triton")`: the same step in three Triton launches
+              (`nsa_flex.ops.decode_triton`, fused path: write + compressed + window split-K,
+              chunked scorer + per-chunk top-n + branch merges, top-n + selected split-K + gated
+              combine by the last-arriving program); extra launch configs (--triton-configs) are
+              timed in graph mode only, the row keeps the fastest
+  nsa_triton_unfused  the five-launch path (triton_opts fused=False: write, compressed + window
+              split-K, scorer + top-n, selected split-K, combine + gates), default launch config
   full_gqa    write the new token into a [B, Hkv, S, D] KV cache, then SDPA of q [B, H, 1, Dk]
               over the S cached keys with enable_gqa=True
   full_fold   the same with q folded to [B, Hkv, G, Dk] (the G heads of a group as G query rows
@@ -462,9 +465,11 @@ def check_equivalence(device, T: int = 700, seed: int = 0, backend: str = "torch
     return err
 
 
-def check_triton_vs_torch(device, lens=(700, 3000, 5000), seed: int = 0) -> dict:
+def check_triton_vs_torch(device, lens=(700, 3000, 5000), seed: int = 0,
+                          fused: bool = True) -> dict:
     """One decode step at the paper's head dims (G = 16, d_k 192, d_v 128) in fp32, rows of
-    different lengths: the Triton path against the torch path (outputs, selections, counters)."""
+    different lengths: the Triton path (fused or the five launches) against the torch path
+    (outputs, selections, counters, caches after the write)."""
     cfg = NSAConfig(**PAPER, backend="reference")
     B, H, Hkv, dk, dv = len(lens), cfg.n_heads, cfg.n_kv_heads, cfg.d_qk, cfg.d_v
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -482,7 +487,8 @@ def check_triton_vs_torch(device, lens=(700, 3000, 5000), seed: int = 0) -> dict
     out = {}
     with torch.no_grad():
         for be, c in caches.items():
-            out[be] = decode_attention(cfg, MODES, q, kv, g, c, phi, phi, backend=be)
+            out[be] = decode_attention(cfg, MODES, q, kv, g, c, phi, phi, backend=be,
+                                       triton_opts={"fused": fused} if be == "triton" else None)
     a, b = caches["torch"], caches["triton"]
     return {"max_abs_err": (out["torch"] - out["triton"]).abs().max().item(),
             "sel_agree": (a.last_selection.sort(-1).values == b.last_selection.sort(-1).values)
@@ -490,6 +496,53 @@ def check_triton_vs_torch(device, lens=(700, 3000, 5000), seed: int = 0) -> dict
             "reads_equal": all(torch.equal(a.reads[k], b.reads[k]) for k in a.reads),
             "cache_max_abs_err": max((getattr(b, k) - t).abs().max().item()
                                      for k, t in a.tensors().items())}
+
+
+def check_graph_replays(device, S: int = 20000, B: int = 3, replays: int = 300,
+                        seed: int = 0) -> dict:
+    """The fused Triton step (bf16, paper config, rows at different lengths, one with a document
+    start) captured in a CUDA graph and replayed `replays` times: every replay must give the
+    eager step's output bit for bit (the step is deterministic: fixed split shapes and merge
+    order, whichever program arrives last). Checks the arrival counters' reset and the memory
+    ordering of the last-arriving combine under real concurrency, and that the three-launch
+    path is capturable. Also times eager vs replay for a sanity line."""
+    cfg = NSAConfig(**PAPER, backend="reference")
+    H, Hkv, dk, dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_qk, cfg.d_v
+    gen = torch.Generator(device=device).manual_seed(seed)
+    c = NSACache.empty(cfg, B, S, device, torch.bfloat16)
+    lens = torch.tensor([S - 1 - 997 * i for i in range(B)], device=device)
+    c.random_fill_(lens, generator=gen)
+    c.doc_start[-1] = 4096
+    q = torch.randn(B, H, 1, dk, generator=gen, device=device, dtype=torch.bfloat16)
+    kv = {b: (torch.randn(B, Hkv, 1, dk, generator=gen, device=device, dtype=torch.bfloat16),
+              torch.randn(B, Hkv, 1, dv, generator=gen, device=device, dtype=torch.bfloat16))
+          for b in MODES}
+    g = torch.rand(B, H, 1, 3, generator=gen, device=device, dtype=torch.bfloat16)
+    phi = PHI["avg"](cfg.l, cfg.d, dk)
+
+    def step():
+        return decode_attention(cfg, MODES, q, kv, g, c, phi, phi, backend="triton")
+
+    with torch.no_grad():
+        ref = step().clone()
+        s_ = torch.cuda.Stream()
+        s_.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s_):
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(s_)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+        bad, worst = 0, 0.0
+        for _ in range(replays):
+            graph.replay()
+            d = (out.float() - ref.float()).abs().max().item()
+            bad += d != 0
+            worst = max(worst, d)
+        again = step()
+    return {"replays": replays, "mismatched_replays": int(bad), "max_abs_diff": worst,
+            "eager_after_graph_equal": bool(torch.equal(again, ref))}
 
 
 def plot(rows, path):
@@ -600,10 +653,16 @@ def main(argv=None):
                   f"max |diff| = {err:.2e} ({time.time() - t0:.1f} s)", flush=True)
             assert err < 1e-3, f"{be} decode path disagrees with the forward on {device}: {err}"
         if ok_tr:
-            r = check_triton_vs_torch(device)
-            print(f"check: triton vs torch step at paper head dims (fp32): {r}", flush=True)
-            assert r["reads_equal"] and r["cache_max_abs_err"] < 1e-5, r
-            assert r["sel_agree"] < 1 or r["max_abs_err"] < 1e-3, r
+            for fused in (True, False):
+                r = check_triton_vs_torch(device, fused=fused)
+                print(f"check: triton ({'fused' if fused else 'five launches'}) vs torch step at "
+                      f"paper head dims (fp32): {r}", flush=True)
+                assert r["reads_equal"] and r["cache_max_abs_err"] < 1e-5, r
+                assert r["sel_agree"] < 1 or r["max_abs_err"] < 1e-3, r
+            if device.type == "cuda":
+                r = check_graph_replays(device)
+                print(f"check: fused step, CUDA graph replays vs eager (bf16): {r}", flush=True)
+                assert r["mismatched_replays"] == 0 and r["eager_after_graph_equal"], r
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "bench_decode.csv")
     rows, kernels = [], ([] if a.breakdown else None)
