@@ -1,9 +1,10 @@
 """Fused Triton kernels for one NSA decode step (one new query token per sequence).
 
-The torch decode path (`nsa_flex.inference.decode_reference.attend_cached`) is the reference; this module
-computes the same function in five launches, none of which syncs with the host (static shapes:
-CUDA-graph capturable):
+The torch decode path (`nsa_flex.inference.decode_reference.attend_cached`) is the reference; this
+module computes the same function without any host sync (static shapes: CUDA-graph capturable),
+by two launch paths of `nsa_decode_attention`.
 
+fused=False, five dependent launches:
   1. `_write_kernel`    the new token into the selection cache, the window ring and the raw
                         compression ring; with phi = "avg" also the compressed block the token
                         completes (mean of the ring; only rows that emit store: branch-free).
@@ -24,6 +25,20 @@ CUDA-graph capturable):
   5. `_combine_kernel`  per (b, h, head chunk): each branch's splits merged (max / sum rescale),
                         the compressed lse, the sigmoid-gate mix (Eq. 5, in the torch path's
                         order), the compressed / window read counters.
+
+fused=True (default), three launches: at batch 1 the five above are bound by launch latency and
+by the scorer's serial work (one program per (b, h) over every compressed score and n
+max-reductions), not by their ~14 MB of K/V at 64k:
+  1. `_attn_kernel`     2. above, with the new token's write (`new=`) done by the programs that
+     (SEL=False)        read what they write (window slot, emitted compressed block).
+  2. `_slc_kernel`      per (b, h, chunk of selection blocks): Eq. 8-10 for the chunk straight
+                        from the stored scores, the rules and keys of 3., the chunk's n best keys
+                        by rank counting (candidates); per (b, h, head chunk): the compressed and
+                        window splits merged (branch outputs, lse, counters).
+  3. `_sel_kernel`      per (b, h, split): the row's top-n from the candidates (rank counting),
+                        split-K over the split's selected blocks; the last program of (b, h) to
+                        arrive (an acq_rel counter, reset by it) merges the selection splits and
+                        writes the gated output.
 
 d_k need not be a power of two: the q.K product is split into two power-of-two dots
 (192 = 128 + 64); other head dims are padded with masks. Layout: every cache is a contiguous
@@ -49,7 +64,8 @@ SEL_MODES = ("topn", "local_selection", "causal", "none")
 PROGRAMS_PER_SM = 4  # default size of the split-K launches: about this many programs per SM
 MAX_SPLITS = 64  # splits per (row, KV group) and branch (the combine holds them in registers)
 # `_attn_kernel` launch constants of a launch that writes nothing
-NO_WRITE = dict(W_CMP=False, W_SEL=False, W_WIN=False, EMIT_AVG=False, DK_PAD=16, L_PAD=16)
+NO_WRITE = dict(WRITE=False, W_CMP=False, W_SEL=False, W_WIN=False, EMIT_AVG=False, DK_PAD=16,
+                L_PAD=16)
 
 
 def interpreter_active() -> bool:
@@ -252,8 +268,9 @@ def _attn_kernel(q_ptr, sqb, sqh, pos_ptr, start_ptr, Hkv,
                  L: tl.constexpr, D: tl.constexpr, LS: tl.constexpr, BLOCK_N: tl.constexpr,
                  SEL: tl.constexpr, STORE_S: tl.constexpr,
                  SCALE: tl.constexpr,  # constexpr: under torch.compile a float arg would be fp64
-                 W_CMP: tl.constexpr, W_SEL: tl.constexpr, W_WIN: tl.constexpr,
-                 EMIT_AVG: tl.constexpr, DK_PAD: tl.constexpr, L_PAD: tl.constexpr):
+                 WRITE: tl.constexpr, W_CMP: tl.constexpr, W_SEL: tl.constexpr,
+                 W_WIN: tl.constexpr, EMIT_AVG: tl.constexpr, DK_PAD: tl.constexpr,
+                 L_PAD: tl.constexpr):
     """Split-K attention of one (row b, KV group h) over one split of keys, the group's G query
     heads as one [G_PAD, d_k] tile; writes the split's (acc, m, l).
 
@@ -321,7 +338,7 @@ def _attn_kernel(q_ptr, sqb, sqh, pos_ptr, start_ptr, Hkv,
             sc_hi = lo * 0  # window splits store no scores
             k_base = k_w + bh * W * DK
             v_base = v_w + bh * W * DV
-    if W_CMP or W_SEL or W_WIN:
+    if WRITE:  # any of W_CMP, W_SEL, W_WIN
         dkw = tl.arange(0, DK_PAD)
         dvw = tl.arange(0, DV_PAD)
         mk = dkw < DK
@@ -343,7 +360,8 @@ def _attn_kernel(q_ptr, sqb, sqh, pos_ptr, start_ptr, Hkv,
             nc_w = tl.where(Sw >= L, tl.maximum(Sw - L, 0) // D + 1, 0)
             lo0_w = (start + D - 1) // D
             nsc1 = tl.maximum(NSC, 1)
-            per_w = ((tl.maximum(nc_w - lo0_w, 0) + nsc1 - 1) // nsc1 + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+            per_w = (((tl.maximum(nc_w - lo0_w, 0) + nsc1 - 1) // nsc1 + BLOCK_N - 1)
+                     // BLOCK_N * BLOCK_N)  # the compressed splits' share, as below
             dst = nc_w - 1  # the block this token completes, when it emits
             emits = (Sw >= L) & ((Sw - L) % D == 0) & (dst >= lo0_w) & (per_w > 0)
             owner = tl.where(emits, (dst - lo0_w) // tl.maximum(per_w, 1), 0)
@@ -963,8 +981,8 @@ def nsa_decode_attention(q: Tensor, pos: Tensor, start: Tensor, *, l: int, d: in
             ks_, vs_ = (k_sel, v_sel) if "sel" in new else (kref, vref)
             kr_, vr_ = (k_raw, v_raw) if "cmp" in new else (kref, vref)
             no_write = _new_token_args(new, kref, vref) + [kr_, vr_, ks_, vs_, ks_.shape[2]]
-            write_opts = dict(W_CMP="cmp" in new, W_SEL="sel" in new, W_WIN="win" in new,
-                              EMIT_AVG=emit, DK_PAD=_np2(Dk), L_PAD=_np2(l))
+            write_opts = dict(WRITE=True, W_CMP="cmp" in new, W_SEL="sel" in new,
+                              W_WIN="win" in new, EMIT_AVG=emit, DK_PAD=_np2(Dk), L_PAD=_np2(l))
         else:
             nsa_decode_write(pos, new, l=l, d=d, emit_avg=emit_avg, **caches)
     if nsc + nsw > 0:  # compressed + window splits, one launch

@@ -365,7 +365,8 @@ def test_kernels_compile_for_h100(monkeypatch, case):
                 g=q[:b, :, :, :3], num_programs=528, fused=fused, **wr)
     assert sorted({k.__name__ for k, _, _ in calls}) == sorted(KERNELS)
     if case == "small_fp32":  # the padded d_k / d_v / G paths of the attention kernels only
-        calls = [c for c in calls if c[0].__name__ in ("_attn_kernel", "_sel_kernel", "_slc_kernel")]
+        calls = [c for c in calls
+                 if c[0].__name__ in ("_attn_kernel", "_sel_kernel", "_slc_kernel")]
     for kernel, args, kw in calls:
         compile_for_h100(kernel, args, kw)
 
