@@ -534,14 +534,16 @@ def _slc_kernel(pm_ptr, pl_ptr, po_ptr, NSPLIT, NSC, NSW, sc_ptr, NC, c_ptr, can
                 NSEL_PAD: tl.constexpr, CH: tl.constexpr, GB: tl.constexpr, DV: tl.constexpr,
                 DV_PAD: tl.constexpr, P_PAD: tl.constexpr, PICK: tl.constexpr,
                 TOPN: tl.constexpr, HAS_CMP: tl.constexpr, HAS_WIN: tl.constexpr):
-    """Program (row b, KV group h, c), two independent jobs:
+    """Program (row b, KV group h, c), one of two independent jobs (separate programs: the
+    launch takes as long as the longer of the two, not their sum):
     c < NCH (PICK): selection blocks [c CH, (c + 1) CH): their scores p_slc (Eq. 8-10 from the
       compressed scores and the compressed splits' (m, l); Eq. 9 straight from the scores, so no
       p_cmp round trip), forced / valid rules and keys as `_score_kernel`, then the chunk's
       N_SEL best keys (rank by counting: no serial max-reductions) -> candidates [NSEL_PAD].
       TOPN=False: the local_selection ablation (score = block index).
-    c < NGC: heads [c GB, (c + 1) GB): the compressed and window splits merged into the branch
-      outputs (fp32, br[0] and br[2]), the compressed lse, the compressed / window counters."""
+    c >= NCH: heads [(c - NCH) GB, (c - NCH + 1) GB): the compressed and window splits merged
+      into the branch outputs (fp32, br[0] and br[2]), the compressed lse, the compressed /
+      window counters."""
     pid = tl.program_id(0)
     c = tl.program_id(1)
     b = pid // Hkv
@@ -601,8 +603,8 @@ def _slc_kernel(pm_ptr, pl_ptr, po_ptr, NSPLIT, NSC, NSW, sc_ptr, NC, c_ptr, can
             best = tl.max(tl.where(rank[None, :] == tt[:, None], key[None, :],
                                    -4611686018427387904), 1)
             tl.store(cand_ptr + (bh * NCH + c) * NSEL_PAD + tt, best)
-    if c < NGC:
-        g = c * GB + tl.arange(0, GB)
+    if c >= NCH:  # programs [NCH, NCH + NGC) merge (NCH = 0 without PICK)
+        g = (c - NCH) * GB + tl.arange(0, GB)
         gm = g < G
         row = b.to(tl.int64) * H + h * G + g
         dv = tl.arange(0, DV_PAD)
@@ -614,7 +616,7 @@ def _slc_kernel(pm_ptr, pl_ptr, po_ptr, NSPLIT, NSC, NSW, sc_ptr, NC, c_ptr, can
             tl.store(br_ptr + row[:, None] * DV + dv[None, :], ob, mask=om)
             lse = tl.where(den > 0, tl.log(tl.where(den > 0, den, 1.0)) + mx, float("-inf"))
             tl.store(lse_ptr + row, lse, mask=gm)
-            if (h == 0) & (c == 0):
+            if (h == 0) & (c == NCH):
                 S = pos + 1
                 ncmp = tl.where(S >= L, tl.maximum(S - L, 0) // D + 1, 0)
                 tl.store(rcmp_ptr + b, tl.maximum(ncmp - (start + D - 1) // D, 0))
@@ -622,7 +624,7 @@ def _slc_kernel(pm_ptr, pl_ptr, po_ptr, NSPLIT, NSC, NSW, sc_ptr, NC, c_ptr, can
             ob, den, mx = _merge_splits(po_ptr, pm_ptr, pl_ptr, base + NSC, NSW, g, gm, dv, G, DV,
                                         P_PAD, False)
             tl.store(br_ptr + (2 * BH + row)[:, None] * DV + dv[None, :], ob, mask=om)
-            if (h == 0) & (c == 0):
+            if (h == 0) & (c == NCH):
                 tl.store(rwin_ptr + b, tl.minimum(W, pos + 1 - start))
 
 
@@ -1107,10 +1109,10 @@ def _finish_fused(q, sqb, sqh, pos, start, B, H, Hkv, G, Dk, Dv, l, d, l_sel, n_
     if pick:
         idx = torch.empty(B, Hkv, n_sel, device=dev, dtype=torch.long)
         reads["sel"] = torch.empty(B, Hkv, device=dev, dtype=torch.long)
-    if max(nch, ngc3) > 0:
+    if nch + ngc3 > 0:
         c = overlap_kernel_cached(l, d, l_sel, dev) if topn else part_m
-        _slc_kernel[(B * Hkv, max(nch, ngc3))](
-            part_m, part_l, part_o, nsplit, nsc, nsw, scores, max(Nc, 1), c, cand, max(nch, 1),
+        _slc_kernel[(B * Hkv, nch + ngc3)](
+            part_m, part_l, part_o, nsplit, nsc, nsw, scores, max(Nc, 1), c, cand, nch,
             br, B * H, H, lse if lse is not None else part_m,
             rcmp if rcmp is not None else pos, rwin if rwin is not None else pos, pos, start,
             Hkv, ns, max(W, 1), ngc3, G=G, G_PAD=common["G_PAD"], NSC_PAD=_np2(max(nsc, 1)),
