@@ -636,8 +636,8 @@ def _sel_kernel(q_ptr, sqb, sqh, pos_ptr, start_ptr, Hkv, k_a, v_a, NA, NS,
                 G: tl.constexpr, G_PAD: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                 DK1: tl.constexpr, DK2: tl.constexpr, DV_PAD: tl.constexpr, LS: tl.constexpr,
                 BLOCK_N: tl.constexpr, NIDX_PAD: tl.constexpr, NCAND_PAD: tl.constexpr,
-                RB: tl.constexpr, PICK: tl.constexpr, GB: tl.constexpr, NGC: tl.constexpr,
-                P_PAD: tl.constexpr, HAS_CMP: tl.constexpr, HAS_WIN: tl.constexpr,
+                RB: tl.constexpr, PICK: tl.constexpr, P_PAD: tl.constexpr, SG: tl.constexpr,
+                HAS_CMP: tl.constexpr, HAS_WIN: tl.constexpr,
                 USE_CMP: tl.constexpr, USE_SEL: tl.constexpr, USE_WIN: tl.constexpr,
                 GATED: tl.constexpr, STORE_BR: tl.constexpr, SCALE: tl.constexpr):
     """Split sid of the selected blocks of (row b, KV group h), and the end of the step.
@@ -739,45 +739,58 @@ def _sel_kernel(q_ptr, sqb, sqh, pos_ptr, start_ptr, Hkv, k_a, v_a, NA, NS,
     if arrived == NSS - 1:
         tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")  # ready for the next launch
         tl.debug_barrier()
-        for gc in tl.static_range(NGC):
-            g = gc * GB + tl.arange(0, GB)
-            gmc = g < G
-            hq = h * G + g
-            row = b.to(tl.int64) * H + hq
-            om = gmc[:, None] & (dv < DV)[None, :]
-            o = tl.zeros([GB, DV_PAD], tl.float32)
-            if HAS_CMP:
-                if USE_CMP:
-                    ob = tl.load(br_ptr + row[:, None] * DV + dv[None, :], mask=om, other=0.0)
-                    if GATED:
-                        gate = tl.load(g_ptr + b.to(tl.int64) * sgb + hq * sgh, mask=gmc,
-                                       other=0.0).to(tl.float32)
-                        o = o + gate[:, None] * ob
-                    else:
-                        o = o + ob
-            ob, den, mx = _merge_splits(po_ptr, pm_ptr, pl_ptr, first, NSS, g, gmc, dv, G, DV,
-                                        P_PAD, True)
-            if STORE_BR:
-                tl.store(br_ptr + (BH + row)[:, None] * DV + dv[None, :], ob, mask=om)
-            if USE_SEL:
+        # all G heads at once: the splits' (m, l) as one [P_PAD, G_PAD] tile, then their [G, DV]
+        # outputs SG splits per step (a tile of <= 8k elements at 4 warps: more costs occupancy;
+        # L1-bypassing loads: written by other programs of this launch)
+        sp = tl.arange(0, P_PAD)
+        okm = (sp < NSS)[:, None] & gm[None, :]
+        mslot = (first + sp)[:, None] * G + offs_g[None, :]
+        m = tl.load(pm_ptr + mslot, mask=okm, other=float("-inf"), cache_modifier=".cg")
+        lsum = tl.load(pl_ptr + mslot, mask=okm, other=0.0, cache_modifier=".cg")
+        mx = tl.max(m, 0)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)
+        den = tl.sum(lsum * tl.exp(m - mx[None, :]), 0)  # [G_PAD]
+        om = gm[:, None] & (dv < DV)[None, :]
+        acc = tl.zeros([G_PAD, DV_PAD], tl.float32)
+        sg = tl.arange(0, SG)
+        for s0 in range(0, NSS, SG):  # SG splits per step: a [SG, G_PAD, DV_PAD] tile
+            ok = ((s0 + sg) < NSS)[:, None] & gm[None, :]
+            ms = tl.load(pm_ptr + (first + s0 + sg)[:, None] * G + offs_g[None, :], mask=ok,
+                         other=float("-inf"), cache_modifier=".cg")
+            a = tl.load(po_ptr + ((first + s0 + sg)[:, None, None] * G + offs_g[None, :, None])
+                        * DV + dv[None, None, :],
+                        mask=ok[:, :, None] & (dv < DV)[None, None, :], other=0.0,
+                        cache_modifier=".cg")
+            acc += tl.sum(tl.exp(ms - mx[None, :])[:, :, None] * a, 0)
+        safe = tl.where(den > 0, den, 1.0)
+        ob = tl.where((den > 0)[:, None], acc / safe[:, None], 0.0)  # no key at all: 0
+        hq = h * G + offs_g
+        row = b.to(tl.int64) * H + hq
+        gbase = g_ptr + b.to(tl.int64) * sgb + hq * sgh
+        o = tl.zeros([G_PAD, DV_PAD], tl.float32)
+        if HAS_CMP:
+            if USE_CMP:
+                oc = tl.load(br_ptr + row[:, None] * DV + dv[None, :], mask=om, other=0.0)
                 if GATED:
-                    gate = tl.load(g_ptr + b.to(tl.int64) * sgb + hq * sgh + 1, mask=gmc,
-                                   other=0.0).to(tl.float32)
-                    o = o + gate[:, None] * ob
+                    o = o + tl.load(gbase, mask=gm, other=0.0).to(tl.float32)[:, None] * oc
                 else:
-                    o = o + ob
-            if HAS_WIN:
-                if USE_WIN:
-                    ob = tl.load(br_ptr + (2 * BH + row)[:, None] * DV + dv[None, :], mask=om,
-                                 other=0.0)
-                    if GATED:
-                        gate = tl.load(g_ptr + b.to(tl.int64) * sgb + hq * sgh + 2, mask=gmc,
-                                       other=0.0).to(tl.float32)
-                        o = o + gate[:, None] * ob
-                    else:
-                        o = o + ob
-            tl.store(o_ptr + row[:, None] * DV + dv[None, :], o.to(o_ptr.dtype.element_ty),
-                     mask=om)
+                    o = o + oc
+        if STORE_BR:
+            tl.store(br_ptr + (BH + row)[:, None] * DV + dv[None, :], ob, mask=om)
+        if USE_SEL:
+            if GATED:
+                o = o + tl.load(gbase + 1, mask=gm, other=0.0).to(tl.float32)[:, None] * ob
+            else:
+                o = o + ob
+        if HAS_WIN:
+            if USE_WIN:
+                ow = tl.load(br_ptr + (2 * BH + row)[:, None] * DV + dv[None, :], mask=om,
+                             other=0.0)
+                if GATED:
+                    o = o + tl.load(gbase + 2, mask=gm, other=0.0).to(tl.float32)[:, None] * ow
+                else:
+                    o = o + ow
+        tl.store(o_ptr + row[:, None] * DV + dv[None, :], o.to(o_ptr.dtype.element_ty), mask=om)
 
 
 # ============================================================================ host wrappers
@@ -1137,7 +1150,6 @@ def _finish_fused(q, sqb, sqh, pos, start, B, H, Hkv, G, Dk, Dv, l, d, l_sel, n_
         sgb = sgh = 0
     ncand = max(nch, 1) * nidx_pad
     p4 = _np2(max(nss, 1))
-    gb4 = _heads_per_program(G, p4, DV_PAD)
     _sel_kernel[(B * Hkv, nss)](
         q, sqb, sqh, pos, start, Hkv, k_sel, v_sel, k_sel.shape[2], ns, cand, ncand, gidx,
         idx if idx is not None else cand, reads["sel"] if pick else cand, n_idx, bps, nsc + nsw,
@@ -1145,8 +1157,9 @@ def _finish_fused(q, sqb, sqh, pos, start, B, H, Hkv, G, Dk, Dv, l, d, l_sel, n_
         g if g is not None else part_m, sgb, sgh, o,
         G=G, G_PAD=common["G_PAD"], DK=Dk, DV=Dv, DK1=common["DK1"], DK2=common["DK2"],
         DV_PAD=DV_PAD, LS=l_sel, BLOCK_N=common["BLOCK_N"], NIDX_PAD=nidx_pad,
-        NCAND_PAD=_np2(ncand), RB=min(32, _np2(ncand)), PICK=pick, GB=gb4, NGC=_cdiv(G, gb4),
-        P_PAD=p4, HAS_CMP=present["cmp"], HAS_WIN=present["win"], USE_CMP="cmp" in use,
+        NCAND_PAD=_np2(ncand), RB=min(32, _np2(ncand)), PICK=pick, P_PAD=p4,
+        SG=max(1, 2048 * common["num_warps"] // (common["G_PAD"] * DV_PAD)),
+        HAS_CMP=present["cmp"], HAS_WIN=present["win"], USE_CMP="cmp" in use,
         USE_SEL="sel" in use, USE_WIN="win" in use, GATED=g is not None,
         STORE_BR=return_branches, SCALE=common["SCALE"], num_warps=common["num_warps"],
         num_stages=common["num_stages"])
