@@ -629,6 +629,17 @@ def _slc_kernel(pm_ptr, pl_ptr, po_ptr, NSPLIT, NSC, NSW, sc_ptr, NC, c_ptr, can
 
 
 @triton.jit
+def _rank_rows(cand, NCAND, call, top, tt, r0, RB: tl.constexpr):
+    """Candidates [r0, r0 + RB) ranked against all (call, in registers; keys are unique, ties
+    only among the `lowest` padding): top[t] = max(top[t], the key of rank t among them)."""
+    rr = r0 + tl.arange(0, RB)
+    ck = tl.load(cand + rr, mask=rr < NCAND, other=-4611686018427387904)
+    rank = tl.sum((call[None, :] > ck[:, None]).to(tl.int32), 1)  # [RB]
+    return tl.maximum(top, tl.max(tl.where(rank[None, :] == tt[:, None], ck[None, :],
+                                           -4611686018427387904), 1))
+
+
+@triton.jit
 def _sel_kernel(q_ptr, sqb, sqh, pos_ptr, start_ptr, Hkv, k_a, v_a, NA, NS,
                 cand_ptr, NCAND, gidx_ptr, idx_ptr, rsel_ptr, N_IDX, BPS, SPLIT0,
                 po_ptr, pm_ptr, pl_ptr, NSPLIT, NSS, cnt_ptr, br_ptr, BH, H,
@@ -664,12 +675,12 @@ def _sel_kernel(q_ptr, sqb, sqh, pos_ptr, start_ptr, Hkv, k_a, v_a, NA, NS,
         cc = tl.arange(0, NCAND_PAD)
         call = tl.load(cand_ptr + bh * NCAND + cc, mask=cc < NCAND, other=-4611686018427387904)
         top = tl.full([NIDX_PAD], -4611686018427387904, tl.int64)
-        for r0 in range(0, NCAND, RB):
-            rr = r0 + tl.arange(0, RB)
-            ck = tl.load(cand_ptr + bh * NCAND + rr, mask=rr < NCAND, other=-4611686018427387904)
-            rank = tl.sum((call[None, :] > ck[:, None]).to(tl.int32), 1)  # [RB]
-            top = tl.maximum(top, tl.max(tl.where(rank[None, :] == tt[:, None], ck[None, :],
-                                                  -4611686018427387904), 1))
+        if NCAND_PAD // RB <= 8:  # unrolled: the row chunks' loads all in flight at once
+            for r0 in tl.static_range(0, NCAND_PAD, RB):
+                top = _rank_rows(cand_ptr + bh * NCAND, NCAND, call, top, tt, r0, RB)
+        else:
+            for r0 in range(0, NCAND, RB):
+                top = _rank_rows(cand_ptr + bh * NCAND, NCAND, call, top, tt, r0, RB)
         blks = tl.where(top < 0, -1, NS - 1 - top % 4294967296)
         blks = tl.where(tt < N_IDX, blks, -1).to(tl.int32)
         if sid == 0:
@@ -1157,7 +1168,9 @@ def _finish_fused(q, sqb, sqh, pos, start, B, H, Hkv, G, Dk, Dv, l, d, l_sel, n_
         g if g is not None else part_m, sgb, sgh, o,
         G=G, G_PAD=common["G_PAD"], DK=Dk, DV=Dv, DK1=common["DK1"], DK2=common["DK2"],
         DV_PAD=DV_PAD, LS=l_sel, BLOCK_N=common["BLOCK_N"], NIDX_PAD=nidx_pad,
-        NCAND_PAD=_np2(ncand), RB=min(32, _np2(ncand)), PICK=pick, P_PAD=p4,
+        NCAND_PAD=_np2(ncand), RB=min(_np2(ncand), max(32, min(64, _np2(ncand) // 8))),
+        PICK=pick,
+        P_PAD=p4,
         SG=max(1, 2048 * common["num_warps"] // (common["G_PAD"] * DV_PAD)),
         HAS_CMP=present["cmp"], HAS_WIN=present["win"], USE_CMP="cmp" in use,
         USE_SEL="sel" in use, USE_WIN="win" in use, GATED=g is not None,

@@ -57,6 +57,8 @@ CASES = [
     ("g8_local_selection_chunks", dict(n_heads=16, n_kv_heads=2, d_qk=24, d_v=24,
                                        masks="local_selection", **BLOCKS),
      [300, 47], dict(score_chunk=16, programs=32)),
+    ("many_candidates", dict(n_heads=2, n_kv_heads=1, d_qk=24, d_v=24, l=8, d=4, l_sel=16,
+                             n_sel=16, window=24), [16000, 3000], dict(score_chunk=16)),
     ("g16_paper_blocks", dict(n_heads=32, n_kv_heads=2, d_qk=192, d_v=128, l=32, d=16, l_sel=64,
                               n_sel=16, window=512), [3000, 1023], dict(starts=[0, 512],
                                                                        programs=64)),
