@@ -928,18 +928,20 @@ def nsa_decode_attention(q: Tensor, pos: Tensor, start: Tensor, *, l: int, d: in
 
     Launch options: num_programs (about how many programs per attention launch; default
     PROGRAMS_PER_SM per SM), block_n (keys per tile, >= 16), num_warps / num_stages of the
-    attention kernels. fused (default; sel_mode "none" always takes the five-launch path):
-    three launches after the compressed + window split-K instead of three plus the combine:
-    `_slc_kernel` (block scores and per-chunk top-n candidates over (b, h, chunk) programs, the
-    compressed / window merge) and `_sel_kernel` (top-n from the candidates, selected split-K,
-    the combine by the last program of each (b, h) to arrive); score_chunk: selection blocks
-    per scoring program (a power of two; default min(128, ...)). fused=False: the five launches
-    of the module docstring. new (+ k_raw, v_raw, emit_avg): the new token, written first as
-    `nsa_decode_write` does (the caches must then hold the step's other tokens only); the fused
-    path writes it inside its first launch, so the whole step is three launches (a learned phi
-    must emit its block between the write and the reads: call `nsa_decode_write` + emit first
-    instead). Both compute the same function; the fused path keeps per-device
-    arrival counters (`_arrival_counters`) between calls, so steps on the same device must not
+    attention kernels.
+    fused=True (default): after the compressed + window split-K, `_slc_kernel` (block scores and
+    per-chunk top-n candidates over (b, h, chunk) programs; the compressed / window merge) and
+    `_sel_kernel` (top-n from the candidates, selected split-K, the combine by the last program
+    of each (b, h) to arrive): three launches, or four with a separate write. score_chunk:
+    selection blocks per scoring program (a power of two >= 16; default min(128, ...)).
+    sel_mode "none" (or no selection slot) takes the fused=False path: the five launches of the
+    module docstring.
+    new (+ k_raw, v_raw, emit_avg): the new token, written first as `nsa_decode_write` does (the
+    caches then hold the step's other tokens only); the fused path writes it inside its first
+    launch (a learned phi must emit its block between the write and the reads: call
+    `nsa_decode_write` + emit first instead, and pass no `new`).
+    Both paths compute the same function; the fused path keeps per-device arrival counters
+    (`_arrival_counters`) between calls, so steps on the same device must not
     run concurrently on different streams."""
     if sel_mode not in SEL_MODES:
         raise ValueError(f"sel_mode={sel_mode!r}: allowed values are {SEL_MODES}")
@@ -991,7 +993,7 @@ def nsa_decode_attention(q: Tensor, pos: Tensor, start: Tensor, *, l: int, d: in
     kw, vw = (k_win, v_win) if W > 0 else (kref, vref)
     common = dict(G=G, G_PAD=G_PAD, DK=Dk, DV=Dv, DK1=DK1, DK2=DK2, DV_PAD=DV_PAD, L=l, D=d,
                   LS=l_sel, BLOCK_N=block_n, SCALE=float(scale), num_warps=num_warps, num_stages=num_stages)
-    fused = fused and sel_mode != "none"
+    fused = fused and sel_mode != "none" and nss > 0
     no_write = _new_token_args({}, kref, vref) + [kref, vref, kref, vref, 1]
     write_opts = NO_WRITE
     if new:
