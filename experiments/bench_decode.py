@@ -15,10 +15,13 @@ same matmuls for both up to NSA's extra k/v pairs and are excluded; --with-proj 
               completes (branch-free), compressed attention, top-n scoring (Eq. 8-10, forced
               blocks, ties to the lower index), gather of the n selected blocks + attention,
               window attention, sigmoid-gated sum: ~50 small kernels (the reference the tests check)
-  nsa_triton  `decode_attention(backend="triton")`: the same step in five Triton launches
-              (`nsa_flex.ops.decode_triton`: write, compressed + window split-K, scorer + top-n,
-              selected split-K, combine + gates); extra launch configs (--triton-configs) are timed
-              in graph mode only, the row keeps the fastest
+  nsa_triton  `decode_attention(backend="triton")`: the same step in three Triton launches
+              (`nsa_flex.ops.decode_triton`, fused path: write + compressed + window split-K,
+              chunked scorer + per-chunk top-n + branch merges, top-n + selected split-K + gated
+              combine by the last-arriving program); extra launch configs (--triton-configs) are
+              timed in graph mode only, the row keeps the fastest
+  nsa_triton_unfused  the five-launch path (triton_opts fused=False: write, compressed + window
+              split-K, scorer + top-n, selected split-K, combine + gates), default launch config
   full_gqa    write the new token into a [B, Hkv, S, D] KV cache, then SDPA of q [B, H, 1, Dk]
               over the S cached keys with enable_gqa=True
   full_fold   the same with q folded to [B, Hkv, G, Dk] (the G heads of a group as G query rows
@@ -34,6 +37,14 @@ output against the torch path's (max abs error, share of (row, group) selections
 bf16 scores may break near-ties differently). Before the grid (CUDA): prefill + decode == full
 forward for both backends (fp32), and Triton == torch at the paper's head dims (fp32).
 Robust: an error in one measurement is recorded in the row's `errors` column and the run goes on.
+--breakdown: per-kernel device time of one step of each Triton path and of the full-attention
+baseline (torch.profiler, every kernel's launches summed per step, median over the profiled
+steps; on the CPU the top-level torch ops instead), into <out>/decode_breakdown.csv (columns
+S, batch, kernel, us, launches; kernel = "<implementation>/<kernel name>", plus the rows
+"<implementation>/ALL_KERNELS" (their sum) and "<implementation>/GRAPH_STEP" (the timed step,
+CUDA graphs when timed so: the difference to ALL_KERNELS is launch gaps and idle time)).
+Implementations: nsa_triton (the default launch path of `nsa_decode_attention`, fused), and
+nsa_triton_unfused (fused=False: the five-launch path), timed side by side.
 Output: <out>/bench_decode.csv (rewritten after every row), <out>/bench_decode.png, stdout table.
 """
 
@@ -147,6 +158,47 @@ class Timer:
         return ms / 1e3
 
 
+def kernel_breakdown(fn, device, reps: int = 20) -> list[dict]:
+    """[{kernel, us, launches}] of one call of fn: `reps` calls profiled (synchronised after
+    each); per kernel name its launches' durations summed per call, median over the calls.
+    CUDA: the CUDA kernels (device time); CPU: the top-level torch ops (self CPU time)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile as prof
+
+    cuda = device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    for _ in range(2):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    with torch.no_grad(), prof(activities=acts) as pr:
+        for _ in range(reps):
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+    per = {}
+    for e in pr.events():
+        if cuda:
+            if e.device_type != DeviceType.CUDA:
+                continue
+            us = e.time_range.elapsed_us()
+        else:
+            if e.device_type != DeviceType.CPU or e.cpu_parent is not None:
+                continue
+            us = e.self_cpu_time_total
+        per.setdefault(e.name, []).append((e.time_range.start, us))
+    out = []
+    for name, ev in per.items():
+        ev.sort()
+        n = max(1, round(len(ev) / reps))
+        sums = [sum(u for _, u in ev[i : i + n]) for i in range(0, len(ev), n)]
+        out.append({"kernel": name, "us": statistics.median(sums), "launches": n})
+    out.sort(key=lambda r: -r["us"])
+    out.append({"kernel": "ALL_KERNELS", "us": sum(r["us"] for r in out),
+                "launches": sum(r["launches"] for r in out)})
+    return out
+
+
 def triton_available(device) -> tuple[bool, str]:
     try:
         resolve_decode_backend("triton", device)
@@ -157,7 +209,8 @@ def triton_available(device) -> tuple[bool, str]:
 
 def bench_one(cfg: NSAConfig, S: int, B: int, device, dtype, timer: Timer, graph_modes,
               compile_: bool, with_proj: bool, seed: int, triton_cfgs: list[dict],
-              profile: bool = False, log=print) -> dict:
+              profile: bool = False, log=print, breakdown: list | None = None) -> dict:
+    """One (S, B) row; with `breakdown` (a list) its per-kernel rows are appended to it."""
     H, Hkv, dk, dv, G = cfg.n_heads, cfg.n_kv_heads, cfg.d_qk, cfg.d_v, cfg.group_size
     gen = torch.Generator(device=device).manual_seed(seed)
     rnd = lambda *shape: torch.randn(*shape, generator=gen, device=device, dtype=dtype)  # noqa: E731
@@ -234,6 +287,8 @@ def bench_one(cfg: NSAConfig, S: int, B: int, device, dtype, timer: Timer, graph
     ok_tr, why = triton_available(device)
     if ok_tr:
         fns["nsa_triton"] = nsa_step("triton", opts=launch_opts(triton_cfgs[0], device))
+        fns["nsa_triton_unfused"] = nsa_step(
+            "triton", opts=dict(launch_opts(triton_cfgs[0], device), fused=False))
     else:
         row["skipped"] = f"nsa_triton: {why}"
     if compile_:
@@ -270,6 +325,18 @@ def bench_one(cfg: NSAConfig, S: int, B: int, device, dtype, timer: Timer, graph
                     row["triton_sel_agree"] = same.all(-1).float().mean().item()
             except Exception as e:  # noqa: BLE001
                 fail("check nsa_triton", e)
+        if "nsa_triton_unfused" in fns:
+            try:
+                o_u = fns["nsa_triton_unfused"]().float()
+                reads = {k: v.float().mean().item() for k, v in cache.reads.items()}
+                if reads != {k: float(v) for k, v in exp.items()}:
+                    raise AssertionError(f"unfused read counters {reads} != expected {exp}")
+                if o_t is not None:
+                    row["triton_unfused_max_abs_err"] = (o_u - o_t).abs().max().item()
+                    same = cache.last_selection.sort(-1).values == sel_t
+                    row["triton_unfused_sel_agree"] = same.all(-1).float().mean().item()
+            except Exception as e:  # noqa: BLE001
+                fail("check nsa_triton_unfused", e)
         try:
             o_a, o_b = fns["full_gqa"](), fns["full_fold"]()
             if not torch.allclose(o_a.float(), o_b.float(), atol=2e-2, rtol=2e-2):
@@ -280,7 +347,7 @@ def bench_one(cfg: NSAConfig, S: int, B: int, device, dtype, timer: Timer, graph
     if profile and device.type == "cuda":
         from torch.profiler import ProfilerActivity, profile as prof
 
-        for name in [n for n in ("nsa_torch", "nsa_triton") if n in fns]:
+        for name in [n for n in ("nsa_torch", "nsa_triton", "nsa_triton_unfused") if n in fns]:
             acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
             with torch.no_grad(), prof(activities=acts) as pr:
                 for _ in range(10):
@@ -312,6 +379,25 @@ def bench_one(cfg: NSAConfig, S: int, B: int, device, dtype, timer: Timer, graph
                     row[key] = float("nan")
                     fail(f"nsa_triton[{cfg_name(opts)}]/graph", e)
 
+    if breakdown is not None:
+        sfx = "_graph_ms" if "graph" in graph_modes else "_ms"
+        for name in [n for n in ("nsa_triton", "nsa_triton_unfused", "nsa_torch", "full_fold")
+                     if n in fns and (device.type == "cuda" or n == "nsa_torch")]:
+            try:
+                with torch.no_grad():
+                    rows_k = kernel_breakdown(fns[name], device)
+                step = row.get(f"{name}{sfx}")
+                if isinstance(step, float) and math.isfinite(step):
+                    rows_k.append({"kernel": "GRAPH_STEP" if sfx == "_graph_ms" else "STEP",
+                                   "us": step * 1e3, "launches": rows_k[-1]["launches"]})
+                for r in rows_k:
+                    breakdown.append({"S": S, "batch": B, "kernel": f"{name}/{r['kernel']}",
+                                      "us": round(r["us"], 3), "launches": r["launches"]})
+                log(f"    breakdown {name}: " + ", ".join(
+                    f"{r['kernel']} {r['us']:.1f} us x{r['launches']}" for r in rows_k), flush=True)
+            except Exception as e:  # noqa: BLE001
+                fail(f"breakdown {name}", e)
+
     # ---------------------------------------------------------------- summary
     def best(keys):
         vals = [(row[k], k) for k in keys
@@ -328,6 +414,8 @@ def bench_one(cfg: NSAConfig, S: int, B: int, device, dtype, timer: Timer, graph
                        if which == "nsa_triton_best_ms" else "torch" if which else "")
     row["speedup"] = row["full_ms"] / row["nsa_ms"]
     row["speedup_triton_vs_torch"] = row["nsa_torch_best_ms"] / row["nsa_triton_best_ms"]
+    row["speedup_fused_vs_unfused"] = (row.get(f"nsa_triton_unfused{mode_sfx}", float("nan"))
+                                       / row.get(f"nsa_triton{mode_sfx}", float("nan")))
     if "eager" in graph_modes:
         f_e, _ = best(["full_gqa_ms", "full_fold_ms"])
         n_e, _ = best(["nsa_triton_ms", "nsa_torch_ms"])
@@ -377,9 +465,11 @@ def check_equivalence(device, T: int = 700, seed: int = 0, backend: str = "torch
     return err
 
 
-def check_triton_vs_torch(device, lens=(700, 3000, 5000), seed: int = 0) -> dict:
+def check_triton_vs_torch(device, lens=(700, 3000, 5000), seed: int = 0,
+                          fused: bool = True) -> dict:
     """One decode step at the paper's head dims (G = 16, d_k 192, d_v 128) in fp32, rows of
-    different lengths: the Triton path against the torch path (outputs, selections, counters)."""
+    different lengths: the Triton path (fused or the five launches) against the torch path
+    (outputs, selections, counters, caches after the write)."""
     cfg = NSAConfig(**PAPER, backend="reference")
     B, H, Hkv, dk, dv = len(lens), cfg.n_heads, cfg.n_kv_heads, cfg.d_qk, cfg.d_v
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -397,7 +487,8 @@ def check_triton_vs_torch(device, lens=(700, 3000, 5000), seed: int = 0) -> dict
     out = {}
     with torch.no_grad():
         for be, c in caches.items():
-            out[be] = decode_attention(cfg, MODES, q, kv, g, c, phi, phi, backend=be)
+            out[be] = decode_attention(cfg, MODES, q, kv, g, c, phi, phi, backend=be,
+                                       triton_opts={"fused": fused} if be == "triton" else None)
     a, b = caches["torch"], caches["triton"]
     return {"max_abs_err": (out["torch"] - out["triton"]).abs().max().item(),
             "sel_agree": (a.last_selection.sort(-1).values == b.last_selection.sort(-1).values)
@@ -405,6 +496,53 @@ def check_triton_vs_torch(device, lens=(700, 3000, 5000), seed: int = 0) -> dict
             "reads_equal": all(torch.equal(a.reads[k], b.reads[k]) for k in a.reads),
             "cache_max_abs_err": max((getattr(b, k) - t).abs().max().item()
                                      for k, t in a.tensors().items())}
+
+
+def check_graph_replays(device, S: int = 20000, B: int = 3, replays: int = 300,
+                        seed: int = 0) -> dict:
+    """The fused Triton step (bf16, paper config, rows at different lengths, one with a document
+    start) captured in a CUDA graph and replayed `replays` times: every replay must give the
+    eager step's output bit for bit (the step is deterministic: fixed split shapes and merge
+    order, whichever program arrives last). Checks the arrival counters' reset and the memory
+    ordering of the last-arriving combine under real concurrency, and that the three-launch
+    path is capturable. Also times eager vs replay for a sanity line."""
+    cfg = NSAConfig(**PAPER, backend="reference")
+    H, Hkv, dk, dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_qk, cfg.d_v
+    gen = torch.Generator(device=device).manual_seed(seed)
+    c = NSACache.empty(cfg, B, S, device, torch.bfloat16)
+    lens = torch.tensor([S - 1 - 997 * i for i in range(B)], device=device)
+    c.random_fill_(lens, generator=gen)
+    c.doc_start[-1] = 4096
+    q = torch.randn(B, H, 1, dk, generator=gen, device=device, dtype=torch.bfloat16)
+    kv = {b: (torch.randn(B, Hkv, 1, dk, generator=gen, device=device, dtype=torch.bfloat16),
+              torch.randn(B, Hkv, 1, dv, generator=gen, device=device, dtype=torch.bfloat16))
+          for b in MODES}
+    g = torch.rand(B, H, 1, 3, generator=gen, device=device, dtype=torch.bfloat16)
+    phi = PHI["avg"](cfg.l, cfg.d, dk)
+
+    def step():
+        return decode_attention(cfg, MODES, q, kv, g, c, phi, phi, backend="triton")
+
+    with torch.no_grad():
+        ref = step().clone()
+        s_ = torch.cuda.Stream()
+        s_.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s_):
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(s_)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+        bad, worst = 0, 0.0
+        for _ in range(replays):
+            graph.replay()
+            d = (out.float() - ref.float()).abs().max().item()
+            bad += d != 0
+            worst = max(worst, d)
+        again = step()
+    return {"replays": replays, "mismatched_replays": int(bad), "max_abs_diff": worst,
+            "eager_after_graph_equal": bool(torch.equal(again, ref))}
 
 
 def plot(rows, path):
@@ -479,7 +617,12 @@ def main(argv=None):
                    help="include the q/k/v/gate/output projections of the layer in both steps")
     p.add_argument("--reps", type=int, default=None)
     p.add_argument("--profile", action="store_true", help="print CUDA kernel profiles of NSA steps")
+    p.add_argument("--breakdown", action="store_true",
+                   help="per-kernel device times of one step (torch.profiler, median over steps) "
+                        "of both Triton paths and the baseline -> <out>/decode_breakdown.csv")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--keep-going", action="store_true",
+                   help="a failed device check prints FAIL and the grid still runs")
     p.add_argument("--no-check", action="store_true",
                    help="skip the device checks before the grid (prefill+decode == forward for "
                         "both backends, Triton == torch at paper dims; fp32, ~10 s)")
@@ -504,21 +647,49 @@ def main(argv=None):
     print(f"device {device} dtype {dtype} modes {modes} triton path: "
           f"{'yes ' + str([cfg_name(c) for c in triton_cfgs]) if ok_tr else 'no (' + why + ')'}",
           flush=True)
+    failures = []
+
+    def verdict(ok: bool, msg: str) -> None:
+        """One check's line; a failure stops the run unless --keep-going."""
+        print(f"check {'PASS' if ok else 'FAIL'}: {msg}", flush=True)
+        if not ok:
+            if not a.keep_going:
+                raise AssertionError(msg)
+            failures.append(msg)
+
+    def guarded(what, fn):
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - with --keep-going a broken check is a failure
+            if not a.keep_going:
+                raise
+            verdict(False, f"{what}: {type(e).__name__}: {str(e)[:300]}")
+            return None
+
     if not a.no_check and not a.quick:
         for be in ("torch", "triton") if ok_tr else ("torch",):
             t0 = time.time()
-            err = check_equivalence(device, backend=be)
-            print(f"check: prefill + decode ({be}) vs full forward on {device} (fp32): "
-                  f"max |diff| = {err:.2e} ({time.time() - t0:.1f} s)", flush=True)
-            assert err < 1e-3, f"{be} decode path disagrees with the forward on {device}: {err}"
+            err = guarded(f"prefill + decode ({be})", lambda: check_equivalence(device, backend=be))
+            if err is not None:
+                verdict(err < 1e-3, f"prefill + decode ({be}) vs full forward on {device} (fp32): "
+                        f"max |diff| = {err:.2e} ({time.time() - t0:.1f} s)")
         if ok_tr:
-            r = check_triton_vs_torch(device)
-            print(f"check: triton vs torch step at paper head dims (fp32): {r}", flush=True)
-            assert r["reads_equal"] and r["cache_max_abs_err"] < 1e-5, r
-            assert r["sel_agree"] < 1 or r["max_abs_err"] < 1e-3, r
+            for fused in (True, False):
+                name = "fused" if fused else "five launches"
+                r = guarded(f"triton ({name}) vs torch",
+                            lambda: check_triton_vs_torch(device, fused=fused))
+                if r is not None:
+                    verdict(r["reads_equal"] and r["cache_max_abs_err"] < 1e-5
+                            and (r["sel_agree"] < 1 or r["max_abs_err"] < 1e-3),
+                            f"triton ({name}) vs torch step at paper head dims (fp32): {r}")
+            if device.type == "cuda":
+                r = guarded("graph replays", lambda: check_graph_replays(device))
+                if r is not None:
+                    verdict(r["mismatched_replays"] == 0 and r["eager_after_graph_equal"],
+                            f"fused step, CUDA graph replays vs eager (bf16): {r}")
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "bench_decode.csv")
-    rows = []
+    rows, kernels = [], ([] if a.breakdown else None)
     t_start = time.time()
     grid = [(B, S) for B in (int(b) for b in a.batches.split(",")) for S in
             (int(s) for s in a.contexts.split(","))]
@@ -526,7 +697,7 @@ def main(argv=None):
         print(f"[{i + 1}/{len(grid)}] S={S} B={B} ({time.time() - t_start:.0f} s)", flush=True)
         try:
             r = bench_one(cfg, S, B, device, dtype, timer, modes, a.compile, a.with_proj,
-                          a.seed + 1000 * B + S, triton_cfgs, a.profile)
+                          a.seed + 1000 * B + S, triton_cfgs, a.profile, breakdown=kernels)
         except Exception as e:  # noqa: BLE001 - e.g. out of memory building the caches
             traceback.print_exc()
             r = {"S": S, "batch": B, "dtype": str(dtype).replace("torch.", ""),
@@ -540,12 +711,18 @@ def main(argv=None):
         tt = r.get("speedup_triton_vs_torch", float("nan"))
         print(f"  S={S:>7} B={B:>3}  nsa {r['nsa_ms']:8.4f} ms ({r.get('nsa_best', '')})  "
               f"full {r['full_ms']:8.4f} ms ({r.get('full_best', '')})  speedup "
-              f"{r['speedup']:6.2f}x  triton/torch {tt:.2f}x"
+              f"{r['speedup']:6.2f}x  triton/torch {tt:.2f}x  "
+              f"fused/unfused {r.get('speedup_fused_vs_unfused', float('nan')):.2f}x"
               f"  reads {r['nsa_reads']}/{S} ({r['read_ratio']:.2f}x fewer)"
               + (f"  ERRORS: {r['errors']}" if r.get("errors") else ""), flush=True)
         write_csv(rows, path)
+        if kernels:
+            write_csv(kernels, os.path.join(a.out, "decode_breakdown.csv"))
     print(f"wrote {path}")
     plot(rows, os.path.join(a.out, "bench_decode.png"))
+    if failures:
+        print(f"{len(failures)} check(s) FAILED (--keep-going): " + " | ".join(failures),
+              flush=True)
     return rows
 
 

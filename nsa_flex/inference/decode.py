@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ..rope import rope_cos_sin
 from .cache import NSACache
-from .decode_fused import attend_triton, resolve_decode_backend, write_token_triton
+from .decode_fused import resolve_decode_backend, step_triton
 from .decode_reference import attend_cached, write_token
 
 SUPPORTED = {"cmp": ("compressed_causal", "none"),
@@ -84,15 +84,13 @@ def decode_attention(cfg, modes: dict[str, str], q: Tensor, kv: dict, g: Tensor,
     backend: "auto" | "torch" | "triton" (default: cache.decode_backend). attend_fn: a
     replacement of `attend_cached` (e.g. a compiled copy); it implies the torch path.
     triton_opts: launch options of the Triton kernels (`nsa_decode_attention`: num_programs,
-    block_n, num_warps, num_stages)."""
+    block_n, num_warps, num_stages, fused, score_chunk)."""
     name = backend or cache.decode_backend
     use = "torch" if attend_fn is not None else resolve_decode_backend(name, q.device)
     if use == "triton":
         try:
-            write_token_triton(cfg, modes, kv, cache, phi_k, phi_v)
-            caches = {k: v for k, v in cache.tensors().items() if k not in ("k_raw", "v_raw")}
-            o, cache.reads, cache.last_selection = attend_triton(
-                cfg, modes, q, g, caches, cache.lengths, cache.doc_start, **(triton_opts or {}))
+            o, cache.reads, cache.last_selection = step_triton(
+                cfg, modes, q, kv, g, cache, phi_k, phi_v, **(triton_opts or {}))
             return o
         except Exception as e:  # noqa: BLE001 - any kernel / compiler failure; see _fall_back
             if name != "auto":
