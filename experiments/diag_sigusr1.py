@@ -18,11 +18,23 @@ import signal
 import torch
 
 
-def caught() -> bool:
-    for line in open("/proc/self/status"):
-        if line.startswith("SigCgt:"):
+def usr1_bit(path: str, field: str) -> bool:
+    for line in open(path):
+        if line.startswith(field + ":"):
             return bool(int(line.split()[1], 16) >> (signal.SIGUSR1 - 1) & 1)
     return False
+
+
+def caught() -> bool:
+    return usr1_bit("/proc/self/status", "SigCgt")
+
+
+def blocking() -> str:
+    """Threads that block SIGUSR1 (main thread marked), of all threads."""
+    tids = os.listdir("/proc/self/task")
+    blk = [t for t in tids if usr1_bit(f"/proc/self/task/{t}/status", "SigBlk")]
+    main = "main blocks" if str(os.getpid()) in blk else "main open"
+    return f"{len(blk)}/{len(tids)} threads block USR1 ({main})"
 
 
 def check(stage: str, r: int) -> None:
@@ -30,7 +42,7 @@ def check(stage: str, r: int) -> None:
     got = b""
     while select.select([r], [], [], 0.5)[0]:
         got += os.read(r, 1 << 16)
-    print(f"{stage:28s} dump {len(got):6d} bytes  SigCgt USR1={caught()}  "
+    print(f"{stage:28s} dump {len(got):6d} bytes  SigCgt USR1={caught()}  {blocking()}  "
           f"python handler={signal.getsignal(signal.SIGUSR1)}", flush=True)
 
 
@@ -54,6 +66,8 @@ def main() -> None:
     check("dataloader worker", r)
     faulthandler.register(signal.SIGUSR1, file=w, all_threads=True, chain=False)
     check("registered again", r)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
+    check("unblocked in main thread", r)
     torch.distributed.destroy_process_group()
 
 

@@ -252,15 +252,29 @@ def block_mask_from_flags(any_: Tensor, full: Tensor, block_size: tuple[int, int
     partial = any_ & ~full
     kv_num, kv_idx = _flags_to_indices(partial)
     full_num, full_idx = _flags_to_indices(full)
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size,
-                                    mask_mod=mask_mod, seq_lengths=seq_lengths)
+    # q-major lists from the same flags (what from_kv_blocks derives through an argsort)
+    q_num, q_idx = _flags_to_indices(partial.transpose(-2, -1))
+    fq_num, fq_idx = _flags_to_indices(full.transpose(-2, -1))
+    return BlockMask(seq_lengths=seq_lengths, kv_num_blocks=kv_num, kv_indices=kv_idx,
+                     full_kv_num_blocks=full_num, full_kv_indices=full_idx, q_num_blocks=q_num,
+                     q_indices=q_idx, full_q_num_blocks=fq_num, full_q_indices=fq_idx,
+                     BLOCK_SIZE=block_size, mask_mod=mask_mod)
 
 
 def _flags_to_indices(flags: Tensor) -> tuple[Tensor, Tensor]:
-    num = flags.sum(-1, dtype=torch.int32)
-    # stable sort of ~flags puts the listed blocks first, in increasing block order
-    idx = torch.sort((~flags).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
-    return num, idx.contiguous()
+    """Row-wise (count, indices) of the set flags: the set blocks first in increasing order, then
+    the unset ones (what a stable sort of ~flags gives), by cumsum + scatter. No sort: inductor
+    lowers a sort of a few hundred columns to a Triton sort network that took minutes to compile
+    (the NSA layer's first forward at T=16k: 352 s on an H100, experiments/NOTES.md 25)."""
+    f = flags.to(torch.int32)
+    num = f.sum(-1, dtype=torch.int32)
+    before_set = f.cumsum(-1) - f  # set flags left of each column
+    before_unset = (1 - f).cumsum(-1) - (1 - f)
+    dest = torch.where(flags, before_set, num.unsqueeze(-1).long() + before_unset)
+    cols = torch.arange(flags.shape[-1], device=flags.device, dtype=torch.int32)
+    idx = torch.empty(flags.shape, device=flags.device, dtype=torch.int32)
+    idx.scatter_(-1, dest, cols.expand(flags.shape).contiguous())
+    return num.contiguous(), idx
 
 
 def or_masks(*specs: MaskSpec, name: str | None = None) -> MaskSpec:

@@ -24,8 +24,9 @@ stuck). Ranks need no communication: in a collective hang every rank stalls and 
 SIGUSR1. ``faulthandler.register`` writes the stacks from the C signal handler into a pipe that the
 watchdog thread reads, so a dump is written even while the main thread is blocked inside C code (a
 CUDA sync, an NCCL wait, a blocked read), and the run goes on. Same file name and content. The
-handler is installed again when the first step completes: what starts with the first step (CUDA,
-NCCL, compile workers) may install its own SIGUSR1 handler in between.
+handler is installed again, and SIGUSR1 unblocked in the main thread, when the first step completes:
+what starts with the first step (CUDA, NCCL, compile workers) may replace the handler or leave the
+signal blocked in between.
 
 Halt. ``<dump_folder>/<halt_file>`` (checked by every rank after every step) or SIGTERM: the ranks
 agree (one MAX all-reduce of a flag on a gloo group per step when world size > 1, so all stop after
@@ -344,8 +345,11 @@ class OpsMonitor:
         self.t_beat, self.last_step, self.first_done = now, step, True
         self.win_wait += data_wait_s
         self.win_steps += 1
-        if first and self._pipe is not None:
+        if first and self._pipe is not None and threading.current_thread() is threading.main_thread():
             faulthandler.register(signal.SIGUSR1, file=self._pipe[1], all_threads=True, chain=False)
+            # a signal mask that blocks SIGUSR1 can be left on the main thread by what started
+            # with the first step; if every thread blocks it, the signal stays pending forever
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
         if not first:  # the first step's time is build + compile
             msg = self.data.update(step, data_wait_s, step_s)
             if msg:
