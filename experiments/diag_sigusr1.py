@@ -4,7 +4,8 @@ The [ops] SIGUSR1 dump (nsa_flex/titan/ops.py) worked on CPU under torchrun but 
 an H100 run. This registers faulthandler on SIGUSR1 into a pipe as Ops.start does, then after each
 stage of a training process's start (CUDA, an NCCL process group and an all-reduce, a compiled
 function, a DataLoader with a worker) sends SIGUSR1 to itself and reports whether the dump
-arrived, whether the process still catches SIGUSR1 (/proc SigCgt) and the Python-level handler.
+arrived, whether the process still catches SIGUSR1 (/proc SigCgt), which threads block it and the
+Python-level handler; last, the wakeup-fd scheme nsa_flex.titan.ops uses (one byte = a dump).
 Run under torchrun, one process:
 
     python -m torch.distributed.run --nproc_per_node=1 experiments/diag_sigusr1.py
@@ -66,8 +67,11 @@ def main() -> None:
     check("dataloader worker", r)
     faulthandler.register(signal.SIGUSR1, file=w, all_threads=True, chain=False)
     check("registered again", r)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
-    check("unblocked in main thread", r)
+    # what nsa_flex.titan.ops does instead: a Python-level handler + signal.set_wakeup_fd, whose
+    # C handler writes the signal number into the pipe at once
+    signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    signal.signal(signal.SIGUSR1, lambda *a: None)
+    check("wakeup fd + python handler", r)
     torch.distributed.destroy_process_group()
 
 

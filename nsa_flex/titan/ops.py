@@ -21,12 +21,12 @@ the innermost frame of the training (main) thread that lies in this project; wit
 ``stall_exit_code`` > 0 it then ends the process with that code (``os._exit``: the main thread is
 stuck). Ranks need no communication: in a collective hang every rank stalls and dumps.
 
-SIGUSR1. ``faulthandler.register`` writes the stacks from the C signal handler into a pipe that the
-watchdog thread reads, so a dump is written even while the main thread is blocked inside C code (a
-CUDA sync, an NCCL wait, a blocked read), and the run goes on. Same file name and content. The
-handler is installed again, and SIGUSR1 unblocked in the main thread, when the first step completes:
-what starts with the first step (CUDA, NCCL, compile workers) may replace the handler or leave the
-signal blocked in between.
+SIGUSR1. Python's C-level signal handler writes the signal number into a wakeup pipe
+(``signal.set_wakeup_fd``) at once, whatever the main thread is doing; the watchdog thread reads it
+and writes the dump itself, so a dump is written even while the main thread is blocked inside C
+code (a CUDA sync, an NCCL wait, a blocked read), and the run goes on. Same file name and content.
+(``faulthandler.register`` on SIGUSR1 wrote nothing on an H100 once torch.compile had run, though
+the signal was caught and unblocked: experiments/diag_sigusr1.py, NOTES.md 26.)
 
 Halt. ``<dump_folder>/<halt_file>`` (checked by every rank after every step) or SIGTERM: the ranks
 agree (one MAX all-reduce of a flag on a gloo group per step when world size > 1, so all stop after
@@ -208,6 +208,11 @@ class _AppendToStepLine(logging.Filter):
 
 
 # ----------------------------------------------------------------------------- the monitor
+def _ignore_signal(signum, frame) -> None:
+    """Python-level SIGUSR1 handler: nothing to do in the main thread; installing a Python handler
+    is what makes the C handler write the signal into the wakeup pipe the watchdog reads."""
+
+
 def _dist_info() -> tuple[int, int]:
     d = torch.distributed
     if d.is_available() and d.is_initialized():
@@ -263,6 +268,7 @@ class OpsMonitor:
         self._thread = None
         self._stop = threading.Event()
         self._pipe = None
+        self._old_wakeup = -1
         self._old_handlers: dict = {}
         self.started = False
 
@@ -272,11 +278,13 @@ class OpsMonitor:
         in_main = threading.current_thread() is threading.main_thread()
         if self.cfg.dump_on_sigusr1 and in_main:
             r, w = os.pipe()
-            # non-blocking write end: a dump larger than the pipe is cut short instead of blocking
-            # the signalled thread when nobody reads
-            os.set_blocking(w, False)
+            os.set_blocking(w, False)  # set_wakeup_fd needs it; a full pipe drops the byte
             self._pipe = (r, w)
-            faulthandler.register(signal.SIGUSR1, file=w, all_threads=True, chain=False)
+            self._old_wakeup = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+            if self._old_wakeup != -1:
+                log.warning(f"ops: signal wakeup fd {self._old_wakeup} replaced by the SIGUSR1 dump "
+                            "pipe for this run (restored at the end)")
+            self._old_handlers[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, _ignore_signal)
         if self.cfg.halt_on_sigterm and in_main:
             self._old_handlers[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_sigterm)
         d = torch.distributed
@@ -310,10 +318,8 @@ class OpsMonitor:
         if self._thread is not None:
             self._thread.join(timeout=2 * self.poll + 1)
         if self._pipe is not None:
-            try:
-                faulthandler.unregister(signal.SIGUSR1)
-            except Exception:
-                pass
+            if threading.current_thread() is threading.main_thread():
+                signal.set_wakeup_fd(self._old_wakeup)
             for fd in self._pipe:
                 try:
                     os.close(fd)
@@ -345,11 +351,6 @@ class OpsMonitor:
         self.t_beat, self.last_step, self.first_done = now, step, True
         self.win_wait += data_wait_s
         self.win_steps += 1
-        if first and self._pipe is not None and threading.current_thread() is threading.main_thread():
-            faulthandler.register(signal.SIGUSR1, file=self._pipe[1], all_threads=True, chain=False)
-            # a signal mask that blocks SIGUSR1 can be left on the main thread by what started
-            # with the first step; if every thread blocks it, the signal stays pending forever
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
         if not first:  # the first step's time is build + compile
             msg = self.data.update(step, data_wait_s, step_s)
             if msg:
@@ -465,18 +466,6 @@ class OpsMonitor:
             tf.seek(0)
             return tf.read()
 
-    def _drain_pipe(self) -> str:
-        chunks, fd = [], self._pipe[0]
-        while True:  # faulthandler writes in pieces; a dump is complete after 0.2 s of silence
-            r, _, _ = select.select([fd], [], [], 0.2)
-            if not r:
-                break
-            b = os.read(fd, 65536)
-            if not b:
-                break
-            chunks.append(b)
-        return b"".join(chunks).decode(errors="replace")
-
     def _watch(self) -> None:
         # SIGUSR1 goes to another thread, which is not blocked reading the pipe
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
@@ -484,8 +473,9 @@ class OpsMonitor:
             try:
                 if self._pipe is not None:
                     r, _, _ = select.select([self._pipe[0]], [], [], self.poll)
-                    if r and not self._stop.is_set():
-                        path, where = self.write_dump("SIGUSR1 (on demand; the run goes on)", self._drain_pipe())
+                    # one byte per caught signal (SIGTERM's too): dump for SIGUSR1 only
+                    if r and signal.SIGUSR1 in os.read(self._pipe[0], 4096) and not self._stop.is_set():
+                        path, where = self.write_dump("SIGUSR1 (on demand; the run goes on)", self._stacks_now())
                         log.info(f"ops: SIGUSR1 dump on rank {self.rank}: {path}; innermost project frame: {where}")
                         continue
                 else:
