@@ -60,20 +60,28 @@ def plot(layer, runs, path):
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.8))
-    for mode, style in (("fwd_ms", "o--"), ("fwd_bwd_ms", "o-")):
-        pts = []
+    def speedups(mode):
+        pts = {}
         for T in sorted({r["T"] for r in layer}):
             get = lambda it: next((num(r[mode]) for r in layer if r["T"] == T and r["item"] == it),
                                   None)
             n, f = get("nsa_layer"), get("full_layer")
             if n and f:
-                pts.append((T, f / n))
+                pts[T] = f / n
+        return pts
+
+    modes = {"fwd_ms": "o--", "fwd_bwd_ms": "o-"}
+    ups = {m: speedups(m) for m in modes}
+    for mode, style in modes.items():
+        pts = ups[mode]
+        other = ups["fwd_bwd_ms" if mode == "fwd_ms" else "fwd_ms"]
         if pts:
-            a.plot([p[0] for p in pts], [p[1] for p in pts], style,
+            a.plot(list(pts), list(pts.values()), style,
                    label=mode.replace("_ms", "").replace("_", "+"))
-            for T, s in pts:
+            for T, s in pts.items():  # label above the higher of the two curves, below the other
+                up = s >= other.get(T, float("-inf"))
                 a.annotate(f"{s:.2f}x", (T, s), textcoords="offset points",
-                           xytext=(6, 6 if mode == "fwd_ms" else -12))
+                           xytext=(6, 6 if up else -12))
     missing = sorted({r["T"] for r in layer if num(r["fwd_bwd_ms"]) is None})
     a.axhline(1, color="gray", lw=1)
     a.axhline(3, color="tab:red", ls=":", lw=1, label="target at 64k (3x)")

@@ -1,9 +1,9 @@
 """The decode step by the fused Triton kernels (`nsa_flex.ops.decode_triton`), and the choice of
-backend. Same inputs, outputs and counters as `decode_reference`: by default three launches (the
-write inside the compressed + window split-K, the chunked top-n scorer with the branch merges,
-the selected split-K that finishes the step); `triton_opts={"fused": False}` gives the five
-launches (write, compressed + window, scorer, selected, combine). No host sync: CUDA-graph
-capturable.
+backend. Same inputs, outputs and counters as `decode_reference`: by default five launches (write,
+compressed + window, scorer, selected, combine); `triton_opts={"fused": True}` gives three (the
+write inside the compressed + window split-K, the chunked top-n scorer with the branch merges, the
+selected split-K that finishes the step), slower on the H100 (experiments/NOTES.md 24). No host
+sync: CUDA-graph capturable.
 """
 
 import torch

@@ -26,7 +26,9 @@ fused=False, five dependent launches:
                         the compressed lse, the sigmoid-gate mix (Eq. 5, in the torch path's
                         order), the compressed / window read counters.
 
-fused=True (default), three launches: at batch 1 the five above are bound by launch latency and
+fused=True, three launches (not the default: slower on the H100, 65.9 vs 49.9 us per step at 64k
+batch 1, its selection launch alone 35 us; experiments/NOTES.md 24). At batch 1 the five above are
+bound by launch latency and
 by the scorer's serial work (one program per (b, h) over every compressed score and n
 max-reductions), not by their ~14 MB of K/V at 64k:
   1. `_attn_kernel`     2. above, with the new token's write (`new=`) done by the programs that
@@ -912,7 +914,7 @@ def nsa_decode_attention(q: Tensor, pos: Tensor, start: Tensor, *, l: int, d: in
                          use: tuple = ("cmp", "sel", "win"), g: Tensor | None = None,
                          scale: float | None = None, return_branches: bool = False,
                          num_programs: int | None = None, block_n: int = 32, num_warps: int = 4,
-                         num_stages: int = 2, fused: bool = True,
+                         num_stages: int = 2, fused: bool = False,
                          score_chunk: int | None = None, new: dict | None = None, k_raw=None,
                          v_raw=None, emit_avg: bool = False) -> DecodeResult:
     """The attention reads of one NSA decode step (the caches already hold the new token).
@@ -929,7 +931,7 @@ def nsa_decode_attention(q: Tensor, pos: Tensor, start: Tensor, *, l: int, d: in
     Launch options: num_programs (about how many programs per attention launch; default
     PROGRAMS_PER_SM per SM), block_n (keys per tile, >= 16), num_warps / num_stages of the
     attention kernels.
-    fused=True (default): after the compressed + window split-K, `_slc_kernel` (block scores and
+    fused=True (default False: slower on the H100, module docstring): after the compressed + window split-K, `_slc_kernel` (block scores and
     per-chunk top-n candidates over (b, h, chunk) programs; the compressed / window merge) and
     `_sel_kernel` (top-n from the candidates, selected split-K, the combine by the last program
     of each (b, h) to arrive): three launches, or four with a separate write. score_chunk:
