@@ -179,6 +179,29 @@ def _emit_avg(bh, pos, slot, k, v, k_raw, v_raw, k_cmp, v_cmp, NC, dk, dv, mk, m
 
 
 @triton.jit
+def _block_keys(jj, score, pos, start, NS, LS: tl.constexpr, N_LOCAL: tl.constexpr,
+                N_INIT: tl.constexpr):
+    """One int64 top-n key per selection block jj, the keys of `nsa_flex.rules.pick_blocks`:
+    score bits << 32 | reversed block index (ties to the lower block); forced blocks (the
+    document's first block when N_INIT, the N_LOCAL most recent) get +inf score bits, blocks
+    without a visible token -1, padding (jj >= NS) -(1 << 62), below every real key."""
+    valid = (jj < NS) & (jj * LS <= pos) & ((jj + 1) * LS - 1 >= start)
+    cur = pos // LS
+    if N_LOCAL > 0:
+        forced = (jj > cur - N_LOCAL) & (jj <= cur)
+    else:
+        forced = jj < 0
+    if N_INIT > 0:
+        forced = forced | (jj == start // LS)
+    forced = forced & valid
+    bits = tl.maximum(score, 0.0).to(tl.int32, bitcast=True).to(tl.int64)
+    bits = tl.where(forced, 2139095040, bits)  # 0x7F800000 (+inf): forced blocks first
+    bits = tl.where(valid, bits, -1)
+    key = bits * 4294967296 + (NS - 1 - jj).to(tl.int64)
+    return tl.where(jj < NS, key, -4611686018427387904)
+
+
+@triton.jit
 def _score_kernel(pm_ptr, pl_ptr, NSPLIT, NSC, sc_ptr, pc_ptr, NC, c_ptr, idx_ptr, rsel_ptr,
                   pos_ptr, start_ptr, Hkv, NS,
                   G: tl.constexpr, G_PAD: tl.constexpr, NSC_PAD: tl.constexpr,
@@ -229,28 +252,13 @@ def _score_kernel(pm_ptr, pl_ptr, NSPLIT, NSC, sc_ptr, pc_ptr, NC, c_ptr, idx_pt
             score += tl.load(pc_ptr + bh * NC + i, mask=ok, other=0.0) * ck
     else:
         score = jj.to(tl.float32)
-    valid = (jj < NS) & (jj * LS <= pos) & ((jj + 1) * LS - 1 >= start)
-    cur = pos // LS
-    if N_LOCAL > 0:
-        forced = (jj > cur - N_LOCAL) & (jj <= cur)
-    else:
-        forced = jj < 0
-    if N_INIT > 0:
-        forced = forced | (jj == start // LS)
-    forced = forced & valid
-    bits = tl.maximum(score, 0.0).to(tl.int32, bitcast=True).to(tl.int64)
-    bits = tl.where(forced, 2139095040, bits)  # 0x7F800000 (+inf): forced blocks first
-    bits = tl.where(valid, bits, -1)
-    two32 = tl.full([NS_PAD], 4294967296, tl.int64)
-    key = bits * two32 + (NS - 1 - jj)
-    lowest = tl.full([NS_PAD], -4611686018427387904, tl.int64)  # -(1 << 62)
-    key = tl.where(jj < NS, key, lowest)
+    key = _block_keys(jj, score, pos, start, NS, LS, N_LOCAL, N_INIT)
     cnt = pos * 0
     for t in range(N_SEL):
         top = tl.max(key, 0)
         blk = tl.where(top < 0, -1, NS - 1 - top % 4294967296)
         tl.store(idx_ptr + bh * N_SEL + t, blk)
-        key = tl.where(key == top, lowest, key)
+        key = tl.where(key == top, -4611686018427387904, key)  # taken: padding's key
         lo = tl.maximum(blk * LS, start)
         hi = tl.minimum(blk * LS + LS - 1, pos)
         cnt += tl.where(blk >= 0, tl.maximum(hi - lo + 1, 0), 0)
@@ -582,24 +590,9 @@ def _slc_kernel(pm_ptr, pl_ptr, po_ptr, NSPLIT, NSC, NSW, sc_ptr, NC, c_ptr, can
                     score += tl.sum(tl.exp(s - lse[:, None]), 0) * ck
             else:
                 score = jj.to(tl.float32)
-            valid = (jj < NS) & (jj * LS <= pos) & ((jj + 1) * LS - 1 >= start)
-            cur = pos // LS
-            if N_LOCAL > 0:
-                forced = (jj > cur - N_LOCAL) & (jj <= cur)
-            else:
-                forced = jj < 0
-            if N_INIT > 0:
-                forced = forced | (jj == start // LS)
-            forced = forced & valid
-            bits = tl.maximum(score, 0.0).to(tl.int32, bitcast=True).to(tl.int64)
-            bits = tl.where(forced, 2139095040, bits)  # 0x7F800000 (+inf): forced blocks first
-            bits = tl.where(valid, bits, -1)
-            two32 = tl.full([CH], 4294967296, tl.int64)
-            key = bits * two32 + (NS - 1 - jj)
-            lowest = tl.full([CH], -4611686018427387904, tl.int64)  # -(1 << 62)
-            key = tl.where(jj < NS, key, lowest)
+            key = _block_keys(jj, score, pos, start, NS, LS, N_LOCAL, N_INIT)
             # keys are unique within a row (the block index is in the low bits; padding ties at
-            # `lowest`, which never wins a slot over a real key): slot t = the key of rank t
+            # -(1 << 62), which never wins a slot over a real key): slot t = the key of rank t
             rank = tl.sum((key[None, :] > key[:, None]).to(tl.int32), 1)
             tt = tl.arange(0, NSEL_PAD)
             best = tl.max(tl.where(rank[None, :] == tt[:, None], key[None, :],
@@ -633,7 +626,7 @@ def _slc_kernel(pm_ptr, pl_ptr, po_ptr, NSPLIT, NSC, NSW, sc_ptr, NC, c_ptr, can
 @triton.jit
 def _rank_rows(cand, NCAND, call, top, tt, r0, RB: tl.constexpr):
     """Candidates [r0, r0 + RB) ranked against all (call, in registers; keys are unique, ties
-    only among the `lowest` padding): top[t] = max(top[t], the key of rank t among them)."""
+    only among the -(1 << 62) padding): top[t] = max(top[t], the key of rank t among them)."""
     rr = r0 + tl.arange(0, RB)
     ck = tl.load(cand + rr, mask=rr < NCAND, other=-4611686018427387904)
     rank = tl.sum((call[None, :] > ck[:, None]).to(tl.int32), 1)  # [RB]
