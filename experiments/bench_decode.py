@@ -130,15 +130,7 @@ class Timer:
         torch.cuda.synchronize()
         call, g = fn, None
         if graph:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(2):
-                    fn()
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fn()
+            g, _ = capture_graph(fn, warmup=2)
             call = g.replay
         try:
             from triton.testing import do_bench
@@ -522,20 +514,13 @@ def check_graph_replays(device, S: int = 20000, B: int = 3, replays: int = 300,
     g = torch.rand(B, H, 1, 3, generator=gen, device=device, dtype=torch.bfloat16)
     phi = PHI["avg"](cfg.l, cfg.d, dk)
 
-    def step():
-        return decode_attention(cfg, MODES, q, kv, g, c, phi, phi, backend="triton")
+    def step():  # the fused path: its arrival counters persist between replays
+        return decode_attention(cfg, MODES, q, kv, g, c, phi, phi, backend="triton",
+                                triton_opts={"fused": True})
 
     with torch.no_grad():
         ref = step().clone()
-        s_ = torch.cuda.Stream()
-        s_.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s_):
-            for _ in range(3):
-                step()
-        torch.cuda.current_stream().wait_stream(s_)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = step()
+        graph, out = capture_graph(step, warmup=3)
         bad, worst = 0, 0.0
         for _ in range(replays):
             graph.replay()
@@ -545,6 +530,21 @@ def check_graph_replays(device, S: int = 20000, B: int = 3, replays: int = 300,
         again = step()
     return {"replays": replays, "mismatched_replays": int(bad), "max_abs_diff": worst,
             "eager_after_graph_equal": bool(torch.equal(again, ref))}
+
+
+def capture_graph(fn, warmup: int):
+    """(CUDA graph of one fn() call, its output): warm-up calls on a side stream first, as
+    torch.cuda.graphs asks."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
 
 
 def plot(rows, path):

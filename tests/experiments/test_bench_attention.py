@@ -2,7 +2,6 @@
 --item-limit (a slow item ends as a timeout row and the sweep goes on)."""
 
 import csv
-import importlib.util
 import os
 import signal
 import time
@@ -10,15 +9,14 @@ import time
 import pytest
 import torch
 
+from tests.experiments.scripts import load_script
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture
 def bench():
-    spec = importlib.util.spec_from_file_location(
-        "bench_attention", os.path.join(ROOT, "experiments", "bench_attention.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("bench_attention")
     yield mod
     assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)  # no alarm left armed
     assert signal.getsignal(signal.SIGALRM) is not mod._on_alarm

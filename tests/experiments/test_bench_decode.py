@@ -1,18 +1,12 @@
 """experiments/bench_decode.py in its CPU quick mode, with the per-kernel breakdown table."""
 
 import csv
-import importlib.util
-import os
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.experiments.scripts import load_script
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location(
-        "bench_decode", os.path.join(ROOT, "experiments", "bench_decode.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_decode")
 
 
 def test_bench_decode_quick_breakdown(tmp_path):

@@ -2,20 +2,15 @@
 the issue's columns and positive times."""
 
 import csv
-import importlib.util
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.experiments.scripts import load_script
 
 
 @pytest.mark.usefixtures("single_thread")
 def test_bench_generate_quick(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_generate",
-                                                  ROOT / "experiments" / "bench_generate.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("bench_generate")
     mod.main(["--quick", "--out", str(tmp_path)])
     with open(tmp_path / "generate.csv") as f:
         rows = list(csv.DictReader(f))

@@ -1,17 +1,8 @@
 """The issue-14 report scripts: titan.csv from torchtitan logs, layer.csv from bench CSVs."""
 
 import csv
-import importlib.util
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from tests.experiments.scripts import load_script
 
 
 def _line(step, mem, tps):  # torchtitan's step line, with its colour codes
@@ -21,7 +12,7 @@ def _line(step, mem, tps):  # torchtitan's step line, with its colour codes
 
 
 def test_titan_csv_median_after_warmup_and_peak(tmp_path):
-    m = _load("titan_perf_csv")
+    m = load_script("titan_perf_csv")
     log = tmp_path / "nsa_125M_32768.log"
     lines = ["[titan] CUDA capacity: NVIDIA H100 80GB HBM3 with 79.11GiB memory\n"]
     lines += [_line(s, 20.0 + s / 10, 1000 if s <= 10 else 60000 + s) for s in range(1, 16)]
@@ -36,7 +27,7 @@ def test_titan_csv_median_after_warmup_and_peak(tmp_path):
 
 
 def test_layer_csv_takes_each_T_from_the_run_that_timed_the_layer(tmp_path):
-    m = _load("perf_report")
+    m = load_script("perf_report")
     fields = ["config", "T", "stage", "fwd_ms", "fwd_bwd_ms", "peak_GiB", "fwd_first_s",
               "fwd_bwd_first_s", "device", "error"]
 
