@@ -141,27 +141,41 @@ def phase(what, fn, limit):
 # ---- timing
 
 def first_call(fn, dev):
-    """The first call: compile (and autotuning) included."""
+    """The first call: compile (and autotuning) included; its seconds (a wait for the timing
+    lock before it is not counted)."""
+    t0 = time.perf_counter()
     fn()
     if dev == "cuda":
         torch.cuda.synchronize()
+    return time.perf_counter() - t0
 
 
 TIMING_LOCK = ""  # --timing-lock: a file several bench processes lock while they time
 
 
+@contextlib.contextmanager
+def gpu_lock(exclusive: bool):
+    """With TIMING_LOCK set: a shared lock on that file around setup and compile (+ first call),
+    an exclusive one around timing. Processes side by side then compile together, but nobody
+    times while another sets up, compiles or autotunes (GPU work and a busy host: both skewed the
+    timings of session 9's first side-by-side run, experiments/NOTES.md 27)."""
+    if not TIMING_LOCK:
+        yield
+        return
+    import fcntl
+
+    with open(TIMING_LOCK, "a") as lk:
+        fcntl.flock(lk, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+
+
 def bench(fn, dev, reps=3):
     """Median ms of fn over fresh calls (fn rotates its own inputs); call first_call before.
-    With TIMING_LOCK set, the timing holds an exclusive lock on that file: processes that compile
-    concurrently (CPU-bound) never time at the same time on the GPU."""
+    With TIMING_LOCK set, the timing holds the exclusive lock (gpu_lock)."""
     if dev == "cuda":
-        import fcntl
-
         from triton.testing import do_bench
 
-        with open(TIMING_LOCK, "a") if TIMING_LOCK else contextlib.nullcontext() as lk:
-            if lk:
-                fcntl.flock(lk, fcntl.LOCK_EX)
+        with gpu_lock(exclusive=True):
             return do_bench(fn, warmup=10, rep=max(50, reps * 10), return_mode="median")
     ts = []
     for _ in range(reps):
@@ -231,6 +245,12 @@ def save(rows):
         write_csv(rows, CSV_PATH)
 
 
+def locked(fn, *args):
+    """fn(*args) under the shared side of the timing lock (setup, compile)."""
+    with gpu_lock(exclusive=False):
+        return fn(*args)
+
+
 def timed(name, make, with_bwd, dev, rows, meta, modes=MODES, limit=0):
     """One item: setup (make() -> fwd; fwd() returns an output), then for each mode its first
     call (compile included) and its timing, each phase under `limit` seconds. fwd: inference
@@ -257,7 +277,7 @@ def timed(name, make, with_bwd, dev, rows, meta, modes=MODES, limit=0):
 
     def run_mode(key, label, fn, grad):
         with torch.enable_grad() if grad else torch.no_grad():
-            for what, run in (("compile+first call", lambda: first_call(fn, dev)),
+            for what, run in (("compile+first call", lambda: locked(first_call, fn, dev)),
                               ("timing", lambda: bench(fn, dev))):
                 try:
                     out, dt = phase(f"{where} {label} {what}", run, limit)
@@ -265,12 +285,13 @@ def timed(name, make, with_bwd, dev, rows, meta, modes=MODES, limit=0):
                     e.phase = what
                     raise
                 if what == "compile+first call":
-                    rec[f"{key}_first_s"] = dt
+                    rec[f"{key}_first_s"] = out
                 else:
                     rec[f"{key}_ms"] = out
 
     got = []
-    if attempt("setup", lambda: got.append(phase(f"{where} setup", make, limit))):
+    if attempt("setup", lambda: got.append(phase(f"{where} setup", lambda: locked(make),
+                                                 limit))):
         fwd, rec["setup_s"] = got[0]
 
         def fb():
@@ -620,6 +641,9 @@ def main(argv=None):
     ap.add_argument("--packed-options", default="",
                     help="JSON overrides of the packed selection call's kernel_options: sets "
                          "nsa_flex.kernel_options.PACKED_OPTIONS for the paper config's head dim")
+    ap.add_argument("--pack-rows", type=int, default=0,
+                    help="rows of a packed selection q block at least (a multiple of 16): sets "
+                         "nsa_flex.kernel_options.PACK_ROWS (positions per block = lcm(G, rows)/G)")
     ap.add_argument("--timing-lock", default="",
                     help="file locked while timing: bench processes run side by side (compiles "
                          "overlap, GPU timings never do)")
@@ -649,6 +673,13 @@ def main(argv=None):
                 table[CONFIGS[cname]["d_qk"]] = json.loads(given)
         log(f"kernel_options: band {kernel_options.BAND_OPTIONS}, "
             f"packed {kernel_options.PACKED_OPTIONS}")
+    if args.pack_rows:
+        from nsa_flex import kernel_options
+
+        if args.pack_rows < 0 or args.pack_rows % 16:
+            ap.error(f"--pack-rows must be a positive multiple of 16, got {args.pack_rows}")
+        kernel_options.PACK_ROWS = args.pack_rows
+        log(f"kernel_options: PACK_ROWS {args.pack_rows}")
     modes = _names(args.modes, MODES, "--modes", ap)
     os.makedirs(args.out, exist_ok=True)
     dev = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"

@@ -74,6 +74,38 @@ run_step() {
                 for k in $(seq 1 $i); do say "   set $k: $(grep -E '^[a-z0-9_]+ +T= *[0-9]+ ' "$W/bwdtune_$k.log" | tr '\n' ' ' | cut -c1-400)"
                   tail -n 2 "$W/bwdtune_$k.log" | cut -c1-200 >> "$OUT/summary.txt"; done
                 pack ;;
+    # bench processes side by side under one timing lock (their compiles overlap, their timings
+    # never do). PAR_JOBS: ;-separated "name|bench_attention args" (--configs paper, --timing-lock
+    # and --out are added); each job's CSV comes back as NAME.csv, its log in perf.tgz. par2: a
+    # second set (PAR_JOBS2) after the first has ended (e.g. a memory check that needs the GPU alone).
+    par|par2)   if [ "$1" = par ]; then IFS=';' read -ra JOBS <<< "${PAR_JOBS:?PAR_JOBS}"
+                else IFS=';' read -ra JOBS <<< "${PAR_JOBS2:?PAR_JOBS2}"; fi
+                say "== par: ${#JOBS[@]} jobs (t=${SECONDS}s)"
+                for j in "${JOBS[@]}"; do n=${j%%|*}; say "   $n: ${j#*|}"
+                  ( eval "timeout $((BUDGET - SECONDS - 15)) $B ${j#*|} --timing-lock $W/timing.lock --out $W/$n" \
+                      > "$W/$n.log" 2>&1; echo "rc=$? t=${SECONDS}s" >> "$W/$n.log"
+                    cp "$W/$n/bench.csv" "$OUT/$n.csv" 2>/dev/null ) &
+                done; wait
+                for j in "${JOBS[@]}"; do n=${j%%|*}; say "   $n:"; grep -E '^[a-z0-9_]+ +T= *[0-9]+ |peak=' "$W/$n.log" | tee -a "$OUT/summary.txt"
+                  tail -n 2 "$W/$n.log" | cut -c1-250 | tee -a "$OUT/summary.txt"; done
+                pack ;;
+    # issue 14: rows of the packed selection q block (kernel_options.PACK_ROWS) with its tiles,
+    # the selected branch alone at 64k. PACK_SETS: ;-separated "rows|json" (json: packed
+    # kernel_options overrides, {} for none), TUNE_PAR side by side under one timing lock.
+    packtune)   IFS=';' read -ra SETS <<< "${PACK_SETS:-"16|{}"}"
+                say "== packtune: ${#SETS[@]} sets, ${TUNE_PAR:-4} at a time (t=${SECONDS}s)"
+                i=0; for o in "${SETS[@]}"; do i=$((i+1))
+                  say "   set $i: $o"
+                  ( timeout $((BUDGET - SECONDS - 20)) $B --T ${PACK_T:-65536} --stages-at ${PACK_T:-65536} \
+                      --no-baselines --only attn_selected --item-limit 200 --pack-rows "${o%%|*}" \
+                      --packed-options "${o#*|}" --timing-lock "$W/timing.lock" --out "$W/packtune_$i" \
+                      > "$W/packtune_$i.log" 2>&1
+                  ) &
+                  while [ "$(jobs -rp | wc -l)" -ge "${TUNE_PAR:-4}" ]; do sleep 2; done
+                done; wait
+                for k in $(seq 1 $i); do say "   set $k: $(grep -E '^[a-z0-9_]+ +T= *[0-9]+ ' "$W/packtune_$k.log" | tr '\n' ' ' | cut -c1-400)"
+                  tail -n 2 "$W/packtune_$k.log" | cut -c1-200 >> "$OUT/summary.txt"; done
+                pack ;;
     # issue 14: the 64k stages + layers and the 16k layers in two processes side by side (one
     # timing lock: their compiles overlap, their timings never do). The 16k process has inductor /
     # Triton caches of its own (a fresh machine's first compile) and lists the kernels it compiled
@@ -108,7 +140,7 @@ run_step() {
                   pack ) & ;;
     # issue 16 item 3: whole-model generation, 125M, 32k prompt, batch 1 and 8 (generate.csv)
     generate32k) step 400 generate_32k python experiments/bench_generate.py --flavor 125M \
-                  --context 32768 --batches 1,8 ;;
+                  --context 32768 --batches 1,8 ${GEN_ARGS:-} ;;
     # issue 14: the layer table (layer.csv) at the other lengths
     layers)     step 560 layers $B --T ${LAYER_T:-8192,16384,32768,131072} --stages-at "" \
                   --only sdpa_causal,flex_causal,fla_parallel_nsa_w0,full_layer,nsa_layer --item-limit 150 ;;

@@ -1,17 +1,17 @@
 """Issue 14 figures from the committed H100 results (experiments/results/perf/):
 
   layer.csv   T,item,fwd_ms,fwd_bwd_ms,peak_GiB,compile_s,device: the NSA layer, the full-attention
-              layer (same projections, SDPA causal with GQA) and SDPA alone, each T in one process
-  perf.png    left: NSA layer speed-up over the full-attention layer against T (fwd, fwd+bwd);
-              right: where the NSA layer's fwd+bwd goes at T=65536, stage by stage, with the
-              selection before and after the split (run 1: packed / forced+scored, run 2: the sink
-              as its own part)
+              layer (same projections, SDPA causal with GQA), SDPA alone, flex causal and fla's
+              parallel_nsa (window 0) per T
+  perf.png    left: speed-up over the full-attention layer against T (NSA layer and fla, fwd and
+              fwd+bwd); right: where the NSA layer's time goes at T=65536, stage by stage
 
-    python experiments/perf_report.py --out experiments/results/perf \\
-        experiments/results/perf/run1_split_64k.csv experiments/results/perf/run2_layers_64k_16k.csv
+    python experiments/perf_report.py --out experiments/results/perf \
+        experiments/results/perf/run9/{l64,s8_16,st16,j8,j32,j64b,j128}.csv
 
-Inputs are bench_attention.py CSVs (one per GPU run); layer.csv is taken from the last file that
-has the layer rows of a T (rows of one T always come from one process).
+Inputs are bench_attention.py CSVs (one per process), oldest first: each (T, item) is taken from
+the last file that timed it, so a re-measured row replaces an older one (session 9: the rows timed
+while other processes compiled, before the shared/exclusive timing lock, were re-run).
 """
 
 import argparse
@@ -35,21 +35,34 @@ def num(x):
         return None
 
 
-def layer_rows(runs):
-    """layer.csv rows: per T, the layer items of the last run that timed the NSA layer there."""
-    by_t = {}
+def latest(runs):
+    """{(T, stage): row} of the last run that timed the stage at T (fwd or fwd+bwd); a stage no
+    run timed keeps its last row (its error), so a failed item stays visible."""
+    got, timed = {}, set()
     for rows in runs:
-        for T in {r["T"] for r in rows if r["stage"] == "nsa_layer"}:
-            by_t[T] = [r for r in rows if r["T"] == T and r["stage"] in LAYER_ITEMS]
+        for r in rows:
+            key = (int(r["T"]), r["stage"])
+            if num(r.get("fwd_ms")) is not None or num(r.get("fwd_bwd_ms")) is not None:
+                got[key] = r
+                timed.add(key)
+            elif key not in timed:
+                got[key] = r
+    return got
+
+
+def layer_rows(runs):
+    """layer.csv rows: per T and layer item, the last run that timed it."""
     out = []
-    for T in sorted(by_t, key=int):
-        for r in sorted(by_t[T], key=lambda r: list(LAYER_ITEMS).index(r["stage"])):
-            first = num(r.get("fwd_bwd_first_s")) or num(r.get("fwd_first_s"))
-            f = lambda k: "" if num(r.get(k)) is None else f"{num(r.get(k)):.2f}"
-            out.append(dict(T=int(T), item=LAYER_ITEMS[r["stage"]], fwd_ms=f("fwd_ms"),
-                            fwd_bwd_ms=f("fwd_bwd_ms"), peak_GiB=f("peak_GiB"),
-                            compile_s="" if first is None else f"{first:.1f}",
-                            device=r.get("device", "")))
+    for (T, stage), r in sorted(latest(runs).items(), key=lambda kv: (
+            kv[0][0], list(LAYER_ITEMS).index(kv[0][1]) if kv[0][1] in LAYER_ITEMS else 99)):
+        if stage not in LAYER_ITEMS:
+            continue
+        first = num(r.get("fwd_bwd_first_s")) or num(r.get("fwd_first_s"))
+        f = lambda k: "" if num(r.get(k)) is None else f"{num(r.get(k)):.2f}"
+        out.append(dict(T=T, item=LAYER_ITEMS[stage], fwd_ms=f("fwd_ms"),
+                        fwd_bwd_ms=f("fwd_bwd_ms"), peak_GiB=f("peak_GiB"),
+                        compile_s="" if first is None else f"{first:.1f}",
+                        device=r.get("device", "")))
     return out
 
 
@@ -60,61 +73,63 @@ def plot(layer, runs, path):
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.8))
-    def speedups(mode):
+
+    def speedups(item, mode):
         pts = {}
         for T in sorted({r["T"] for r in layer}):
             get = lambda it: next((num(r[mode]) for r in layer if r["T"] == T and r["item"] == it),
                                   None)
-            n, f = get("nsa_layer"), get("full_layer")
+            n, f = get(item), get("full_layer")
             if n and f:
                 pts[T] = f / n
         return pts
 
-    modes = {"fwd_ms": "o--", "fwd_bwd_ms": "o-"}
-    ups = {m: speedups(m) for m in modes}
-    for mode, style in modes.items():
-        pts = ups[mode]
-        other = ups["fwd_bwd_ms" if mode == "fwd_ms" else "fwd_ms"]
-        if pts:
-            a.plot(list(pts), list(pts.values()), style,
-                   label=mode.replace("_ms", "").replace("_", "+"))
-            for T, s in pts.items():  # label above the higher of the two curves, below the other
-                up = s >= other.get(T, float("-inf"))
-                a.annotate(f"{s:.2f}x", (T, s), textcoords="offset points",
-                           xytext=(6, 6 if up else -12))
-    missing = sorted({r["T"] for r in layer if num(r["fwd_bwd_ms"]) is None})
-    a.axhline(1, color="gray", lw=1)
-    a.axhline(3, color="tab:red", ls=":", lw=1, label="target at 64k (3x)")
-    a.set_xscale("log", base=2)
-    a.set_xlim(8192, 262144)
-    a.set_ylim(0, 3.5)
-    a.set_xlabel("sequence length T" + (f" (no NSA time at {missing}: compile > limit)"
-                                         if missing else ""))
-    a.set_ylabel("full-attention layer time / NSA layer time")
-    a.set_title("NSA layer vs full-attention layer (SDPA), H100, bf16, batch 1")
-    a.legend(fontsize=8)
-
-    # stage breakdown at 64k (fwd+bwd where the stage has a backward, else fwd)
-    bars = []
-    for rows in runs:
-        for r in rows:
-            if r["T"] != "65536" or r["stage"] in ("sdpa_causal", "flex_causal"):
+    for item, color in (("nsa_layer", "tab:blue"), ("fla_parallel_nsa", "tab:green")):
+        for mode, style in (("fwd_ms", "o--"), ("fwd_bwd_ms", "o-")):
+            pts = speedups(item, mode)
+            if not pts:
                 continue
-            v = num(r.get("fwd_bwd_ms")) or num(r.get("fwd_ms"))
-            if v:
-                run = r["run"].split("_")[0]
-                bars.append((f"{r['stage']} ({run})", v))
-    names = [n for n, _ in bars]
-    b.barh(range(len(bars)), [v for _, v in bars],
-           color=["tab:gray" if "full_layer" in n else "tab:orange" if "packed" in n else
-                  "tab:blue" for n in names])
-    b.set_yticks(range(len(bars)), names, fontsize=8)
+            name = "NSA layer" if item == "nsa_layer" else "fla parallel_nsa (no window/proj.)"
+            a.plot(list(pts), list(pts.values()), style, color=color, alpha=1 if
+                   item == "nsa_layer" else 0.6, label=f"{name}, {mode[:-3].replace('_', '+')}")
+            if item == "nsa_layer" and mode == "fwd_bwd_ms":
+                for T, v in pts.items():
+                    a.annotate(f"{v:.2f}x", (T, v), textcoords="offset points", xytext=(6, -12))
+    a.axhline(1, color="gray", lw=1)
+    a.plot([65536], [3], "r*", ms=10, label="targets (fwd+bwd): 3x at 64k, 1.2x at 16k")
+    a.plot([16384], [1.2], "r*", ms=10)
+    a.set_xscale("log", base=2)
+    a.set_xlim(6000, 180000)
+    a.set_ylim(0, 3.6)
+    a.set_xlabel("sequence length T")
+    a.set_ylabel("full-attention layer time / item time")
+    a.set_title("speed-up over the full-attention layer (SDPA), H100, bf16, batch 1", fontsize=10)
+    a.legend(fontsize=7, loc="upper left")
+
+    # stage breakdown at 64k (fwd+bwd where the stage has a backward, else fwd) + whole layers
+    got = latest(runs)
+    order = ["projections", "compression", "score_topn", "mask_build", "attn_compressed",
+             "attn_selected", "attn_window", "gate_out", "nsa_layer", "fla_parallel_nsa_w0",
+             "full_layer"]
+    bars = []
+    for st in order:
+        r = got.get((65536, st))
+        if r is None:
+            continue
+        fb, fw = num(r.get("fwd_bwd_ms")), num(r.get("fwd_ms"))
+        bars.append((st, fb or fw, fw if fb else None))
+    colors = ["tab:gray" if n in ("full_layer", "fla_parallel_nsa_w0") else
+              "tab:blue" if n == "nsa_layer" else "tab:orange" for n, _, _ in bars]
+    b.barh(range(len(bars)), [v for _, v, _ in bars], color=colors)
+    b.barh(range(len(bars)), [w or 0 for _, _, w in bars], color="black", alpha=0.25,
+           label="forward part")
+    b.set_yticks(range(len(bars)), [n for n, _, _ in bars], fontsize=8)
     b.invert_yaxis()
-    for i, (_, v) in enumerate(bars):
+    for i, (_, v, _) in enumerate(bars):
         b.text(v, i, f" {v:.0f}", va="center", fontsize=8)
-    b.set_xlabel("ms (fwd+bwd; score_topn: fwd, no gradient)")
-    b.set_title("T=65536 per GPU run (run1: forced + scored split; run2: + sink part)",
-                fontsize=9)
+    b.set_xlabel("ms, fwd+bwd (score_topn, mask_build: fwd only, no gradient)")
+    b.set_title("T=65536: NSA stages (orange), layers (blue/gray)", fontsize=10)
+    b.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print("wrote", path)

@@ -35,6 +35,11 @@ from .kernel_options import (band_kernel_options, flex_kernel_options,
 from .rules import masked_softmax
 
 _compiled_flex = None
+# Shapes one process may compile flex for outside a compiled model (eager prefill: every part of
+# the selection, the compressed and window calls, each batch size and prompt length). dynamo's
+# default (8) is reached by one 125M prefill at two batch sizes; past the limit dynamo would run
+# flex eagerly, which materializes the full score matrix (an OOM at 32k): we fail instead.
+FLEX_RECOMPILE_LIMIT = 64
 
 
 def _flex(*args, **kwargs):
@@ -44,7 +49,16 @@ def _flex(*args, **kwargs):
     install_small_block_bwd_configs()  # before the first compile; a no-op once done
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex(*args, **kwargs)
+    try:
+        with torch._dynamo.config.patch(recompile_limit=FLEX_RECOMPILE_LIMIT,
+                                        fail_on_recompile_limit_hit=True):
+            return _compiled_flex(*args, **kwargs)
+    except torch._dynamo.exc.FailOnRecompileLimitHit as e:
+        raise RuntimeError(
+            f"flex_attention was compiled for {FLEX_RECOMPILE_LIMIT} shapes in this process "
+            "(nsa_flex.attention.FLEX_RECOMPILE_LIMIT); past it dynamo would run flex eagerly, "
+            "materializing the full score matrix. Raise FLEX_RECOMPILE_LIMIT, or compile the "
+            "model (one graph per layer shape)") from e
 
 
 def _flex_lse(q, k, v, block_mask, scale, enable_gqa, kernel_options):

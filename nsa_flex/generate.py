@@ -2,7 +2,8 @@
 
     python -m nsa_flex.generate --config titan_configs/debug_nsa.toml \
         --checkpoint outputs/debug_nsa/checkpoint/step-50 --prompt "The passkey is" \
-        [--max-new-tokens 64] [--temperature 0.8 --top-p 0.95 | --greedy] [--seed 0]
+        [--max-new-tokens 64] [--temperature 0.8 --top-p 0.95 | --greedy] [--seed 0] \
+        [--cuda-graphs]
 
 The model (flavor + [nsa] overrides) and the tokenizer come from the TOML config, as in training.
 --checkpoint is a DCP step folder (`<dump_folder>/<checkpoint.folder>/step-N`) or a checkpoint
@@ -95,9 +96,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--no-bos", action="store_true", help="do not prepend the tokenizer's BOS")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="decode by one CUDA graph replay per token (CUDA only; eager decode is "
+                        "host-bound)")
     p.add_argument("--override", action="append", default=[],
                    help="extra torchtitan config flag, e.g. --override=--nsa.window=64")
     a = p.parse_args(argv)
+    if a.cuda_graphs and torch.device(a.device).type != "cuda":
+        p.error(f"--cuda-graphs needs a CUDA --device, got {a.device}")
 
     from nsa_flex.inference.model import generate
 
@@ -108,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = [tok.encode(t, add_bos=not a.no_bos and tok.bos_id is not None) for t in a.prompt]
     gen = torch.Generator(device=a.device).manual_seed(a.seed)
     r = generate(model, prompts, a.max_new_tokens, a.temperature, a.top_p, a.greedy,
-                 eos_id=tok.eos_id, generator=gen, device=a.device)
+                 eos_id=tok.eos_id, generator=gen, device=a.device, cuda_graphs=a.cuda_graphs)
     print(f"# checkpoint {path}  ({'greedy' if a.greedy else f'T={a.temperature} top_p={a.top_p}'})")
     for text, ids in zip(a.prompt, r["tokens"]):
         print(f"--- prompt: {text!r}")

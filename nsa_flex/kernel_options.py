@@ -26,13 +26,19 @@ import math
 
 import torch
 
-PACK_ROWS = 16  # tensor-core minimum for a q tile
+# Rows of a packed q block at least (16: the tensor-core minimum for a q tile). A q block holds
+# P = lcm(G, PACK_ROWS) / G positions: with P > 1 its kv list is the union of the P positions'
+# selections (the mask_mod keeps each row exact), so larger blocks trade more kv blocks per q
+# block for bigger tiles (flex's dQ pass needs BLOCK_N2 <= BLOCK_M2: 16x16 tiles at 16 rows).
+# Set from H100 measurements (`bench_attention.py --pack-rows`, experiments/NOTES.md).
+PACK_ROWS = 16
 
 
-def packed_block_size(G: int, spec) -> tuple[int, int]:
+def packed_block_size(G: int, spec, rows: int | None = None) -> tuple[int, int]:
     """(q block, kv block) of the packed layout: q block = P positions x G heads, a multiple of
-    16 rows; kv block = largest of 64/32/16 dividing the mask's block length (l')."""
-    P = PACK_ROWS // math.gcd(G, PACK_ROWS)
+    `rows` (default PACK_ROWS); kv block = largest of 64/32/16 dividing the mask's block length."""
+    rows = rows or PACK_ROWS
+    P = rows // math.gcd(G, rows)
     lsel = spec.kv_block or 64
     kb = next((b for b in (64, 32, 16) if lsel % b == 0), lsel)
     return G * P, kb
@@ -47,17 +53,20 @@ def flex_kernel_options(q: torch.Tensor, block_size: tuple[int, int]) -> dict | 
         return None
     QB, KB = block_size
     bm, bn = _largest_tile(QB), _largest_tile(KB)
-    opts = {
+    opts = {  # dK/dV pass: 16 q rows per step; dQ pass: the q block against N2 <= M2 keys
         "fwd_BLOCK_M": bm, "fwd_BLOCK_N": bn,
-        "bwd_BLOCK_M1": 16, "bwd_BLOCK_N1": bn, "bwd_BLOCK_M2": bm, "bwd_BLOCK_N2": 16,
+        "bwd_BLOCK_M1": 16, "bwd_BLOCK_N1": bn, "bwd_BLOCK_M2": bm, "bwd_BLOCK_N2": min(bm, bn),
     }
     opts.update(PACKED_OPTIONS.get(q.shape[-1], {}))
     return opts
 
 
 # Overrides of the packed call's options above, by q/k head dim; every tile must divide the
-# packed block sizes. Filled only from H100 measurements (`bench_attention.py --packed-options`).
-PACKED_OPTIONS: dict[int, dict] = {}
+# packed block sizes. Filled only from H100 measurements (`bench_attention.py --packed-options`,
+# `PLAN=packtune` in experiments/perf_gpu_run.sh; experiments/NOTES.md 27). d_k 192: the backward
+# otherwise runs the small fallback config's num_stages 1 (no load pipelining); 3 stages take the
+# 64k selected branch's fwd+bwd from ~172 to ~151 ms (2 and 4 stages, 2 or 8 warps: no better).
+PACKED_OPTIONS: dict[int, dict] = {192: {"bwd_num_stages": 3}}
 
 
 # Triton options of the flex calls with ordinary 128-row q blocks (compressed keys, the forced

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from .cache import NSACache
 from .decode import decode_step, new_cache
+from .graphs import GraphedDecodeStep, restore_state, snapshot_state  # noqa: F401 (re-exported)
 from .prefill import prefill as layer_prefill
 
 
@@ -130,11 +131,15 @@ def sample(logits: Tensor, temperature: float = 1.0, top_p: float = 1.0, greedy:
 def generate(model, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
              top_p: float = 1.0, greedy: bool = False, eos_id: int | None = None,
              generator: torch.Generator | None = None, device=None,
-             decode_backend: str = "auto") -> dict:
+             decode_backend: str = "auto", cuda_graphs: bool = False) -> dict:
     """Generate for a batch of prompts (token id lists of any lengths). Returns {"tokens": list of
-    generated id lists (cut after EOS), "prefill_s", "decode_s", "new_tokens", "tokens_per_s"}.
-    decode_backend: "auto" | "torch" | "triton" (see nsa_flex.inference.decode)."""
+    generated id lists (cut after EOS), "prefill_s", "decode_s", "capture_s", "new_tokens",
+    "tokens_per_s"}. decode_backend: "auto" | "torch" | "triton" (see nsa_flex.inference.decode).
+    cuda_graphs: decode by one CUDA graph replay per token (`GraphedDecodeStep`, CUDA only; eager
+    decode is host-bound); its capture takes capture_s, outside decode_s."""
     device = device or next(model.parameters()).device
+    if cuda_graphs and torch.device(device).type != "cuda":
+        raise ValueError(f"cuda_graphs=True needs a CUDA device, got {device}")
     B = len(prompts)
     lens = [len(p) for p in prompts]
     if min(lens) < 1:
@@ -153,10 +158,14 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, temperature: 
     nxt = sample(last, temperature, top_p, greedy, generator)
     sync()
     t1 = time.perf_counter()
+    step = lambda tok: model_decode_step(model, tok, cache)  # noqa: E731
+    if cuda_graphs and max_new_tokens > 1:
+        step = GraphedDecodeStep(model, cache, B)  # its logits are overwritten by the next step
+        sync()
+    t1c = time.perf_counter()
     out = [nxt]
     for _ in range(max_new_tokens - 1):
-        logits = model_decode_step(model, nxt, cache)
-        nxt = sample(logits, temperature, top_p, greedy, generator)
+        nxt = sample(step(nxt), temperature, top_p, greedy, generator)
         out.append(nxt)
     sync()
     t2 = time.perf_counter()
@@ -164,6 +173,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, temperature: 
     if eos_id is not None and eos_id >= 0:
         gen = [g[: g.index(eos_id) + 1] if eos_id in g else g for g in gen]
     n_new = B * max(0, max_new_tokens - 1)
-    return {"tokens": gen, "prefill_s": t1 - t0, "decode_s": t2 - t1, "new_tokens": B * max_new_tokens,
-            "tokens_per_s": n_new / (t2 - t1) if t2 > t1 and n_new else float("nan"),
+    return {"tokens": gen, "prefill_s": t1 - t0, "decode_s": t2 - t1c, "capture_s": t1c - t1,
+            "new_tokens": B * max_new_tokens,
+            "tokens_per_s": n_new / (t2 - t1c) if t2 > t1c and n_new else float("nan"),
             "cache": cache}

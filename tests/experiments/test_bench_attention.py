@@ -109,3 +109,30 @@ def test_main_only_modes_item_limit(bench, tmp_path, monkeypatch):
     assert rows[1]["error"] == "fwd(no_grad) timeout after 0.3s (compile+first call)"
     assert "error" not in rows[2] and "fwd_ms" in rows[2]
     assert "timeout" in (tmp_path / "slow" / "errors.log").read_text()
+
+
+def test_timing_lock_shared_for_compile_exclusive_for_timing(bench, tmp_path, monkeypatch):
+    """Side-by-side processes: compiles (shared) overlap, a timing (exclusive) excludes both
+    other timings and other compiles; without --timing-lock nothing is locked."""
+    import fcntl
+
+    path = str(tmp_path / "timing.lock")
+
+    def can(kind):  # another process's attempt, from a separate open file description
+        with open(path, "a") as f:
+            try:
+                fcntl.flock(f, kind | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            fcntl.flock(f, fcntl.LOCK_UN)
+            return True
+
+    with bench.gpu_lock(exclusive=False):  # no TIMING_LOCK: a no-op
+        pass
+    monkeypatch.setattr(bench, "TIMING_LOCK", path)
+    with bench.gpu_lock(exclusive=False):
+        assert can(fcntl.LOCK_SH) and not can(fcntl.LOCK_EX)
+    with bench.gpu_lock(exclusive=True):
+        assert not can(fcntl.LOCK_SH) and not can(fcntl.LOCK_EX)
+    assert can(fcntl.LOCK_EX)  # released
+    assert bench.locked(lambda a: a + 1, 1) == 2

@@ -48,8 +48,12 @@ def test_layer_csv_takes_each_T_from_the_run_that_timed_the_layer(tmp_path):
                                fwd_bwd_first_s=80),
                           dict(T=16, stage="full_layer", fwd_ms=1, fwd_bwd_ms=2),
                           dict(T=16, stage="nsa_layer", error="timeout")])
-    rows = m.layer_rows([r1, r2])
+    r3 = run("run3.csv", [dict(T=64, stage="full_layer", error="timeout")])
+    rows = m.layer_rows([r1, r2, r3])
+    # each (T, item) from the last run that timed it; an untimed item keeps its error row
     assert [(r["T"], r["item"]) for r in rows] == [(16, "nsa_layer"), (16, "full_layer"),
-                                                   (64, "nsa_layer"), (64, "sdpa")]
+                                                   (64, "nsa_layer"), (64, "full_layer"),
+                                                   (64, "sdpa")]
     assert rows[2]["fwd_bwd_ms"] == "6.00" and rows[2]["compile_s"] == "80.0"
+    assert rows[3]["fwd_bwd_ms"] == "12.00"  # run 3's failure does not hide run 1's time
     assert rows[0]["fwd_ms"] == ""  # the timed-out layer stays visible, without a time

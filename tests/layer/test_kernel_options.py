@@ -126,3 +126,41 @@ def test_band_kernel_options_by_head_dim(monkeypatch):
     assert got == {"bwd_num_warps": 8} and got is not ko.BAND_OPTIONS[192]
     assert ko.band_kernel_options(cuda_q(128)) is None
     assert ko.band_kernel_options(torch.zeros(1, 4, 8, 192)) is None  # CPU: never
+
+
+@pytest.mark.parametrize("G,rows,expect", [(16, 16, (16, 64)), (16, 32, (32, 64)),
+                                           (16, 64, (64, 64)), (8, 16, (16, 64)),
+                                           (8, 64, (64, 64)), (4, 16, (16, 64)),
+                                           (32, 16, (32, 64))])
+def test_pack_rows_sets_positions_per_q_block(G, rows, expect):
+    """q block = lcm(G, rows) rows; the tiles the options give divide both blocks."""
+    class Spec:
+        kv_block = 64
+
+    class CudaQ:
+        device = torch.device("cuda", 0)
+        shape = (1, 64, 4096, 128)  # a head dim without PACKED_OPTIONS overrides
+    bs = packed_block_size(G, Spec, rows=rows)
+    assert bs == expect
+    opts = flex_kernel_options(CudaQ, bs)
+    _check_tiles(opts, *bs)
+    assert opts["bwd_BLOCK_M2"] == min(bs[0], 64) and opts["bwd_BLOCK_N2"] <= opts["bwd_BLOCK_M2"]
+
+
+@pytest.mark.parametrize("rows", [16, 32, 64])
+def test_pack_rows_same_attention(rows, monkeypatch):
+    """Larger packed q blocks (the union of several positions' selections, mask_mod exact per
+    row) give the same selected attention as the reference backend (CPU flex, forward)."""
+    import nsa_flex.kernel_options as ko
+    from masks import selection
+    from nsa_flex.attention import attend_flex, attend_reference
+
+    monkeypatch.setattr(ko, "PACK_ROWS", rows)
+    torch.manual_seed(0)
+    B, Hq, Hkv, T, D, ls = 1, 16, 1, 256, 32, 16
+    q, k, v = (torch.randn(B, h, T, D) for h in (Hq, Hkv, Hkv))
+    g = torch.randint(0, T // ls, (B, Hkv, T, 4))
+    t = torch.arange(T).view(1, 1, T, 1)
+    spec = selection(torch.where(g * ls <= t, g, -1), ls)
+    ref = attend_reference(q, k, v, spec)[0]
+    torch.testing.assert_close(attend_flex(q, k, v, spec)[0], ref, atol=1e-5, rtol=1e-5)
