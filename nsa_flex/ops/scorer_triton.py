@@ -166,16 +166,29 @@ def tile_shape(l: int, d: int, l_sel: int, block_n: int) -> tuple[int, int, int]
     return bn, bj, max(16, _pow2_at_least(bj))
 
 
+# (block_m, block_n, num_warps, num_stages) by head dim, from H100 measurements
+# (experiments/tune_scorer.py, results/perf/run9/tune_scorer_*.csv): at d_k 192, 64k, 128 query
+# rows per program take the scorer from 20.9 to 9.4 ms (16k: 1.60 -> 0.87): q is re-read once per
+# tile of block_n compressed keys, K once per tile of block_m queries, and 64 x 128 was bound by
+# the latter's program count; wider key tiles (256, 512) exceed shared memory at 8 warps.
+TILES: dict[int, tuple[int, int, int, int]] = {192: (128, 128, 8, 2)}
+DEFAULT_TILES = (64, 128, 8, 2)
+
+
 @triton_op("nsa_flex::group_slc_scores", mutates_args=())
 def group_slc_scores(q: Tensor, k_cmp: Tensor, lse: Tensor, doc_starts: Optional[Tensor], t0: int,
-                     t1: int, l: int, d: int, l_sel: int, block_m: int = 64, block_n: int = 128,
-                     num_warps: int = 8, num_stages: int = 2) -> Tensor:
+                     t1: int, l: int, d: int, l_sel: int, block_m: int = 0, block_n: int = 0,
+                     num_warps: int = 0, num_stages: int = 0) -> Tensor:
     """p_slc [B, Hkv, t1-t0, ceil(T/l_sel)] fp32 for queries t0..t1-1 (see module docstring).
 
     q [B, Hq, T, Dk] (bf16/fp16/fp32, any strides), k_cmp [B, Hkv, Nc, Dk] (same dtype as q),
     lse [B, Hq, T] natural-log lse of the compressed attention, doc_starts [B|1, T] int or None.
-    block_m/block_n/num_warps/num_stages: tile shape and launch (performance only)."""
+    block_m/block_n/num_warps/num_stages: tile shape and launch (performance only; 0: TILES for
+    this head dim, else DEFAULT_TILES)."""
     B, Hq, T, D = q.shape
+    tiles = TILES.get(D, DEFAULT_TILES)
+    block_m, block_n = block_m or tiles[0], block_n or tiles[1]
+    num_warps, num_stages = num_warps or tiles[2], num_stages or tiles[3]
     Hkv, Nc = k_cmp.shape[1], k_cmp.shape[2]
     G = Hq // Hkv
     C = t1 - t0
