@@ -33,6 +33,33 @@ B="python experiments/bench_attention.py --configs paper"
 # budget left caps it further). Run 1 (session 4) did stages64k, layer128k, small4k16k: every
 # 64k stage but the selected/window/gate backward, nothing of the layer (its compile exceeded the
 # caps, then the flex backward autotune was fixed).
+# One bench process per option set, PAR of them side by side under one timing lock (their
+# compiles overlap, their GPU timings never do): run_sets NAME PAR FN SET...; FN SET OUT runs the
+# bench for one set into OUT (log OUT.log). CSVs and logs in perf.tgz, result rows in summary.txt.
+run_sets() {
+  local name=$1 par=$2 fn=$3 i=0 o k; shift 3
+  say "== $name: $# sets, $par at a time (t=${SECONDS}s)"
+  for o in "$@"; do i=$((i+1))
+    say "   set $i: $o"
+    $fn "$o" "$W/${name}_$i" &
+    while [ "$(jobs -rp | wc -l)" -ge "$par" ]; do sleep 2; done
+  done; wait
+  for k in $(seq 1 $i); do say "   set $k: $(grep -E '^[a-z0-9_]+ +T= *[0-9]+ ' "$W/${name}_$k.log" | tr '\n' ' ' | cut -c1-400)"
+    tail -n 2 "$W/${name}_$k.log" | cut -c1-200 >> "$OUT/summary.txt"; done
+  pack
+}
+# bwdtune: kernel_options of the non-packed calls (compressed, window) at 64k
+bwdtune_one() {
+  timeout $((BUDGET - SECONDS - 20)) $B --T 65536 --stages-at 65536 --no-baselines \
+    --modes ${TUNE_MODES:-fwd_bwd} --only attn_compressed,attn_window --item-limit 200 \
+    --band-options "$1" --timing-lock "$W/timing.lock" --out "$2" > "$2.log" 2>&1
+}
+# packtune: "rows|json" = PACK_ROWS and the packed call's kernel_options, the selected branch
+packtune_one() {
+  timeout $((BUDGET - SECONDS - 20)) $B --T ${PACK_T:-65536} --stages-at ${PACK_T:-65536} \
+    --no-baselines --only attn_selected --item-limit 200 --pack-rows "${1%%|*}" \
+    --packed-options "${1#*|}" --timing-lock "$W/timing.lock" --out "$2" > "$2.log" 2>&1
+}
 run_step() {
   case $1 in
     stages64k)  step 330 bench_paper_64k $B --T 65536 --stages-at 65536 --item-limit 150 ;;
@@ -58,22 +85,9 @@ run_step() {
                   --only score_topn,attn_compressed,attn_selected,attn_selected_packed,sdpa_causal,full_layer,nsa_layer ;;
     # issue 14: flex tile options (kernel_options) of the non-packed calls (d_k 192: compressed,
     # window) at 64k. One process per option set (BAND_OPTIONS_SETS: ;-separated JSON dicts, the
-    # first is {} = inductor's defaults), TUNE_PAR of them side by side: their compiles overlap,
-    # their GPU timings never do (--timing-lock); CSVs and logs in perf.tgz, result rows in summary.txt.
+    # first is {} = inductor's defaults), TUNE_PAR of them side by side (run_sets).
     bwdtune)    IFS=';' read -ra SETS <<< "${BAND_OPTIONS_SETS:-"{}"}"
-                say "== bwdtune: ${#SETS[@]} sets, ${TUNE_PAR:-3} at a time (t=${SECONDS}s)"
-                i=0; for o in "${SETS[@]}"; do i=$((i+1))
-                  say "   set $i: $o"
-                  ( timeout $((BUDGET - SECONDS - 20)) $B --T 65536 --stages-at 65536 --no-baselines \
-                      --modes ${TUNE_MODES:-fwd_bwd} --only attn_compressed,attn_window --item-limit 200 \
-                      --band-options "$o" --timing-lock "$W/timing.lock" --out "$W/bwdtune_$i" \
-                      > "$W/bwdtune_$i.log" 2>&1
-                  ) &
-                  while [ "$(jobs -rp | wc -l)" -ge "${TUNE_PAR:-3}" ]; do sleep 2; done
-                done; wait
-                for k in $(seq 1 $i); do say "   set $k: $(grep -E '^[a-z0-9_]+ +T= *[0-9]+ ' "$W/bwdtune_$k.log" | tr '\n' ' ' | cut -c1-400)"
-                  tail -n 2 "$W/bwdtune_$k.log" | cut -c1-200 >> "$OUT/summary.txt"; done
-                pack ;;
+                run_sets bwdtune "${TUNE_PAR:-3}" bwdtune_one "${SETS[@]}" ;;
     # bench processes side by side under one timing lock (their compiles overlap, their timings
     # never do). PAR_JOBS: ;-separated "name|bench_attention args" (--configs paper, --timing-lock
     # and --out are added); each job's CSV comes back as NAME.csv, its log in perf.tgz. par2: a
@@ -91,21 +105,9 @@ run_step() {
                 pack ;;
     # issue 14: rows of the packed selection q block (kernel_options.PACK_ROWS) with its tiles,
     # the selected branch alone at 64k. PACK_SETS: ;-separated "rows|json" (json: packed
-    # kernel_options overrides, {} for none), TUNE_PAR side by side under one timing lock.
+    # kernel_options overrides, {} for none), TUNE_PAR side by side (run_sets).
     packtune)   IFS=';' read -ra SETS <<< "${PACK_SETS:-"16|{}"}"
-                say "== packtune: ${#SETS[@]} sets, ${TUNE_PAR:-4} at a time (t=${SECONDS}s)"
-                i=0; for o in "${SETS[@]}"; do i=$((i+1))
-                  say "   set $i: $o"
-                  ( timeout $((BUDGET - SECONDS - 20)) $B --T ${PACK_T:-65536} --stages-at ${PACK_T:-65536} \
-                      --no-baselines --only attn_selected --item-limit 200 --pack-rows "${o%%|*}" \
-                      --packed-options "${o#*|}" --timing-lock "$W/timing.lock" --out "$W/packtune_$i" \
-                      > "$W/packtune_$i.log" 2>&1
-                  ) &
-                  while [ "$(jobs -rp | wc -l)" -ge "${TUNE_PAR:-4}" ]; do sleep 2; done
-                done; wait
-                for k in $(seq 1 $i); do say "   set $k: $(grep -E '^[a-z0-9_]+ +T= *[0-9]+ ' "$W/packtune_$k.log" | tr '\n' ' ' | cut -c1-400)"
-                  tail -n 2 "$W/packtune_$k.log" | cut -c1-200 >> "$OUT/summary.txt"; done
-                pack ;;
+                run_sets packtune "${TUNE_PAR:-4}" packtune_one "${SETS[@]}" ;;
     # issue 14: the 64k stages + layers and the 16k layers in two processes side by side (one
     # timing lock: their compiles overlap, their timings never do). The 16k process has inductor /
     # Triton caches of its own (a fresh machine's first compile) and lists the kernels it compiled
