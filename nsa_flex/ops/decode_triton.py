@@ -266,6 +266,62 @@ def _score_kernel(pm_ptr, pl_ptr, NSPLIT, NSC, sc_ptr, pc_ptr, NC, c_ptr, idx_pt
 
 
 @triton.jit
+def _load_q_group(q_ptr, b, h, sqb, sqh, offs_g, gm, d1, G: tl.constexpr, DK: tl.constexpr,
+                  DK1: tl.constexpr, DK2: tl.constexpr):
+    """The G query heads of (row b, KV group h) as [G_PAD, DK1] (+ [G_PAD, DK2]) tiles: d_k as
+    two power-of-two slices (d2 = d1 and q2 = q1 when DK2 = 0, never used then)."""
+    q_base = q_ptr + b.to(tl.int64) * sqb + (h * G + offs_g)[:, None] * sqh
+    q1 = tl.load(q_base + d1[None, :], mask=gm[:, None] & (d1 < DK)[None, :], other=0.0)
+    if DK2 > 0:
+        d2 = DK1 + tl.arange(0, DK2)
+        q2 = tl.load(q_base + d2[None, :], mask=gm[:, None] & (d2 < DK)[None, :], other=0.0)
+    else:
+        d2 = d1
+        q2 = q1
+    return q1, q2, d2
+
+
+@triton.jit
+def _attend_tile(q1, q2, d1, d2, dv, k_base, v_base, rows, valid, m_i, l_i, acc, sc_row, sc_hi,
+                 gm, DK: tl.constexpr, DV: tl.constexpr, DK2: tl.constexpr, SCALE: tl.constexpr,
+                 STORE_S: tl.constexpr):
+    """One tile of keys `rows` (masked by `valid`) into the online softmax (m_i, l_i, acc) of
+    the group's heads. Rows that saw no key yet keep m = -inf, l = 0, acc = 0. STORE_S: the
+    tile's scaled scores of rows < sc_hi also go to sc_row (the compressed scores, Eq. 8)."""
+    # the tile's keys and values, both loads issued before any use (one memory round trip)
+    kt = tl.load(k_base + rows[None, :] * DK + d1[:, None],
+                 mask=valid[None, :] & (d1 < DK)[:, None], other=0.0)  # [DK1, BLOCK_N]
+    v = tl.load(v_base + rows[:, None] * DV + dv[None, :],
+                mask=valid[:, None] & (dv < DV)[None, :], other=0.0)  # [BLOCK_N, DV_PAD]
+    # scores of the tile: q.K as two power-of-two dots over d_k
+    s = tl.dot(q1, kt, input_precision="ieee")
+    if DK2 > 0:
+        kt2 = tl.load(k_base + rows[None, :] * DK + d2[:, None],
+                      mask=valid[None, :] & (d2 < DK)[:, None], other=0.0)
+        s += tl.dot(q2, kt2, input_precision="ieee")
+    s = tl.where(valid[None, :], s * SCALE, float("-inf"))
+    if STORE_S:
+        tl.store(sc_row + rows[None, :], s, mask=gm[:, None] & (rows < sc_hi)[None, :])
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _store_split(pm_ptr, pl_ptr, po_ptr, slot, offs_g, gm, dv, m_i, l_i, acc, G: tl.constexpr,
+                 DV: tl.constexpr):
+    """A split's partial (m, l, acc) of the group's heads into its slot (merged later)."""
+    tl.store(pm_ptr + slot * G + offs_g, m_i, mask=gm)
+    tl.store(pl_ptr + slot * G + offs_g, l_i, mask=gm)
+    tl.store(po_ptr + (slot * G + offs_g[:, None]) * DV + dv[None, :], acc,
+             mask=gm[:, None] & (dv < DV)[None, :])
+
+
+@triton.jit
 def _attn_kernel(q_ptr, sqb, sqh, pos_ptr, start_ptr, Hkv,
                  k_a, v_a, NA, k_w, v_w, W, NSC, WPER, idx_ptr, N_IDX, BPS, SPLIT0,
                  sc_ptr, po_ptr, pm_ptr, pl_ptr, NSPLIT,
@@ -308,14 +364,7 @@ def _attn_kernel(q_ptr, sqb, sqh, pos_ptr, start_ptr, Hkv,
     gm = offs_g < G
     d1 = tl.arange(0, DK1)
     dv = tl.arange(0, DV_PAD)
-    q_base = q_ptr + b.to(tl.int64) * sqb + (h * G + offs_g)[:, None] * sqh
-    q1 = tl.load(q_base + d1[None, :], mask=gm[:, None] & (d1 < DK)[None, :], other=0.0)
-    if DK2 > 0:
-        d2 = DK1 + tl.arange(0, DK2)
-        q2 = tl.load(q_base + d2[None, :], mask=gm[:, None] & (d2 < DK)[None, :], other=0.0)
-    else:
-        d2 = d1
-        q2 = q1
+    q1, q2, d2 = _load_q_group(q_ptr, b, h, sqb, sqh, offs_g, gm, d1, G, DK, DK1, DK2)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, DV_PAD], tl.float32)
@@ -330,6 +379,7 @@ def _attn_kernel(q_ptr, sqb, sqh, pos_ptr, start_ptr, Hkv,
     if SEL:
         lo = pos * 0
         hi = (b1 - b0) * LS + pos * 0
+        sc_hi = lo  # selection splits store no scores (STORE_S is off)
     else:
         if is_cmp:
             S = pos + 1
@@ -398,33 +448,10 @@ def _attn_kernel(q_ptr, sqb, sqh, pos_ptr, start_ptr, Hkv,
             rows = rr
             spos = wbase + rr - tl.where(rr > p0, W, 0)
             valid = (rr < hi) & (spos >= lim)
-        # the tile's keys and values, both loads issued before any use (one memory round trip)
-        kt = tl.load(k_base + rows[None, :] * DK + d1[:, None],
-                     mask=valid[None, :] & (d1 < DK)[:, None], other=0.0)  # [DK1, BLOCK_N]
-        v = tl.load(v_base + rows[:, None] * DV + dv[None, :],
-                    mask=valid[:, None] & (dv < DV)[None, :], other=0.0)  # [BLOCK_N, DV_PAD]
-        # scores of the tile: q.K as two power-of-two dots over d_k
-        s = tl.dot(q1, kt, input_precision="ieee")
-        if DK2 > 0:
-            kt2 = tl.load(k_base + rows[None, :] * DK + d2[:, None],
-                          mask=valid[None, :] & (d2 < DK)[:, None], other=0.0)
-            s += tl.dot(q2, kt2, input_precision="ieee")
-        s = tl.where(valid[None, :], s * SCALE, float("-inf"))
-        if STORE_S:  # the compressed scores, for the scorer (Eq. 8)
-            tl.store(sc_row + rows[None, :], s, mask=gm[:, None] & (rows < sc_hi)[None, :])
-        # online softmax; rows that saw no key yet keep m = -inf, l = 0, acc = 0
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
-    slot = bh * NSPLIT + SPLIT0 + sid
-    tl.store(pm_ptr + slot * G + offs_g, m_i, mask=gm)
-    tl.store(pl_ptr + slot * G + offs_g, l_i, mask=gm)
-    tl.store(po_ptr + (slot * G + offs_g[:, None]) * DV + dv[None, :], acc,
-             mask=gm[:, None] & (dv < DV)[None, :])
+        m_i, l_i, acc = _attend_tile(q1, q2, d1, d2, dv, k_base, v_base, rows, valid, m_i,
+                                     l_i, acc, sc_row, sc_hi, gm, DK, DV, DK2, SCALE, STORE_S)
+    _store_split(pm_ptr, pl_ptr, po_ptr, bh * NSPLIT + SPLIT0 + sid, offs_g, gm, dv, m_i, l_i,
+                 acc, G, DV)
 
 
 @triton.jit
@@ -689,14 +716,7 @@ def _sel_kernel(q_ptr, sqb, sqh, pos_ptr, start_ptr, Hkv, k_a, v_a, NA, NS,
     gm = offs_g < G
     d1 = tl.arange(0, DK1)
     dv = tl.arange(0, DV_PAD)
-    q_base = q_ptr + b.to(tl.int64) * sqb + (h * G + offs_g)[:, None] * sqh
-    q1 = tl.load(q_base + d1[None, :], mask=gm[:, None] & (d1 < DK)[None, :], other=0.0)
-    if DK2 > 0:
-        d2 = DK1 + tl.arange(0, DK2)
-        q2 = tl.load(q_base + d2[None, :], mask=gm[:, None] & (d2 < DK)[None, :], other=0.0)
-    else:
-        d2 = d1
-        q2 = q1
+    q1, q2, d2 = _load_q_group(q_ptr, b, h, sqb, sqh, offs_g, gm, d1, G, DK, DK1, DK2)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, DV_PAD], tl.float32)
@@ -714,29 +734,10 @@ def _sel_kernel(q_ptr, sqb, sqh, pos_ptr, start_ptr, Hkv, k_a, v_a, NA, NS,
             blk = tl.load(gidx_ptr + bh * N_IDX + slot, mask=inb, other=-1).to(tl.int32)
         rows = blk * LS + rr % LS
         valid = inb & (blk >= 0) & (rows <= pos) & (rows >= start)
-        kt = tl.load(k_base + rows[None, :] * DK + d1[:, None],
-                     mask=valid[None, :] & (d1 < DK)[:, None], other=0.0)  # [DK1, BLOCK_N]
-        v = tl.load(v_base + rows[:, None] * DV + dv[None, :],
-                    mask=valid[:, None] & (dv < DV)[None, :], other=0.0)  # [BLOCK_N, DV_PAD]
-        s = tl.dot(q1, kt, input_precision="ieee")
-        if DK2 > 0:
-            kt2 = tl.load(k_base + rows[None, :] * DK + d2[:, None],
-                          mask=valid[None, :] & (d2 < DK)[:, None], other=0.0)
-            s += tl.dot(q2, kt2, input_precision="ieee")
-        s = tl.where(valid[None, :], s * SCALE, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q1, q2, d1, d2, dv, k_base, v_base, rows, valid, m_i,
+                                     l_i, acc, q_ptr, 0, gm, DK, DV, DK2, SCALE, False)
     first = bh * NSPLIT + SPLIT0
-    slot_s = first + sid
-    tl.store(pm_ptr + slot_s * G + offs_g, m_i, mask=gm)
-    tl.store(pl_ptr + slot_s * G + offs_g, l_i, mask=gm)
-    tl.store(po_ptr + (slot_s * G + offs_g[:, None]) * DV + dv[None, :], acc,
-             mask=gm[:, None] & (dv < DV)[None, :])
+    _store_split(pm_ptr, pl_ptr, po_ptr, first + sid, offs_g, gm, dv, m_i, l_i, acc, G, DV)
     # "finish the step yourself": every thread's stores above happen before the barrier, the
     # release half of the counter update publishes them; the last arrival's acquire (and the
     # L1-bypassing loads in the merge) sees every split of (b, h)
