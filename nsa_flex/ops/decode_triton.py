@@ -202,6 +202,27 @@ def _block_keys(jj, score, pos, start, NS, LS: tl.constexpr, N_LOCAL: tl.constex
 
 
 @triton.jit
+def _cmp_lse(pm_ptr, pl_ptr, bh, NSPLIT, NSC, offs_g, pos, start, G: tl.constexpr,
+             NSC_PAD: tl.constexpr, L: tl.constexpr, D: tl.constexpr):
+    """The compressed branch's lse per head of (b, h) from its NSC splits' (m, l) (0 for a head
+    without any visible block: nothing to weigh), and the row's visible compressed blocks
+    [lo0, ncmp) (i d + L <= pos + 1, i d >= start)."""
+    sp = tl.arange(0, NSC_PAD)
+    msk = (sp < NSC)[:, None] & (offs_g < G)[None, :]
+    ptr = (bh * NSPLIT + sp)[:, None] * G + offs_g[None, :]
+    m = tl.load(pm_ptr + ptr, mask=msk, other=float("-inf"))
+    lsum = tl.load(pl_ptr + ptr, mask=msk, other=0.0)
+    mx = tl.max(m, 0)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    den = tl.sum(lsum * tl.exp(m - mx[None, :]), 0)
+    lse = tl.where(den > 0, tl.log(tl.where(den > 0, den, 1.0)) + mx, 0.0)
+    S = pos + 1
+    ncmp = tl.where(S >= L, tl.maximum(S - L, 0) // D + 1, 0)
+    lo0 = (start + D - 1) // D
+    return lse, ncmp, lo0
+
+
+@triton.jit
 def _score_kernel(pm_ptr, pl_ptr, NSPLIT, NSC, sc_ptr, pc_ptr, NC, c_ptr, idx_ptr, rsel_ptr,
                   pos_ptr, start_ptr, Hkv, NS,
                   G: tl.constexpr, G_PAD: tl.constexpr, NSC_PAD: tl.constexpr,
@@ -220,19 +241,8 @@ def _score_kernel(pm_ptr, pl_ptr, NSPLIT, NSC, sc_ptr, pc_ptr, NC, c_ptr, idx_pt
     jj = tl.arange(0, NS_PAD)
     if TOPN:
         offs_g = tl.arange(0, G_PAD)
-        sp = tl.arange(0, NSC_PAD)
-        msk = (sp < NSC)[:, None] & (offs_g < G)[None, :]
-        ptr = (bh * NSPLIT + sp)[:, None] * G + offs_g[None, :]
-        m = tl.load(pm_ptr + ptr, mask=msk, other=float("-inf"))
-        lsum = tl.load(pl_ptr + ptr, mask=msk, other=0.0)
-        mx = tl.max(m, 0)
-        mx = tl.where(mx == float("-inf"), 0.0, mx)
-        den = tl.sum(lsum * tl.exp(m - mx[None, :]), 0)
-        # compressed lse per head (0 for a head without any visible block: nothing to weigh)
-        lse = tl.where(den > 0, tl.log(tl.where(den > 0, den, 1.0)) + mx, 0.0)
-        S = pos + 1
-        ncmp = tl.where(S >= L, tl.maximum(S - L, 0) // D + 1, 0)
-        lo0 = (start + D - 1) // D
+        lse, ncmp, lo0 = _cmp_lse(pm_ptr, pl_ptr, bh, NSPLIT, NSC, offs_g, pos, start, G,
+                                  NSC_PAD, L, D)
         cc = tl.arange(0, CHUNK)
         # Eq. 8 + Eq. 10: p_cmp[i] = sum over the group's heads of exp(s_gi - lse_g)
         for c0 in range(lo0, ncmp, CHUNK):
@@ -593,19 +603,8 @@ def _slc_kernel(pm_ptr, pl_ptr, po_ptr, NSPLIT, NSC, NSW, sc_ptr, NC, c_ptr, can
             jj = c * CH + tl.arange(0, CH)
             if TOPN:
                 offs_g = tl.arange(0, G_PAD)
-                sp = tl.arange(0, NSC_PAD)
-                msk = (sp < NSC)[:, None] & (offs_g < G)[None, :]
-                ptr = (bh * NSPLIT + sp)[:, None] * G + offs_g[None, :]
-                m = tl.load(pm_ptr + ptr, mask=msk, other=float("-inf"))
-                lsum = tl.load(pl_ptr + ptr, mask=msk, other=0.0)
-                mx = tl.max(m, 0)
-                mx = tl.where(mx == float("-inf"), 0.0, mx)
-                den = tl.sum(lsum * tl.exp(m - mx[None, :]), 0)
-                # compressed lse per head (0 for a head without any visible block)
-                lse = tl.where(den > 0, tl.log(tl.where(den > 0, den, 1.0)) + mx, 0.0)
-                S = pos + 1
-                ncmp = tl.where(S >= L, tl.maximum(S - L, 0) // D + 1, 0)
-                lo0 = (start + D - 1) // D
+                lse, ncmp, lo0 = _cmp_lse(pm_ptr, pl_ptr, bh, NSPLIT, NSC, offs_g, pos, start, G,
+                                          NSC_PAD, L, D)
                 # Eq. 9 over Eq. 8 + 10: p_slc[j] = sum_m c[m] sum_g exp(s_g,jr+m - lse_g)
                 score = tl.zeros([CH], tl.float32)
                 for k in tl.static_range(R + QN - 1):
