@@ -18,10 +18,15 @@ def _call(T):
 
 
 def test_more_shapes_than_dynamo_default_compile(monkeypatch):
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
+    counters.clear()
     monkeypatch.setattr(A, "_compiled_flex", None)
     for T in range(16, 16 * 11, 16):  # 10 shapes > dynamo's default limit of 8
         _call(T)
+    # every shape compiled (past dynamo's limit the last two would have run eagerly)
+    assert counters["frames"]["ok"] == 10 and counters["stats"]["unique_graphs"] == 10
 
 
 def test_limit_hit_is_a_clear_error(monkeypatch):
