@@ -79,6 +79,7 @@ REFIRE_S = 5.0  # after the limit, SIGALRM again every REFIRE_S until the phase 
 T0 = time.perf_counter()
 CSV_PATH = None
 ERR_LOG = None
+PROFILE_PATH = ""  # --profile: OUT/kernels.txt
 
 
 def log(msg):
@@ -245,6 +246,29 @@ def save(rows):
         write_csv(rows, CSV_PATH)
 
 
+def profile_kernels(fn, title, calls=3, top=25):
+    """Append the top GPU kernels of `calls` calls of fn (torch.profiler, CUDA time per call) to
+    PROFILE_PATH: where an item's time goes, kernel by kernel (e.g. a flex backward's share)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    tot = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            n, d = tot.get(e.name, (0, 0.0))
+            tot[e.name] = (n + 1, d + e.device_time_total / 1e3)
+    rows = sorted(tot.items(), key=lambda kv: -kv[1][1])
+    total = sum(d for _, d in tot.values()) / calls
+    with open(PROFILE_PATH, "a") as f:
+        f.write(f"== {title}: {total:.2f} ms of kernels per call\n")
+        for name, (n, d) in rows[:top]:
+            f.write(f"  {d / calls:9.3f} ms  {n // calls:4d}x  {name[:150]}\n")
+
+
 def locked(fn, *args):
     """fn(*args) under the shared side of the timing lock (setup, compile)."""
     with gpu_lock(exclusive=False):
@@ -288,6 +312,9 @@ def timed(name, make, with_bwd, dev, rows, meta, modes=MODES, limit=0):
                     rec[f"{key}_first_s"] = out
                 else:
                     rec[f"{key}_ms"] = out
+            if PROFILE_PATH and dev == "cuda":
+                with gpu_lock(exclusive=True):  # kernel times, like timings, from a quiet GPU
+                    profile_kernels(fn, f"{where} {label}")
 
     got = []
     if attempt("setup", lambda: got.append(phase(f"{where} setup", lambda: locked(make),
@@ -651,6 +678,9 @@ def main(argv=None):
     ap.add_argument("--timing-lock", default="",
                     help="file locked while timing: bench processes run side by side (compiles "
                          "overlap, GPU timings never do)")
+    ap.add_argument("--profile", action="store_true",
+                    help="after each timing, profile 3 calls and append the top kernels (CUDA ms "
+                         "per call) to OUT/kernels.txt")
     ap.add_argument("--out", default="experiments/results/bench")
     ap.add_argument("--merge", default="",
                     help="comma list of bench.csv files from earlier runs: rows merged (a later "
@@ -663,9 +693,9 @@ def main(argv=None):
     global TIMING_LOCK
     TIMING_LOCK = args.timing_lock
     # items compile flex calls on their own, before any layer exists (the layer installs it too)
-    from nsa_flex.kernel_options import install_small_block_bwd_configs
+    from nsa_flex.kernel_options import install_flex_patches
 
-    install_small_block_bwd_configs()
+    install_flex_patches()
     if args.band_options or args.packed_options:
         import json
 
@@ -695,8 +725,9 @@ def main(argv=None):
         stages_at = {int(t) for t in args.stages_at.split(",") if t}
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     torch._dynamo.config.cache_size_limit = 256
-    global CSV_PATH, ERR_LOG
+    global CSV_PATH, ERR_LOG, PROFILE_PATH
     rows = []
+    PROFILE_PATH = os.path.join(args.out, "kernels.txt") if args.profile else ""
     path = CSV_PATH = os.path.join(args.out, "bench.csv")
     ERR_LOG = os.path.join(args.out, "errors.log")
     log(f"start: configs={configs} T={Ts} stages at {sorted(stages_at)} only={args.only} "

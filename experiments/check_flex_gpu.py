@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from masks import MaskContext, get_mask_builder  # noqa: E402
 from nsa_flex import NSAConfig  # noqa: E402
 from nsa_flex.attention import attend_flex, attend_reference  # noqa: E402
-from nsa_flex.kernel_options import install_small_block_bwd_configs  # noqa: E402
+from nsa_flex.kernel_options import install_flex_patches  # noqa: E402
 from nsa_flex.ops import topn_blocks  # noqa: E402
 from nsa_flex.rules import forced_and_valid, pick_blocks  # noqa: E402
 from nsa_flex.selection import select_topn  # noqa: E402
@@ -64,7 +64,7 @@ def main():
     ap.add_argument("--cases", default="selected,packed,compressed,causal,topn")
     args = ap.parse_args()
     T, dev, bf = args.T, torch.device("cuda"), torch.bfloat16
-    install_small_block_bwd_configs()  # the cases compile flex on their own, before any layer
+    install_flex_patches()  # the cases compile flex on their own, before any layer
     cfg = NSAConfig(**PAPER, backend="flex")
     B, H, Hkv, dk, dv = 1, cfg.n_heads, cfg.n_kv_heads, cfg.d_qk, cfg.d_v
     torch.manual_seed(0)

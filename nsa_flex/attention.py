@@ -30,7 +30,7 @@ from masks.core import fold_block_mask
 
 from .config import resolve_backend
 from .kernel_options import (band_kernel_options, flex_kernel_options,
-                             install_small_block_bwd_configs, packed_block_size,
+                             install_flex_patches, packed_block_size,
                              query_chunks)
 from .rules import masked_softmax
 
@@ -46,7 +46,7 @@ def _flex(*args, **kwargs):
     global _compiled_flex
     if torch.compiler.is_compiling():
         return flex_attention(*args, **kwargs)
-    install_small_block_bwd_configs()  # before the first compile; a no-op once done
+    install_flex_patches()  # before the first compile; a no-op once done
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
     try:

@@ -13,7 +13,7 @@ from masks import MaskContext, doc_start, get_mask_builder
 from .attention import attend
 from .compression import PHI
 from .config import NSAConfig
-from .kernel_options import install_small_block_bwd_configs
+from .kernel_options import install_flex_patches
 from .rope import apply_rope, rope_cos_sin
 from .rules import random_draw_step
 from .selection import select_topn
@@ -28,7 +28,7 @@ class NSAAttention(nn.Module):
         cfg.validate()
         self.cfg = cfg
         if cfg.backend != "reference":  # flex runs inside the compiled forward: install it now
-            install_small_block_bwd_configs()
+            install_flex_patches()
         H, Hkv, dk, dv, dim = cfg.n_heads, cfg.n_kv_heads, cfg.d_qk, cfg.d_v, cfg.dim
         self.wq = nn.Linear(dim, H * dk, bias=False)
         # paper §3.3.3: independent keys and values for each branch
