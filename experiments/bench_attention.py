@@ -66,6 +66,22 @@ CONFIGS = {
     "tiny": dict(n_heads=4, n_kv_heads=2, d_qk=16, d_v=16, dim=64, l=8, d=4, l_sel=16, n_sel=4,
                  window=32),
 }
+
+
+def config_args(cname: str) -> dict:
+    """NSAConfig fields of a bench config: a name above, or "titan_<flavor>" for the attention of a
+    torchtitan flavor (nsa_flex.titan.args, e.g. titan_1B: 32 q / 2 KV heads, d 64, dim 2048)."""
+    if cname.startswith("titan_"):
+        from dataclasses import asdict
+
+        from nsa_flex.titan.args import nsa_flex_args
+
+        c = asdict(nsa_flex_args[cname[len("titan_"):]].nsa_config())
+        return {k: c[k] for k in ("n_heads", "n_kv_heads", "d_qk", "d_v", "dim", "l", "d",
+                                  "l_sel", "n_sel", "window")}
+    return CONFIGS[cname]
+
+
 STAGES = ["projections", "compression", "score_topn", "mask_build", "attn_compressed",
           "attn_selected", "attn_selected_packed", "attn_window", "gate_out"]
 BASELINES = ["sdpa_causal", "flex_causal", "fla_parallel_nsa_w0", "full_layer"]
@@ -364,7 +380,7 @@ def write_csv(rows, path):
 def build_items(cname, T, dev, dtype, compile_=True):
     """[(name, has_backward, make)] in ITEMS order; make() does the item's setup (shared parts
     through Lazy) and returns its fwd(). Nothing is allocated or compiled before make()."""
-    cfg = NSAConfig(**CONFIGS[cname], backend="flex")
+    cfg = NSAConfig(**config_args(cname), backend="flex")
     train = dev == "cuda"  # CPU flex has no backward
     B, H, Hkv, dk, dv = 1, cfg.n_heads, cfg.n_kv_heads, cfg.d_qk, cfg.d_v
     comp = (lambda f: torch.compile(f, fullgraph=True, dynamic=False)) if compile_ else (lambda f: f)
@@ -487,7 +503,7 @@ def build_items(cname, T, dev, dtype, compile_=True):
     def full_layer():
         # the same layer class with the full_causal preset: q/k/v/o projections (+ the tiny gate)
         # around SDPA causal attention with GQA, what a user would otherwise run
-        lay = NSAAttention(NSAConfig(**CONFIGS[cname], backend="flex", masks="full_causal"))
+        lay = NSAAttention(NSAConfig(**config_args(cname), backend="flex", masks="full_causal"))
         lay = lay.to(dev, dtype)
         lay.init_weights(0.02)
         xr = xs()
@@ -704,7 +720,7 @@ def main(argv=None):
         for given, table in ((args.band_options, kernel_options.BAND_OPTIONS),
                              (args.packed_options, kernel_options.PACKED_OPTIONS)):
             for cname in args.configs.split(",") if given else ():
-                table[CONFIGS[cname]["d_qk"]] = json.loads(given)
+                table[config_args(cname)["d_qk"]] = json.loads(given)
         log(f"kernel_options: band {kernel_options.BAND_OPTIONS}, "
             f"packed {kernel_options.PACKED_OPTIONS}")
     if args.pack_rows:

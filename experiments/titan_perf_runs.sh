@@ -6,6 +6,8 @@
 # memory figure torchtitan printed.
 # Usage (device machine, repo root, torchtitan wheels on PYTHONPATH):
 #   bash experiments/titan_perf_runs.sh OUT DATA_DIR ["32768:125M 8192:125M"] [STEPS] [LIMIT_S]
+# TITAN_EXTRA: more torchtitan flags for every run of the sweep (both attentions), e.g.
+#   TITAN_EXTRA="--activation_checkpoint.mode full" for the 1B flavor at 32k.
 set -uo pipefail
 OUT=${1:?out dir}; DATA=${2:?data dir}; PLAN=${3:-"32768:125M 8192:125M"}; STEPS=${4:-40}
 LIMIT=${5:-200}
@@ -22,7 +24,7 @@ for item in $PLAN; do
       --model.flavor "$flavor" --training.seq_len "$seq" --training.local_batch_size 1 \
       --training.dataset_path "$DATA/fineweb_sample_2800.parquet" --training.steps "$STEPS" \
       --lr_scheduler.warmup_steps 5 --metrics.log_freq 1 \
-      --job.dump_folder "/tmp/runs/$name" > "$OUT/$name.log" 2>&1
+      --job.dump_folder "/tmp/runs/$name" ${TITAN_EXTRA:-} > "$OUT/$name.log" 2>&1
     echo "   rc=$? t=${SECONDS}s"; grep -a "step:" "$OUT/$name.log" | tail -2 | cut -c1-200
     # after every run, so a cut-off sweep still leaves its table
     python experiments/titan_perf_csv.py "$OUT"/*_*_*.log --out "$OUT/titan.csv"
