@@ -120,4 +120,4 @@ class NSAAttention(nn.Module):
             with torch.no_grad():
                 on = tuple(b in out for b in BRANCHES)
                 self.telemetry_stats.copy_(layer_stats(g, on, specs, cfg.l_sel, T))
-        return self.wo(o.transpose(1, 2).reshape(B, T, -1).to(x.dtype))
+        return self.wo(o.transpose(1, 2).reshape(B, T, -1))

@@ -237,3 +237,27 @@ def test_compile_fullgraph_flex_inductor_cpu():
     layer = make_layer(masks="sliding_only")
     _three_calls(torch.compile(twin(layer, backend="flex"), fullgraph=True), layer, docs=False,
                  tol=1e-5)
+
+
+def test_autocast_keeps_attention_in_low_precision(monkeypatch):
+    """fp32 weights under bf16 autocast (torchtitan on one GPU): the projections are bf16, and so
+    must be every attention call's q/k/v -- an fp32 residual stream must not promote them through
+    RoPE's cos/sin (FlexAttention and the scorer would run in fp32)."""
+    import nsa_flex.layer as layer_mod
+
+    seen = []
+    real = layer_mod.attend
+
+    def spy(q, k, v, spec, backend, scale=None):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return real(q, k, v, spec, backend, scale)
+
+    monkeypatch.setattr(layer_mod, "attend", spy)
+    layer = make_layer()
+    x = torch.randn(2, 96, layer.cfg.dim)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    assert len(seen) == 3 and all(d == (torch.bfloat16,) * 3 for d in seen), seen
+    assert y.dtype == torch.bfloat16 and torch.isfinite(y.float()).all()
+    y.float().sum().backward()  # gradients reach the fp32 weights
+    assert layer.wq.weight.grad is not None and layer.wq.weight.grad.dtype == torch.float32
