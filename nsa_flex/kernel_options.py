@@ -3,7 +3,8 @@
 Group-centric packing makes the selection branch's q block small (one position's G heads, e.g.
 16 rows) and its kv block the selection block (64). Default Triton tiles (fwd 128x64, bwd
 64x64 and up) do not divide a 16-row block, so we pass explicit tiles through `kernel_options`
-(fwd BLOCK_M/BLOCK_N, bwd BLOCK_M1/N1/M2/N2 with N1 % M1 == 0 and M2 % N2 == 0).
+(fwd BLOCK_M/BLOCK_N, bwd BLOCK_M1/N1/M2/N2 with N1 % M1 == 0 and M2 % N2 == 0, the latter
+lifted by `install_wide_dq_tiles` below).
 
 Workaround for pytorch #176025 (fixed upstream by PR #184797): torch <= 2.13 filters the
 backward configs by the sparse block size *before* applying kernel_options, so a 16-row block
@@ -29,7 +30,7 @@ import torch
 # Rows of a packed q block at least (16: the tensor-core minimum for a q tile). A q block holds
 # P = lcm(G, PACK_ROWS) / G positions: with P > 1 its kv list is the union of the P positions'
 # selections (the mask_mod keeps each row exact), so larger blocks trade more kv blocks per q
-# block for bigger tiles (flex's dQ pass needs BLOCK_N2 <= BLOCK_M2: 16x16 tiles at 16 rows).
+# block for bigger tiles (measured: 2 or 4 positions per block are 2x slower, NOTES 27).
 # Set from H100 measurements (`bench_attention.py --pack-rows`, experiments/NOTES.md).
 PACK_ROWS = 16
 
