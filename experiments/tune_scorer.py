@@ -38,6 +38,10 @@ def main(argv=None):
     ap.add_argument("--configs", default="",
                     help="comma list of BMxBNxWARPSxSTAGES, e.g. 128x128x8x2 (default: CONFIGS; "
                          "the first is the reference the others are checked against)")
+    ap.add_argument("--topn-configs", default="",
+                    help="comma list of ROWSxWARPS for the top-n kernel (rows per program, warps), "
+                         "each checked equal to the default launch's picks and timed "
+                         "(tune_topn.csv); e.g. 1x4,2x4,4x8,8x8")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     try:
@@ -97,6 +101,34 @@ def main(argv=None):
             wr.writeheader()
             wr.writerows(rows)
     print("wrote", path, "| q reads per call ~", math.ceil(Nc / 128), "x (default tiles)")
+    if a.topn_configs and ref is not None:
+        tune_topn(a.topn_configs, ref, t0s, ls, n, T, dev, a.out)
+
+
+def tune_topn(spec, scores, t0s, ls, n, T, dev, out):
+    """The top-n kernel's launch (rows per program x warps) on the scorer's outputs: picks must
+    equal the default launch's; median ms over all chunks."""
+    from triton.testing import do_bench
+
+    ref = [topn_blocks(p, None, t0, ls, n, 1, 2) for p, t0 in zip(scores, t0s)]
+    rows = []
+    for c in spec.split(","):
+        r_, w = (int(x) for x in c.split("x"))
+        row = dict(T=T, block_r=r_, num_warps=w, device=dev)
+        try:
+            call = lambda: [topn_blocks(p, None, t0, ls, n, 1, 2, r_, w)
+                            for p, t0 in zip(scores, t0s)]
+            row["equal"] = all(torch.equal(o, e) for o, e in zip(call(), ref))
+            row["topn_ms"] = f"{do_bench(call, warmup=5, rep=200, return_mode='median'):.3f}"
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {str(e).strip()[:150]}"
+        print(f"top-n rows {r_} warps {w}: {row}", flush=True)
+        rows.append(row)
+        with open(os.path.join(out, "tune_topn.csv"), "w", newline="") as f:
+            wr = csv.DictWriter(f, fieldnames=["T", "block_r", "num_warps", "topn_ms", "equal",
+                                               "error", "device"])
+            wr.writeheader()
+            wr.writerows(rows)
 
 
 if __name__ == "__main__":

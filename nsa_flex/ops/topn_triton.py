@@ -69,15 +69,20 @@ def _topn_kernel(P, DS, OUT,
 
 @triton_op("nsa_flex::topn_blocks", mutates_args=())
 def topn_blocks(scores: Tensor, doc_starts: Optional[Tensor], t0: int, l_sel: int, n_sel: int,
-                n_init: int, n_local: int) -> Tensor:
+                n_init: int, n_local: int, block_r: int = 0, num_warps: int = 0) -> Tensor:
     """Top-n block indices [B, Hkv, C, n_sel] int64 (-1 pads) of scores p_slc [B, Hkv, C, Ns]
-    (fp32, >= 0) for query positions t0..t0+C-1; doc_starts [B|1, T] or None."""
+    (fp32, >= 0) for query positions t0..t0+C-1; doc_starts [B|1, T] or None.
+    block_r / num_warps: rows per program and warps (performance only; 0: the defaults below)."""
     B, Hkv, C, ns = scores.shape
     out = torch.empty(B, Hkv, C, n_sel, device=scores.device, dtype=torch.int64)
     if C == 0:
         return out
     ns_pad = max(16, triton.next_power_of_2(ns))
-    block_r = max(1, min(16, 4096 // ns_pad))
+    # ~64 int64 keys per thread: the n max-reductions are latency-bound, few warps per program
+    # sync least (H100, 64k: 2 rows x 1 warp 2.58 ms, the former 4 rows x 8 warps 3.98; more keys
+    # per thread spill; experiments/tune_scorer.py --topn-configs, NOTES 28)
+    block_r = block_r or max(1, min(16, 2048 // ns_pad))
+    num_warps = num_warps or max(1, block_r * ns_pad // 2048)
     if doc_starts is None:
         ds, sd_b, sd_t = scores, 0, 0  # never read (HAS_DOCS=False)
     else:
@@ -91,6 +96,6 @@ def topn_blocks(scores: Tensor, doc_starts: Optional[Tensor], t0: int, l_sel: in
         out.stride(0), out.stride(1), out.stride(2),
         Hkv, C, ns, t0,
         LS=l_sel, N_SEL=n_sel, N_INIT=n_init, N_LOCAL=n_local, NS_PAD=ns_pad, BLOCK_R=block_r,
-        HAS_DOCS=doc_starts is not None, num_warps=8 if ns_pad >= 1024 else 4,
+        HAS_DOCS=doc_starts is not None, num_warps=num_warps,
     )
     return out
