@@ -22,7 +22,7 @@ step() {  # cap_s name cmd... ; the command gets --out $W/name, its output goes 
   [ "$cap" -gt "$left" ] && cap=$left
   say "== $name (cap ${cap}s, t=${SECONDS}s)"
   timeout "$cap" "$@" --out "$W/$name" > "$W/$name.log" 2>&1; say "   rc=$? t=${SECONDS}s"
-  grep -E '^[a-z0-9]+ +T= *[0-9]+ ' "$W/$name.log" | tee -a "$OUT/summary.txt"  # result rows
+  grep -E '^[A-Za-z0-9_]+ +T= *[0-9]+ ' "$W/$name.log" | tee -a "$OUT/summary.txt"  # result rows
   say "   log ends:"; tail -n 3 "$W/$name.log" | cut -c1-300 | tee -a "$OUT/summary.txt"
   [ -f "$W/$name/bench.csv" ] && cp "$W/$name/bench.csv" "$OUT/$name.csv"
   pack
@@ -44,7 +44,7 @@ run_sets() {
     $fn "$o" "$W/${name}_$i" &
     while [ "$(jobs -rp | wc -l)" -ge "$par" ]; do sleep 2; done
   done; wait
-  for k in $(seq 1 $i); do say "   set $k: $(grep -E '^[a-z0-9_]+ +T= *[0-9]+ ' "$W/${name}_$k.log" | tr '\n' ' ' | cut -c1-400)"
+  for k in $(seq 1 $i); do say "   set $k: $(grep -E '^[A-Za-z0-9_]+ +T= *[0-9]+ ' "$W/${name}_$k.log" | tr '\n' ' ' | cut -c1-400)"
     tail -n 2 "$W/${name}_$k.log" | cut -c1-200 >> "$OUT/summary.txt"; done
   pack
 }
@@ -100,7 +100,7 @@ run_step() {
                       > "$W/$n.log" 2>&1; echo "rc=$? t=${SECONDS}s" >> "$W/$n.log"
                     cp "$W/$n/bench.csv" "$OUT/$n.csv" 2>/dev/null ) &
                 done; wait
-                for j in "${JOBS[@]}"; do n=${j%%|*}; say "   $n:"; grep -E '^[a-z0-9_]+ +T= *[0-9]+ |peak=' "$W/$n.log" | tee -a "$OUT/summary.txt"
+                for j in "${JOBS[@]}"; do n=${j%%|*}; say "   $n:"; grep -E '^[A-Za-z0-9_]+ +T= *[0-9]+ |peak=' "$W/$n.log" | tee -a "$OUT/summary.txt"
                   tail -n 2 "$W/$n.log" | cut -c1-250 | tee -a "$OUT/summary.txt"; done
                 pack ;;
     # issue 14: rows of the packed selection q block (kernel_options.PACK_ROWS) with its tiles,
@@ -122,7 +122,7 @@ run_step() {
                     --out "$W/l16" > "$W/l16.log" 2>&1
                   find "$W/c16/triton" -name '*.json' ! -name '__grp*' -printf '%T@ %p\n' | sort -n > "$W/kernels_16k.txt" ) &
                 wait
-                for n in l64 l16; do say "   $n:"; grep -E '^[a-z0-9_]+ +T= *[0-9]+ ' "$W/$n.log" | tee -a "$OUT/summary.txt"
+                for n in l64 l16; do say "   $n:"; grep -E '^[A-Za-z0-9_]+ +T= *[0-9]+ ' "$W/$n.log" | tee -a "$OUT/summary.txt"
                   tail -n 2 "$W/$n.log" | cut -c1-250 | tee -a "$OUT/summary.txt"; done
                 cat "$W/l64/bench.csv" > "$OUT/layers2.csv" 2>/dev/null; tail -n +2 "$W/l16/bench.csv" >> "$OUT/layers2.csv" 2>/dev/null
                 pack ;;
@@ -138,7 +138,7 @@ run_step() {
                   echo "rc=$?" >> "$W/c16/c16.log"; cp "$W/c16/bench/bench.csv" "$OUT/compile16k.csv" 2>/dev/null
                   find /tmp/c16cache/triton -name '*.json' ! -name '__grp*' -printf '%T@ %s %p\n' | sort -n > "$W/c16/kernels.txt"
                   find /tmp/c16cache/inductor -name '*.py' -printf '%T@ %s %p\n' | sort -n > "$W/c16/inductor_py.txt"
-                  say "   compile16k: $(grep -E '^[a-z0-9_]+ +T= *[0-9]+ |rc=' "$W/c16/c16.log" | tr '\n' ' ')"
+                  say "   compile16k: $(grep -E '^[A-Za-z0-9_]+ +T= *[0-9]+ |rc=' "$W/c16/c16.log" | tr '\n' ' ')"
                   pack ) & ;;
     # issue 16 item 3: whole-model generation, 125M, 32k prompt, batch 1 and 8 (generate.csv)
     generate32k) step 400 generate_32k python experiments/bench_generate.py --flavor 125M \
