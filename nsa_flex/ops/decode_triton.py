@@ -61,6 +61,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..rules import overlap_kernel_cached, valid_blocks
+from .topn_triton import _block_keys
 
 SEL_MODES = ("topn", "local_selection", "causal", "none")
 PROGRAMS_PER_SM = 4  # default size of the split-K launches: about this many programs per SM
@@ -176,29 +177,6 @@ def _emit_avg(bh, pos, slot, k, v, k_raw, v_raw, k_cmp, v_cmp, NC, dk, dv, mk, m
              mask=dk < DK * emit)
     tl.store(v_cmp + (bh * NC + dst) * DV + dv, vm.to(v_cmp.dtype.element_ty),
              mask=dv < DV * emit)
-
-
-@triton.jit
-def _block_keys(jj, score, pos, start, NS, LS: tl.constexpr, N_LOCAL: tl.constexpr,
-                N_INIT: tl.constexpr):
-    """One int64 top-n key per selection block jj, the keys of `nsa_flex.rules.pick_blocks`:
-    score bits << 32 | reversed block index (ties to the lower block); forced blocks (the
-    document's first block when N_INIT, the N_LOCAL most recent) get +inf score bits, blocks
-    without a visible token -1, padding (jj >= NS) -(1 << 62), below every real key."""
-    valid = (jj < NS) & (jj * LS <= pos) & ((jj + 1) * LS - 1 >= start)
-    cur = pos // LS
-    if N_LOCAL > 0:
-        forced = (jj > cur - N_LOCAL) & (jj <= cur)
-    else:
-        forced = jj < 0
-    if N_INIT > 0:
-        forced = forced | (jj == start // LS)
-    forced = forced & valid
-    bits = tl.maximum(score, 0.0).to(tl.int32, bitcast=True).to(tl.int64)
-    bits = tl.where(forced, 2139095040, bits)  # 0x7F800000 (+inf): forced blocks first
-    bits = tl.where(valid, bits, -1)
-    key = bits * 4294967296 + (NS - 1 - jj).to(tl.int64)
-    return tl.where(jj < NS, key, -4611686018427387904)
 
 
 @triton.jit
