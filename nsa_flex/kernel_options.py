@@ -23,6 +23,7 @@ NSAAttention constructor for a flex / auto backend, and `attention._flex` before
 It must be installed outside any traced region (dynamo cannot trace the patching).
 """
 
+import hashlib
 import math
 
 import torch
@@ -210,8 +211,6 @@ def install_wide_dq_tiles() -> bool:
     if _wide_dq_installed:
         return True
     try:
-        import hashlib
-
         from torch._inductor.kernel.flex import flex_attention as fa
         from torch._inductor.kernel.flex.common import load_flex_template
         tmpl = fa.flex_attention_backward_template
