@@ -467,7 +467,7 @@ class OpsMonitor:
         log.warning(f"ops: halt ({reason}) on rank {self.rank}: stopping after step {step}, saving a checkpoint")
 
     def _stop_nonfinite(self, step: int) -> None:
-        path, _ = self.write_dump(f"non-finite loss or gradient norm at step {step}", self._stacks_now())
+        path, _ = self.write_dump(f"non-finite loss or gradient norm at step {step}", self._stacks_now(), step)
         ck = self.job_config.checkpoint
         folder = os.path.join(self.dump_folder, ck.folder)
         steps = sorted(int(n[5:]) for n in (os.listdir(folder) if ck.enable and os.path.isdir(folder) else [])
@@ -504,9 +504,10 @@ class OpsMonitor:
             path = f"{base}.{k}.txt"
         return path
 
-    def write_dump(self, reason: str, stacks: str) -> tuple[str, str]:
-        """Write one dump file; returns (path, innermost project frame of the main thread)."""
-        step = self._step_in_progress()
+    def write_dump(self, reason: str, stacks: str, step: int | None = None) -> tuple[str, str]:
+        """Write one dump file (of ``step``, default the step in progress); returns (path,
+        innermost project frame of the main thread)."""
+        step = self._step_in_progress() if step is None else step
         where = innermost_project_frame(stacks)
         path = self._dump_path(step)
         os.makedirs(self.stall_dir, exist_ok=True)
