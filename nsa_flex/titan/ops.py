@@ -43,13 +43,13 @@ the halt flag, and then every rank writes an ops dump (``stalls/step-N-rank-R.tx
 :class:`NonFiniteError` naming the step and the last checkpoint: the step's weights are never
 saved, so the newest checkpoint is the last finite one. ``nsa-train`` exits with
 :data:`EXIT_NONFINITE` (3). Resume from that checkpoint with a lower lr, another seed or
-``[training] max_norm``. How one bad input spreads: a NaN at one position of the input turns the
-whole batch row to NaN on the reference backend (its dense score matrix multiplies the NaN value
-with a zero probability, and 0 * NaN = NaN, so every query of the row is hit, earlier positions
-and other documents too) and through the gradients every parameter, while SDPA and FlexAttention
-skip masked keys and keep positions before the NaN (and other documents) finite in the forward; in
-training the backward spreads it to the weights either way, so the guard stops the run at that step.
-
+``[training] max_norm``. How one bad input spreads (CPU, torch 2.13): a NaN at one
+position of one batch row turns every position of that row to NaN, earlier positions and other
+documents too, on the layer's reference path and with SDPA causal attention alike (flash and math
+kernels): the masked probability 0 meets the NaN value in the probabilities-times-values product
+(0 * NaN = NaN); other batch rows stay finite. GPU kernels that skip fully masked blocks may keep
+earlier blocks finite (not checked). In training the backward then reaches every weight, so the
+guard stops the run at that step.
 
 Data wait. torchtitan times each ``next(data_iterator)``; per step the processor passes the sum
 here. Logged (console step line, metrics.jsonl, TensorBoard) per log window as
