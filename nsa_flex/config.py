@@ -116,7 +116,9 @@ class NSAConfig:
         self.validate()
 
     # ------------------------------------------------------------------ validation
-    def validate(self) -> None:
+    def validate(self, seq_len: int | None = None) -> None:
+        """Every violated rule in one :class:`NSAConfigError`. With ``seq_len`` (a training run's
+        sequence length) also: n_sel <= the number of selection blocks ceil(seq_len / l_sel)."""
         errs: list[str] = []
         bad: set[str] = set()  # fields already reported: rules that use them are skipped
         positive = ("dim", "n_heads", "n_kv_heads", "d_qk", "d_v", "l", "d", "l_sel", "n_sel",
@@ -149,6 +151,9 @@ class NSAConfig:
         if ok("n_sel", "n_init", "n_local") and self.n_sel < self.n_init + self.n_local:
             errs.append(f"n_sel={self.n_sel}: must be >= n_init + n_local = "
                         f"{self.n_init + self.n_local} (the forced blocks)")
+        if seq_len is not None and ok("n_sel", "l_sel") and self.n_sel > -(-seq_len // self.l_sel):
+            errs.append(f"n_sel={self.n_sel}: must be <= ceil(seq_len / l_sel) = {-(-seq_len // self.l_sel)}, "
+                        f"the number of selection blocks of a {seq_len}-token sequence")
         if ok("d_qk") and self.d_qk % 2:
             errs.append(f"d_qk={self.d_qk}: must be even (RoPE rotates pairs)")
         if self.phi not in PHI_CHOICES:
@@ -171,6 +176,9 @@ class NSAConfig:
             v = getattr(self, name)
             if v is not None and v not in list_mask_builders(kind):
                 errs.append(f"{name}={v!r}: allowed values are {list_mask_builders(kind)}")
+        if not errs and set(self.branch_masks().values()) == {"none"}:
+            errs.append(f"cmp_mask={self.cmp_mask!r}, sel_mask={self.sel_mask!r}, win_mask={self.win_mask!r} "
+                        f"with masks={self.masks!r}: every branch is 'none'; keep at least one branch")
         if errs:
             raise NSAConfigError("invalid NSAConfig:\n  - " + "\n  - ".join(errs), errs)
 

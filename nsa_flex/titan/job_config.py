@@ -14,6 +14,7 @@ Sections:
               dataset "passkey".
   [validation] default dataset "passkey" (validation stream uses its own seed).
   [metrics]   + ``jsonl_file``: per-step metrics (full-precision loss, grad norm, tps, memory) as JSONL.
+  [checkpoint] + ``allow_config_change`` (resume across a model / data-stream change).
   [experimental] default custom_import = "nsa_flex.titan.train_spec".
   [ops]       operating long runs (nsa_flex/titan/ops.py): stall watchdog, SIGUSR1 dumps, HALT file /
               SIGTERM halt, data-wait telemetry; preflight thresholds.
@@ -95,6 +96,13 @@ class Metrics:
 
 
 @dataclass
+class Checkpoint:
+    allow_config_change: bool = False
+    """resume from a checkpoint made with another model or data stream ([model], [nsa], the
+    dataset fields, seq_len, batch size); without it such a resume is refused, naming each field"""
+
+
+@dataclass
 class Experimental:
     custom_import: str = "nsa_flex.titan.train_spec"
 
@@ -120,7 +128,10 @@ class Ops:
     """creating <dump_folder>/<halt_file> makes every rank stop after the current step, save a
     (full, resumable) checkpoint and exit 0; the file is removed. "" = off"""
     halt_on_sigterm: bool = True
-    """SIGTERM does the same as the halt file (a second SIGTERM kills at once)"""
+    """SIGTERM and a first Ctrl-C (SIGINT) do the same as the halt file (a second one stops at once)"""
+    halt_on_nonfinite: bool = True
+    """stop the run when the loss or the gradient norm is not finite: nothing of that step is
+    saved, an ops dump is written, nsa-train exits with code 3"""
     data_wait_warn_share: float = 0.25
     """warn when waiting for the data loader takes more than this share (0 < x <= 1) of the step
     time ..."""
@@ -138,5 +149,6 @@ class JobConfig:
     training: Training = field(default_factory=Training)
     validation: Validation = field(default_factory=Validation)
     metrics: Metrics = field(default_factory=Metrics)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
     experimental: Experimental = field(default_factory=Experimental)
     ops: Ops = field(default_factory=Ops)
