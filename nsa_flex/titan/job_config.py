@@ -10,7 +10,8 @@ Sections:
   [nsa]       NSA attention settings. ``None`` (the default) keeps the value of the model flavor;
               plus telemetry: ``telemetry_every``, ``gate_collapse_threshold``, ``gate_collapse_steps``.
   [model]     + ``tokenizer``; defaults name="nsa_flex", flavor="debugmodel".
-  [training]  + ``dataset_config``, ``dataset_text_column``, ``dataset_seed``, ``passkey_mix``, ``passkey_questions``; default
+  [training]  + ``dataset_config``, ``dataset_text_column``, ``dataset_seed``, ``passkey_mix``, ``passkey_questions``,
+              ``skip_bad_records``; default
               dataset "passkey".
   [validation] default dataset "passkey" (validation stream uses its own seed).
   [metrics]   + ``jsonl_file``: per-step metrics (full-precision loss, grad norm, tps, memory) as JSONL.
@@ -77,6 +78,10 @@ class Training:
     passkey_mix: float = 0.0
     """fraction (0..1) of the training sequences of a text dataset (fineweb_edu / local) replaced by
     generated passkey documents, chosen per sequence index by a seeded hash (0 = none)"""
+    skip_bad_records: bool = False
+    """skip data records that cannot be used (a line that is not JSON, a record without the text
+    field, a null or non-string text, undecodable UTF-8), each logged with its file and line / row
+    and counted per file; false = stop at the first with its file and line / row"""
     passkey_questions: int = 1
     """training passkey documents ask the question this many times (1..16): the extra question +
     answer pairs replace filler at random points after the needle (more retrieval targets per
