@@ -35,7 +35,7 @@ def _check_text(rec, text_column: str) -> tuple[object, str | None]:
     if text is None:
         return None, f"{text_column!r} is null"
     if not isinstance(text, str):
-        return None, f"{text_column!r} is a {type(text).__name__} ({str(text)[:40]!r}), not a string"
+        return None, f"{text_column!r} is {type(text).__name__} {str(text)[:40]!r}, not a string"
     return text, None
 
 
@@ -106,8 +106,7 @@ def _parquet_rows(path: str, text_column: str) -> Iterator[tuple[str, object, st
             row0 += n
             continue
         for i, text in enumerate(col):
-            why = None if isinstance(text, str) else (
-                f"{text_column!r} is null" if text is None else f"{text_column!r} is a {type(text).__name__}")
+            why = None if isinstance(text, str) else f"{text_column!r} is null"  # a string column
             yield f"row {row0 + i}", text, why
         row0 += n
 

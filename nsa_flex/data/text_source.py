@@ -51,7 +51,7 @@ class HFTextSource:
             text = sample.get(self.text_column)
             if not isinstance(text, str):
                 why = (f"record without column {self.text_column!r}" if self.text_column not in sample else
-                       f"{self.text_column!r} is " + ("null" if text is None else f"a {type(text).__name__}"))
+                       f"{self.text_column!r} is " + ("null" if text is None else f"{type(text).__name__}, not a string"))
                 where = f"{self.describe()}, record {self.records - 1} of this pass"
                 if not self.skip_bad:
                     raise DatasetError(f"{where}: bad record: {why}; {SKIP_HINT}")

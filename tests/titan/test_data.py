@@ -336,3 +336,26 @@ def test_fineweb_edu_offline_fails_fast(monkeypatch):
     with pytest.raises(DatasetError, match=r"hub is unreachable \(test: no network\).*dataset_path"):
         build_source("fineweb_edu", None, ByteTokenizer(), 64)
     assert time.time() - t0 < 5
+
+
+@pytest.mark.slow
+def test_nsa_train_bad_record_names_file_and_line_then_skips(tmp_path):
+    """Through nsa-train: a broken line deep in a jsonl stops before step 1 with its file and line
+    (exit 2, no traceback); ``--training.skip_bad_records`` trains on, logging the skip."""
+    path = tmp_path / "d.jsonl"
+    with open(path, "w") as f:
+        for i in range(1, 3001):
+            f.write('{"text": "cut\n' if i == 2500 else json.dumps({"text": f"document {i} " * 5}) + "\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT")}
+    cmd = [sys.executable, "-m", "nsa_flex.titan.cli", "--training.dataset", "local", "--training.dataset_path",
+           str(path), "--training.steps", "1", "--training.seq_len", "64", "--training.local_batch_size", "2",
+           "--job.dump_folder", str(tmp_path / "out"), "--checkpoint.no-enable"]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert f"nsa-train: error: data file '{path}', line 2500: bad record: not valid JSON" in p.stderr
+    assert "Traceback" not in p.stdout + p.stderr
+    p = subprocess.run(cmd + ["--training.skip_bad_records"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert f"'{path}': 1 bad record(s) in its first 64 MiB (the first at line 2500) will be skipped" in (
+        p.stdout + p.stderr)
