@@ -153,6 +153,46 @@ class PasskeyCorpus:
         return toks, self.length - len(answer) - len(self._eos)
 
 
+# Multi-key documents: n_keys needles naming different people, the question asks for one of them
+# (the needle evaluation's multikey prompts are these documents cut before the answer).
+MULTIKEY_NAMES = ("Alice", "Bob", "Carol", "David", "Emma", "Frank", "Grace", "Henry", "Irene", "Jack",
+                  "Karen", "Louis", "Maria", "Nora", "Oscar", "Peter")
+MULTI_NEEDLE = " The pass key of {name} is: {key}. Remember it. The pass key of {name} is: {key}. "
+MULTI_QUESTION = "\nWhat is the pass key of {name}? The pass key of {name} is:"  # + PASSKEY_ANSWER
+
+
+def multikey_document(tokenizer, length: int, names: list[str], keys: list[int], depths: list[float],
+                      filler: list[int]) -> tuple[list[int], int]:
+    """(tokens, answer_start) of a document of exactly ``length`` tokens: [BOS] intro, ``filler``
+    with needle i (``names[i]``, ``keys[i]``) inserted at ``depths[i]`` (0..1) of it, the question
+    for ``names[0]`` and its answer " {keys[0]}." and EOS; tokens[answer_start:-1] is the answer.
+    The intro is dropped when the sequence is short; DatasetError when even that does not fit."""
+    needles = [tokenizer.encode(MULTI_NEEDLE.format(name=n, key=k)) for n, k in zip(names, keys)]
+    question = tokenizer.encode(MULTI_QUESTION.format(name=names[0]))
+    answer = tokenizer.encode(PASSKEY_ANSWER.format(key=keys[0]))
+    bos = [tokenizer.bos_id] if getattr(tokenizer, "bos_id", None) is not None else []
+    head = bos + tokenizer.encode(PASSKEY_INTRO)
+    fixed = len(question) + len(answer) + 1 + sum(map(len, needles))
+    n_fill = length - len(head) - fixed
+    if n_fill < 8:
+        head = list(bos)
+        n_fill = length - len(head) - fixed
+    if n_fill < 8:
+        raise DatasetError(f"multi-key: seq_len={length - 1} is too short for a {len(names)}-key document "
+                           f"(needs seq_len >= {len(head) + fixed + 7} with this tokenizer)")
+    if len(filler) < n_fill:
+        raise DatasetError(f"multi-key: filler of {len(filler)} tokens, the document needs {n_fill}")
+    at = [min(int(d * (n_fill + 1)), n_fill) for d in depths]  # insertion points, as PasskeyCorpus.build
+    body, prev = [], 0
+    for i in sorted(range(len(names)), key=lambda i: (at[i], i)):
+        body += filler[prev:at[i]] + needles[i]
+        prev = at[i]
+    body += filler[prev:n_fill]
+    toks = head + body + question + answer + [tokenizer.eos_id]
+    assert len(toks) == length, (len(toks), length)
+    return toks, length - len(answer) - 1
+
+
 def passkey_document(tokenizer, seq_len: int, index: int, seed: int = 0, split: str = "train",
                      questions: int = 1):
     """Document ``index`` of the passkey corpus for ``seq_len``: (tokens [seq_len+1], answer_start, key)."""

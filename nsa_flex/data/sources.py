@@ -7,6 +7,8 @@
   * ``local``: ``dataset_path`` is required: a ``.parquet`` / ``.jsonl`` / ``.json`` / ``.txt`` file, a
     folder of such files, or a glob; column ``text_column`` (default ``text``); ``.txt`` files yield one
     document per paragraph. Bad records: see nsa_flex/data/records.py.
+  * ``pysource``: the Python source of installed packages, split by package (nsa_flex/data/pysource.py);
+    ``dataset_path``, when set, names the folders of packages to read instead of site-packages.
 """
 
 import logging
@@ -17,12 +19,13 @@ from .errors import DatasetError
 from .files import LOCAL_FORMATS, looks_local, resolve_local_files
 from .hub_probe import hub_unreachable
 from .passkey import PasskeyCorpus, PasskeySource
+from .pysource import pysource_source
 from .records import check_local_file, read_records
 from .text_source import HFTextSource
 
 logger = logging.getLogger(__name__)
 
-DATASET_CHOICES = ("passkey", "fineweb_edu", "local")
+DATASET_CHOICES = ("passkey", "fineweb_edu", "local", "pysource")
 FINEWEB_EDU_REPO = "HuggingFaceFW/fineweb-edu"
 
 
@@ -84,6 +87,8 @@ def build_source(
             raise DatasetError("dataset 'passkey' is generated: leave dataset_path unset")
         return PasskeySource(PasskeyCorpus(tokenizer, seq_len + 1, seed=seed, split=split,
                                            questions=passkey_questions))
+    if name == "pysource":
+        return pysource_source(tokenizer, split, seed, path, skip_bad)
     if name == "local" and not path:
         raise DatasetError(
             f"dataset 'local' needs dataset_path (a {sorted(LOCAL_FORMATS)} file, folder or glob); "

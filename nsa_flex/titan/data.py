@@ -3,8 +3,9 @@
 Chosen by ``[training] dataset`` / ``dataset_path`` (and ``[validation]`` likewise); the sources,
 their errors and the packing live in the library (nsa_flex/data/): ``passkey`` (generated, the
 default), ``fineweb_edu`` (HF streaming or a local copy), ``local`` (parquet / jsonl / json / txt
-files). ``[training] passkey_mix`` (0..1) replaces that fraction of the packed sequences of a text
-dataset by passkey documents; ``skip_bad_records`` skips unreadable records (logged, counted) instead
+files), ``pysource`` (the Python source of installed packages). ``[training] passkey_mix`` (0..1)
+replaces that fraction of the packed sequences of a text dataset by passkey documents (pysource:
+passkey and multi-key documents in source-code filler, 0.15 when unset); ``skip_bad_records`` skips unreadable records (logged, counted) instead
 of stopping at the first. Each data-parallel rank reads its own shard of the documents.
 """
 
@@ -16,14 +17,25 @@ from torchtitan.tools.logging import logger
 from nsa_flex.data.errors import DatasetError
 from nsa_flex.data.packing import PackedTokenDataset
 from nsa_flex.data.passkey import PasskeyCorpus, check_questions
+from nsa_flex.data.pysource import pysource_retrieval
 from nsa_flex.data.sources import DATASET_CHOICES, build_source
 
-__all__ = ["DATASET_CHOICES", "build_dataloader", "build_validation_dataloader"]
+PYSOURCE_MIX = 0.15
+
+__all__ = ["DATASET_CHOICES", "build_dataloader", "build_validation_dataloader", "passkey_mix_of"]
+
+
+def passkey_mix_of(training) -> float:
+    """``[training] passkey_mix``; unset (None): PYSOURCE_MIX for pysource, 0 for the other datasets."""
+    mix = getattr(training, "passkey_mix", None)
+    if mix is None:
+        return PYSOURCE_MIX if training.dataset.lower() == "pysource" else 0.0
+    return mix
 
 
 def _build(section, job_config, dp_world_size, dp_rank, tokenizer, infinite, split):
     training = job_config.training
-    mix = getattr(training, "passkey_mix", 0.0) if split == "train" else 0.0
+    mix = passkey_mix_of(training) if split == "train" else 0.0
     questions = check_questions(getattr(training, "passkey_questions", 1)) if split == "train" else 1
     if isinstance(mix, bool) or not isinstance(mix, (int, float)) or not 0.0 <= mix <= 1.0:
         raise DatasetError(f"training.passkey_mix={mix!r}: must be a number in [0, 1]")
@@ -45,7 +57,11 @@ def _build(section, job_config, dp_world_size, dp_rank, tokenizer, infinite, spl
         skip_bad=bool(getattr(training, "skip_bad_records", False)),
     )
     passkey = None
-    if mix > 0:
+    if mix > 0 and section.dataset.lower() == "pysource":
+        passkey = pysource_retrieval(tokenizer, section.seq_len + 1, split, seed, section.dataset_path)
+        logger.info(f"Dataset pysource: {100 * mix:g}% of the sequences are retrieval documents (passkey "
+                    f"and {passkey.n_keys}-key needles, half each, in source-code filler)")
+    elif mix > 0:
         passkey = PasskeyCorpus(tokenizer, section.seq_len + 1, seed=seed, split=split, questions=questions)
         logger.info(f"Dataset {section.dataset}: {100 * mix:g}% of the sequences are passkey documents")
     ds = PackedTokenDataset(source, section.seq_len, dp_rank, dp_world_size, infinite=infinite,

@@ -68,16 +68,18 @@ class Model:
 @dataclass
 class Training:
     dataset: str = "passkey"
-    """passkey (built in, generated) | fineweb_edu (HF streaming, or dataset_path) | local (dataset_path)"""
+    """passkey (built in, generated) | fineweb_edu (HF streaming, or dataset_path) | local (dataset_path) |
+    pysource (the Python source of installed packages, split by package)"""
     dataset_config: str = "sample-10BT"
     """HF config name of fineweb_edu (e.g. sample-10BT, sample-100BT, default)"""
     dataset_text_column: str = "text"
     """text column of parquet/jsonl files"""
     dataset_seed: int = 0
     """seed of the generated passkey corpus"""
-    passkey_mix: float = 0.0
-    """fraction (0..1) of the training sequences of a text dataset (fineweb_edu / local) replaced by
-    generated passkey documents, chosen per sequence index by a seeded hash (0 = none)"""
+    passkey_mix: float | None = None
+    """fraction (0..1) of the training sequences of a text dataset replaced by generated retrieval
+    documents, chosen per sequence index by a seeded hash: passkey documents (fineweb_edu / local),
+    passkey and multi-key needles in source-code filler (pysource). Unset: 0.15 for pysource, 0 else"""
     skip_bad_records: bool = False
     """skip data records that cannot be used (a line that is not JSON, a record without the text
     field, a null or non-string text, undecodable UTF-8), each logged with its file and line / row
