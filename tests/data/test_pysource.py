@@ -175,3 +175,21 @@ def test_errors_name_the_path_and_the_split(tmp_path, site):
     assert pysource.split_of("broken") == "train"
     with pytest.raises(DatasetError, match=rf"python source file '{bad}/broken/__init__.py', line 2: bad record"):
         list(build_source("pysource", str(bad), TOK, 64))
+
+
+def test_example_toml_trains_and_validates_on_the_two_splits(site):
+    from nsa_flex.titan.data import build_validation_dataloader
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    job = ConfigManager().parse_args([
+        "--job.config_file", os.path.join(root, "titan_configs", "nsa_125m_pysource_16k.toml"),
+        "--training.dataset_path", site, "--validation.dataset_path", site, "--training.seq_len", "512",
+        "--validation.seq_len", "512"])
+    assert (job.training.dataset, job.validation.dataset, job.validation.enable) == ("pysource", "pysource", True)
+    seen = {}
+    for split, loader in (("train", build_dataloader(1, 0, TOK, job)),
+                          ("validation", build_validation_dataloader(1, 0, TOK, job))):
+        rows = [row.tolist() for _, (x, _y) in zip(range(10), loader) for row in x["input"]]
+        seen[split] = {p for row in rows for p in HEADER.findall(TOK.decode(row))}
+        assert seen[split] and all(pysource.split_of(p) == split for p in seen[split])
+    assert loader.dataset.passkey is None  # no retrieval mix in validation

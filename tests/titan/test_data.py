@@ -228,7 +228,7 @@ def test_trainer_reports_unknown_dataset():
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
     assert p.returncode != 0
-    assert "unknown dataset 'c4_test'; choices: ['passkey', 'fineweb_edu', 'local']" in p.stdout + p.stderr
+    assert "unknown dataset 'c4_test'; choices: ['passkey', 'fineweb_edu', 'local', 'pysource']" in p.stdout + p.stderr
 
 
 def test_validation_loader_restarts_each_pass():
