@@ -233,6 +233,9 @@ class PasskeySource:
         return {"doc_idx": self.doc_idx}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if "doc_idx" not in sd:
+            raise DatasetError(f"the checkpoint's data state {sorted(sd)} is not that of {self.describe()}: "
+                               "it was saved with another dataset")
         self.doc_idx = int(sd["doc_idx"])
 
     def describe(self) -> str:

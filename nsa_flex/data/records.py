@@ -8,8 +8,9 @@ text, undecodable UTF-8, an unreadable parquet row group -- stops the stream wit
 its location (the first ``LOG_FIRST`` of a file) and counted per file at the end of the file.
 
 ``check_local_file`` runs the same reader over the head of a file before training starts (the first
-``SCAN_BYTES`` of a jsonl / json / txt file; every row group's null count of a parquet file, from its
-footer), so a bad record there fails in seconds, not after thousands of steps.
+``SCAN_BYTES`` of a jsonl / json / txt source, shared by its files, at least ``SCAN_MIN_BYTES`` each;
+every row group's null count of a parquet file, from its footer), so a bad record there fails in
+seconds, not after thousands of steps.
 """
 
 import json
@@ -22,6 +23,7 @@ from .errors import DatasetError
 logger = logging.getLogger(__name__)
 
 SCAN_BYTES = 64 << 20
+SCAN_MIN_BYTES = 1 << 20
 LOG_FIRST = 10
 SKIP_HINT = "fix or remove it, or set [training] skip_bad_records = true to skip bad records"
 
@@ -143,17 +145,19 @@ def read_records(files: list[str], fmt: str, text_column: str = "text", skip_bad
             logger.warning(f"Data file {path!r}: {bad} bad record(s) skipped in this pass")
 
 
-def check_local_file(fmt: str, path: str, text_column: str, skip_bad: bool = False) -> str | None:
+def check_local_file(fmt: str, path: str, text_column: str, skip_bad: bool = False,
+                     limit: int | None = None) -> str | None:
     """Up-front check of one data file (see the module docstring). Raises DatasetError naming the
     file and the location; returns why the file holds no documents (empty, 0 rows, blank lines
-    only) or None."""
+    only) or None. ``limit``: bytes to check (default SCAN_BYTES)."""
+    limit = SCAN_BYTES if limit is None else limit
     try:
         if os.path.getsize(path) == 0:
             return "the file is empty (0 bytes)"
         if fmt == "parquet":
             return _check_parquet(path, text_column, skip_bad)
         first, bad, where0 = True, 0, None
-        for where, text, why in raw_records(path, fmt, text_column, limit=SCAN_BYTES):
+        for where, text, why in raw_records(path, fmt, text_column, limit=limit):
             if first and fmt == "json" and why and why.startswith("no field"):
                 raise DatasetError(f"data file {path!r}: first record ({where}) has no field "
                                    f"{text_column!r}; set [training] dataset_text_column")
@@ -166,7 +170,7 @@ def check_local_file(fmt: str, path: str, text_column: str, skip_bad: bool = Fal
             return "the file holds only blank lines (no records)" if fmt == "json" else \
                 "the file holds only blank lines (no text)"
         if bad:
-            logger.warning(f"Data file {path!r}: {bad} bad record(s) in its first {SCAN_BYTES >> 20} MiB "
+            logger.warning(f"Data file {path!r}: {bad} bad record(s) in its first {limit / (1 << 20):g} MiB "
                            f"(the first at {where0}) will be skipped (skip_bad_records)")
     except DatasetError:
         raise

@@ -20,7 +20,7 @@ from .files import LOCAL_FORMATS, looks_local, resolve_local_files
 from .hub_probe import hub_unreachable
 from .passkey import PasskeyCorpus, PasskeySource
 from .pysource import pysource_source
-from .records import check_local_file, read_records
+from .records import SCAN_BYTES, SCAN_MIN_BYTES, check_local_file, read_records
 from .text_source import HFTextSource
 
 logger = logging.getLogger(__name__)
@@ -32,7 +32,8 @@ FINEWEB_EDU_REPO = "HuggingFaceFW/fineweb-edu"
 def local_source(name: str, path: str, tokenizer, text_column: str = "text", skip_bad: bool = False):
     """The source of the local files ``path`` names, checked up front (nsa_flex/data/records.py)."""
     fmt, files = resolve_local_files(path, DATASET_CHOICES)
-    empty = {f: why for f in files if (why := check_local_file(fmt, f, text_column, skip_bad))}
+    limit = max(SCAN_BYTES // len(files), SCAN_MIN_BYTES)
+    empty = {f: why for f in files if (why := check_local_file(fmt, f, text_column, skip_bad, limit))}
     if len(empty) == len(files):
         raise DatasetError("no training text in dataset_path " + repr(path) + ": " + "; ".join(
             f"data file {f!r}: {why}" for f, why in empty.items()))

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from nsa_flex.data import records
+from nsa_flex.data import records, sources
 from nsa_flex.data.errors import DatasetError
 from nsa_flex.data.packing import PackedTokenDataset
 from nsa_flex.data.sources import build_source
@@ -52,7 +52,8 @@ def test_bad_jsonl_line_fails_up_front_with_file_and_line(tmp_path, kind, line):
 def test_bad_jsonl_line_past_the_checked_head_fails_while_streaming_at_its_line(tmp_path, monkeypatch, kind):
     raw, why = BAD_LINES[kind]
     path = _jsonl(tmp_path / "d.jsonl", 3000, {2500: raw})
-    monkeypatch.setattr(records, "SCAN_BYTES", 1000)  # the up-front check reads ~90 lines
+    monkeypatch.setattr(sources, "SCAN_BYTES", 1000)  # the up-front check reads ~90 lines
+    monkeypatch.setattr(sources, "SCAN_MIN_BYTES", 1000)
     src = build_source("local", str(path), TOK, 64)
     with pytest.raises(DatasetError, match=rf"data file '{path}', line 2500: bad record: {why}") as e:
         _texts(src)
@@ -160,3 +161,31 @@ def test_fifo_and_dev_zero_are_named_not_missing(tmp_path):
     (tmp_path / "ok.jsonl").write_text(json.dumps({"text": "x"}) + "\n")
     with pytest.raises(DatasetError, match=rf"data file '{fifo}' is a FIFO"):  # inside a folder
         build_source("local", str(tmp_path), TOK, 64)
+
+
+def test_the_checked_head_is_shared_by_the_files(tmp_path, monkeypatch, caplog):
+    """Many files share SCAN_BYTES (at least SCAN_MIN_BYTES each): a bad line early in the fourth
+    file is found up front, one past its share only while streaming."""
+    monkeypatch.setattr(sources, "SCAN_BYTES", 8000)
+    monkeypatch.setattr(sources, "SCAN_MIN_BYTES", 500)
+    for i in range(4):
+        _jsonl(tmp_path / f"p{i}.jsonl", 200, {})
+    _jsonl(tmp_path / "p3.jsonl", 200, {10: "{{"})  # ~19 bytes a line: inside the 2000-byte share
+    with pytest.raises(DatasetError, match=r"p3.jsonl', line 10: bad record"):
+        build_source("local", str(tmp_path), TOK, 64)
+    _jsonl(tmp_path / "p3.jsonl", 200, {150: "{{"})
+    with caplog.at_level("WARNING"):
+        src = build_source("local", str(tmp_path), TOK, 64, skip_bad=True)
+    assert "bad record" not in caplog.text  # not seen up front
+    with pytest.raises(DatasetError, match=r"p3.jsonl', line 150: bad record"):
+        _texts(build_source("local", str(tmp_path), TOK, 64))
+    assert len(_texts(src)) == 799
+
+
+def test_a_checkpoint_of_another_dataset_is_named(tmp_path):
+    text = build_source("local", str(_jsonl(tmp_path / "d.jsonl", 5, {})), TOK, 64)
+    passkey = build_source("passkey", None, TOK, 256)
+    with pytest.raises(DatasetError, match=r"data state \['data'\] is not that of passkey.*another dataset"):
+        passkey.load_state_dict(text.state_dict())
+    with pytest.raises(DatasetError, match=rf"data state \['doc_idx'\] is not that of data file '{tmp_path}"):
+        text.load_state_dict(passkey.state_dict())
