@@ -14,6 +14,7 @@ from .rules import num_cmp
 PHI_CHOICES = ("avg", "mlp")
 BACKEND_CHOICES = ("auto", "flex", "reference")
 SCORER_CHOICES = ("auto", "torch", "triton")
+SEL_KERNEL_CHOICES = ("auto", "flex", "triton")
 
 
 class UserError(Exception):
@@ -103,6 +104,11 @@ class NSAConfig:
                                "triton imports and the compressed branch gives its lse, else torch) | "
                                "torch (the naive reference) | triton (the fused kernel, an error where "
                                "it cannot run)")
+    sel_kernel: str = knob("auto", "executor of per-position block selections (the topn, random and "
+                                   "local selection builders) on the flex backend: auto (our Triton "
+                                   "selected-attention op where it runs: CUDA, bf16/fp16/fp32, l_sel "
+                                   "16-128; else flex) | flex (FlexAttention's template) | triton "
+                                   "(the op; an error where it cannot run)")
     seed: int = knob(0, "seed of the random_selection ablation (a fresh draw per step, reproducible "
                         "per seed)")
 
@@ -151,6 +157,8 @@ class NSAConfig:
             errs.append(f"backend={self.backend!r}: allowed values are {BACKEND_CHOICES}")
         if self.scorer not in SCORER_CHOICES:
             errs.append(f"scorer={self.scorer!r}: allowed values are {SCORER_CHOICES}")
+        if self.sel_kernel not in SEL_KERNEL_CHOICES:
+            errs.append(f"sel_kernel={self.sel_kernel!r}: allowed values are {SEL_KERNEL_CHOICES}")
         if not isinstance(self.rope_theta, (int, float)) or self.rope_theta <= 0:
             errs.append(f"rope_theta={self.rope_theta!r}: must be a positive number")
         # mask names are checked against the registry (imported lazily: masks imports nothing here)

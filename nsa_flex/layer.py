@@ -102,7 +102,7 @@ class NSAAttention(nn.Module):
             k_cmp, v_cmp = self.phi_k(k), self.phi_v(v)
             spec = self.builders["cmp"](ctx) if names["cmp"] != "none" else \
                 get_mask_builder("compressed_causal")(ctx)
-            o, lse_cmp = attend(q, k_cmp, v_cmp, spec, cfg.backend)
+            o, lse_cmp = attend(q, k_cmp, v_cmp, spec, cfg.backend, sel_kernel=cfg.sel_kernel)
             if names["cmp"] != "none":
                 out["cmp"], specs["cmp"] = o, (spec, k_cmp.shape[2])
 
@@ -111,7 +111,7 @@ class NSAAttention(nn.Module):
             if names[b] != "none":
                 k, v = self.project_kv(x, b, cos, sin)
                 specs[b] = (self.builders[b](ctx), T)
-                out[b], _ = attend(q, k, v, specs[b][0], cfg.backend)
+                out[b], _ = attend(q, k, v, specs[b][0], cfg.backend, sel_kernel=cfg.sel_kernel)
 
         # gate (Eq. 5): per head, per branch sigmoid, mixing the branch outputs
         g = torch.sigmoid(self.gate(x)).view(B, T, -1, 3).permute(0, 2, 1, 3)  # [B, H, T, 3]
