@@ -9,7 +9,7 @@
     python -m nsa_flex.eval --collect OUT
 
 Prompts (generated offline, deterministic in --seed):
-  * passkey: exactly the training passkey document of nsa_flex/titan/data.py
+  * passkey: exactly the training passkey document of nsa_flex/data/passkey.py
     (``PasskeyCorpus.build``: [BOS] intro, filler, the needle "The pass key is: 12345. Remember it.
     The pass key is: 12345." at the given depth, "What is the pass key? The pass key is:"), cut before
     the answer. A prompt of length L is the training document of seq_len L: with the synthetic

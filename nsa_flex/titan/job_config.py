@@ -10,7 +10,8 @@ Sections:
   [nsa]       NSA attention settings. ``None`` (the default) keeps the value of the model flavor;
               plus telemetry: ``telemetry_every``, ``gate_collapse_threshold``, ``gate_collapse_steps``.
   [model]     + ``tokenizer``; defaults name="nsa_flex", flavor="debugmodel".
-  [training]  + ``dataset_config``, ``dataset_text_column``, ``dataset_seed``, ``passkey_mix``, ``passkey_questions``; default
+  [training]  + ``dataset_config``, ``dataset_text_column``, ``dataset_seed``, ``passkey_mix``, ``passkey_questions``,
+              ``skip_bad_records``; default
               dataset "passkey".
   [validation] default dataset "passkey" (validation stream uses its own seed).
   [metrics]   + ``jsonl_file``: per-step metrics (full-precision loss, grad norm, tps, memory) as JSONL.
@@ -68,16 +69,22 @@ class Model:
 @dataclass
 class Training:
     dataset: str = "passkey"
-    """passkey (built in, generated) | fineweb_edu (HF streaming, or dataset_path) | local (dataset_path)"""
+    """passkey (built in, generated) | fineweb_edu (HF streaming, or dataset_path) | local (dataset_path) |
+    pysource (the Python source of installed packages, split by package)"""
     dataset_config: str = "sample-10BT"
     """HF config name of fineweb_edu (e.g. sample-10BT, sample-100BT, default)"""
     dataset_text_column: str = "text"
     """text column of parquet/jsonl files"""
     dataset_seed: int = 0
     """seed of the generated passkey corpus"""
-    passkey_mix: float = 0.0
-    """fraction (0..1) of the training sequences of a text dataset (fineweb_edu / local) replaced by
-    generated passkey documents, chosen per sequence index by a seeded hash (0 = none)"""
+    passkey_mix: float | None = None
+    """fraction (0..1) of the training sequences of a text dataset replaced by generated retrieval
+    documents, chosen per sequence index by a seeded hash: passkey documents (fineweb_edu / local),
+    passkey and multi-key needles in source-code filler (pysource). Unset: 0.15 for pysource, 0 else"""
+    skip_bad_records: bool = False
+    """skip data records that cannot be used (a line that is not JSON, a record without the text
+    field, a null or non-string text, undecodable UTF-8), each logged with its file and line / row
+    and counted per file; false = stop at the first with its file and line / row"""
     passkey_questions: int = 1
     """training passkey documents ask the question this many times (1..16): the extra question +
     answer pairs replace filler at random points after the needle (more retrieval targets per

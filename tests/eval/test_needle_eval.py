@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nsa_flex.titan.data import PasskeyCorpus
+from nsa_flex.data.passkey import PasskeyCorpus
 from nsa_flex.titan.tokenizer import ByteTokenizer, build_tokenizer_from_name
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,7 +43,7 @@ def test_passkey_prompt_is_the_training_document(tok):
     """Synthetic filler: prompt + answer + EOS == the training corpus's document for the same key,
     depth and filler passage; and the corpus's own documents are build(key, depth, filler) of their
     seeded draws (the filler a repeated passage of the document's own seed)."""
-    from nsa_flex.titan.data import synthetic_filler
+    from nsa_flex.data.passkey import synthetic_filler
 
     syn = ne.Filler("synthetic", tok)
     for L in (300, 1000, 4096):
