@@ -17,14 +17,26 @@ def summarize(rows: list[dict]) -> list[dict]:
         agg.setdefault((r["kind"], int(r["length"])), []).append(
             (int(r["correct"]), digit_score(r["answer"], str(r["expected"]))))
     return [{"kind": k, "length": L, "n": len(v), "correct": sum(c for c, _ in v),
-             "accuracy": sum(c for c, _ in v) / len(v), "digits": round(sum(d for _, d in v) / len(v), 4)}
+             "accuracy": sum(c for c, _ in v) / len(v), "digits": round(sum(d for _, d in v) / len(v), 4),
+             **dict(zip(("ci_lo", "ci_hi"), (round(x, 4) for x in wilson(sum(c for c, _ in v), len(v)))))}
             for (k, L), v in sorted(agg.items())]
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval (95% for z = 1.96) of a proportion k / n."""
+    if n == 0:
+        return 0.0, 1.0
+    p = k / n
+    c = (p + z * z / (2 * n)) / (1 + z * z / n)
+    h = z * (p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5 / (1 + z * z / n)
+    return max(0.0, c - h), min(1.0, c + h)
 
 
 def write_summary(rows: list[dict], out: str) -> list[dict]:
     summ = summarize(rows)
     with open(os.path.join(out, "summary.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["kind", "length", "n", "correct", "accuracy", "digits"])
+        w = csv.DictWriter(f, fieldnames=["kind", "length", "n", "correct", "accuracy", "digits",
+                                          "ci_lo", "ci_hi"])
         w.writeheader()
         w.writerows(summ)
     return summ
