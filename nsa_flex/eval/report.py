@@ -273,3 +273,30 @@ def plot_loss_vs_tokens(runs: dict[str, str], path: str, title: str = "") -> boo
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def plot_selection(stats: list[dict], blocks: list[dict], path: str, title: str = "") -> bool:
+    """Selection figure: per length and layer, the share of picks per distance bin (left) and the
+    picks per absolute block index (right)."""
+    plt = _pyplot()
+    if plt is None:
+        return False
+    fig, (a0, a1) = plt.subplots(1, 2, figsize=(11, 3.8))
+    for r in stats:
+        bins = [k for k in r if k.startswith("dist/")]
+        a0.plot(range(len(bins)), [r[k] for k in bins], marker=".", label=f"L={r['length']} layer {r['layer']}")
+        a0.set_xticks(range(len(bins)), [k[5:] for k in bins], rotation=60, fontsize=7)
+        pts = [(b["block"], b["picks"]) for b in blocks if b["length"] == r["length"] and b["layer"] == r["layer"]]
+        a1.plot(*zip(*pts), lw=0.8, label=f"L={r['length']} layer {r['layer']}")
+    a0.set_xlabel("distance from the query's block (blocks)")
+    a0.set_ylabel("share of picks")
+    a1.set_yscale("log")
+    a1.set_xlabel("selection block index")
+    a1.set_ylabel("picks")
+    for ax in (a0, a1):
+        ax.legend(fontsize=6)
+    fig.suptitle(title or "top-n selection", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
