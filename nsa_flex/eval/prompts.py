@@ -79,15 +79,9 @@ class Filler:
         got = self._cache.get(trial, [])
         if len(got) < n:
             if self._texts is None:
-                import pyarrow.parquet as pq
+                from .docs import read_texts
 
-                try:
-                    self._texts = [t for t in pq.read_table(self.path, columns=["text"]).column("text")
-                                   .to_pylist() if t]
-                except Exception as e:
-                    raise EvalError(f"--fineweb {self.path!r}: cannot read a 'text' column: {e}") from e
-                if not self._texts:
-                    raise EvalError(f"--fineweb {self.path!r}: no text")
+                self._texts = read_texts(self.path, "text", "--fineweb")
             i = (trial * 37) % len(self._texts)
             start = i
             got = []
