@@ -135,6 +135,27 @@ def load_trace(path, T, Hkv, n, layer):
     return idx
 
 
+def _timed(fn, mode, tag, qkv, do, run):
+    t0 = time.time()
+    try:
+        if mode == "fwd":
+            with torch.no_grad():
+                fn(*qkv[0])
+        else:
+            fn(*qkv[0]).backward(do)
+        torch.cuda.synchronize()
+        first = time.time() - t0
+        ms, err = run(fn, mode), ""
+    except Exception as e:  # keep the sweep going; the row says why
+        import traceback
+
+        traceback.print_exc()
+        ms, first, err = float("nan"), time.time() - t0, (f"{type(e).__name__}: " + str(e)[-400:])
+    r = dict(tag, mode=mode, ms=ms, first_s=round(first, 1), error=err)
+    log(r)
+    return r
+
+
 def timing(out_dir, shapes, rows_list, trace):
     res = []
     for item in shapes:
@@ -178,29 +199,32 @@ def timing(out_dir, shapes, rows_list, trace):
                 if ex.startswith("triton"):
                     selected_triton.ROWS = int(ex[6:])
                 kern = "flex" if ex == "flex" else "triton"
+                tag = dict(shape=shape, T=T, executor=kern, rows=ex[6:] if kern == "triton" else "",
+                           selection=sname)
 
-                def f(q, k, v, idx=idx, kern=kern):  # mask build inside, as in the layer
-                    return attend_flex(q, k, v, spec_of(cfg, B, T, idx), sel_kernel=kern)[0]
+                def f(q, k, v, idx_, kern=kern):  # the mask build inside, as in the layer
+                    return attend_flex(q, k, v, spec_of(cfg, B, T, idx_), sel_kernel=kern)[0]
 
                 cf = torch.compile(f, fullgraph=True, dynamic=False)
                 for mode in ("fwd", "fwd_bwd"):
-                    t0 = time.time()
-                    try:
-                        if mode == "fwd":
-                            with torch.no_grad():
-                                cf(*qkv[0])
-                        else:
-                            cf(*qkv[0]).backward(do)
-                        torch.cuda.synchronize()
-                        first = time.time() - t0
-                        ms = run(cf, mode)
-                        err = ""
-                    except Exception as e:  # keep the sweep going; the row says why
-                        ms, first, err = float("nan"), time.time() - t0, (f"{type(e).__name__}: " + str(e)[-400:])
-                    res.append(dict(shape=shape, T=T, executor=kern,
-                                    rows=ex[6:] if kern == "triton" else "", selection=sname,
-                                    mode=mode, ms=ms, first_s=round(first, 1), error=err))
+                    res.append(_timed(lambda q, k, v: cf(q, k, v, idx), mode, tag, qkv, do, run))
+                    _write(res, os.path.join(out_dir, "selected_time.csv"))
+                if kern == "triton":  # the op alone on a prebuilt BlockMask (eager), and the build
+                    spec = spec_of(cfg, B, T, idx)
+                    G = H // Hkv
+                    P = selected_triton.tile_positions(G)
+                    build = torch.compile(lambda i: spec_of(cfg, B, T, i).block_mask(
+                        B, T, T, device="cuda", block_size=(P * G, cfg.l_sel), q_pack=G),
+                        fullgraph=True, dynamic=False)
+                    bm = build(idx)
+                    ms = do_bench(lambda: build(idx), warmup=20, rep=100, return_mode="median")
+                    res.append(dict(tag, executor="mask_build", mode="fwd", ms=ms))
                     log(res[-1])
+                    sel = spec.selection[0]
+                    for mode in ("fwd", "fwd_bwd"):
+                        res.append(_timed(lambda q, k, v: selected_triton.selected_attention(
+                            q, k, v, sel, cfg.l_sel, bm)[0], mode, dict(tag, executor="op_only"),
+                            qkv, do, run))
                     _write(res, os.path.join(out_dir, "selected_time.csv"))
     return res
 
@@ -210,7 +234,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--shapes", default="titan_125M:32768,paper:16384,paper:65536")
-    ap.add_argument("--rows", default="64", help="comma list of the op's q-block rows to time")
+    ap.add_argument("--rows", default="16,32", help="comma list of the op's q-block rows to time")
     ap.add_argument("--trace", default="", help="selection trace .npz (key 'sel')")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)

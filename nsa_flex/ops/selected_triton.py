@@ -36,9 +36,10 @@ LOG2E = 1.4426950408889634
 # Rows of a q block (positions x G heads) by default, and how many of each head's most-read kv
 # blocks the dK/dV pass splits over the q blocks that read them. Chosen on the H100
 # (experiments/NOTES.md, bench_attention.py --sel-rows).
-ROWS = 64
+ROWS = 16
 HEAVY = 16
 SPLIT_TILES = 256  # q blocks per share of a heavy block's list (at most), sets the share count
+DKV_ROWS = 64  # rows of the dK/dV pass's gathered q tile (several q blocks of one kv block's list)
 
 
 def head_split(d: int) -> tuple[int, int]:
@@ -261,12 +262,22 @@ def _sel_dq_kernel(Q, K, V, DO, LSE, DELTA, SEL, LO, HI, KVN, KVI, FKVN, FKVI, D
 
 # ---------------------------------------------------------------------- dK / dV
 @triton.jit
-def _dkv_step(dk1, dk2, dv_acc, k1, k2, v, kk, j, tile, Q, DO, LSE, DELTA, SEL, LO, HI, bh, b, h,
-              T, HKV, s_lb, qk_scale, MASKED: tl.constexpr, G: tl.constexpr, BT: tl.constexpr,
-              BM: tl.constexpr, NSEL: tl.constexpr, NP: tl.constexpr, DK: tl.constexpr,
-              DK1: tl.constexpr, DK2: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
-              HAS_BAND: tl.constexpr, PREC: tl.constexpr):
-    t, g, row_ok = _rows(tile, BT, G, BM, T)
+def _dkv_step(dk1, dk2, dv_acc, k1, k2, v, kk, j, e, e_end, n_part, lst, WQ, QI, FQI, Q, DO, LSE,
+              DELTA, SEL, LO, HI, bh, b, h, T, HKV, s_lb, qk_scale, NG: tl.constexpr,
+              G: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, NSEL: tl.constexpr,
+              NP: tl.constexpr, DK: tl.constexpr, DK1: tl.constexpr, DK2: tl.constexpr,
+              DV: tl.constexpr, DVP: tl.constexpr, HAS_BAND: tl.constexpr, PREC: tl.constexpr):
+    """NG entries e.. of kv block j's list (q blocks: partial ones, then full ones) gathered into
+    one NG*BM-row tile: row r is row r % BM of the q block of entry e + r // BM."""
+    r = tl.arange(0, NG * BM)
+    ent = e + r // BM
+    in_part = ent < n_part
+    ok = ent < e_end
+    tile = tl.load(QI + lst * WQ + ent, mask=ok & in_part, other=0) + \
+        tl.load(FQI + lst * WQ + ent - n_part, mask=ok & (ent >= n_part), other=0)
+    t = (tile * BT + (r % BM) // G).to(tl.int64)
+    g = (r % G).to(tl.int64)
+    row_ok = ok & (t < T)
     qrow = ((b * HKV + h) * G + g) * T + t
     q1, q2 = _load_q(Q, qrow * DK, row_ok, DK, DK1, DK2)
     dv = tl.arange(0, DVP)
@@ -275,14 +286,13 @@ def _dkv_step(dk1, dk2, dv_acc, k1, k2, v, kk, j, tile, Q, DO, LSE, DELTA, SEL, 
     lse = tl.load(LSE + qrow, mask=row_ok, other=float("-inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     delta = tl.load(DELTA + qrow, mask=row_ok, other=0.0)
-    s = _dot2(q1, q2, k1, k2, DK2, PREC) * qk_scale  # [BM, BLOCK]
+    s = _dot2(q1, q2, k1, k2, DK2, PREC) * qk_scale  # [NG*BM, BLOCK]
     p = tl.math.exp2(s - lse2[:, None])
-    if MASKED:
-        sel, lo, hi = _row_state(SEL, LO, HI, bh, b, t, row_ok, T, s_lb, NSEL, NP, HAS_BAND)
-        p = tl.where(_visible(kk, t, lo, hi, sel, j, row_ok), p, 0.0)
-    pt = tl.trans(p.to(do.dtype))  # [BLOCK, BM]
+    sel, lo, hi = _row_state(SEL, LO, HI, bh, b, t, row_ok, T, s_lb, NSEL, NP, HAS_BAND)
+    p = tl.where(_visible(kk, t, lo, hi, sel, j, row_ok), p, 0.0)
+    pt = tl.trans(p.to(do.dtype))  # [BLOCK, NG*BM]
     dv_acc += tl.dot(pt, do, input_precision=PREC)
-    dp = tl.dot(do, tl.trans(v), input_precision=PREC)  # [BM, BLOCK]
+    dp = tl.dot(do, tl.trans(v), input_precision=PREC)  # [NG*BM, BLOCK]
     dst = tl.trans((p * (dp - delta[:, None])).to(q1.dtype))
     dk1 += tl.dot(dst, q1, input_precision=PREC)
     if DK2 > 0:
@@ -294,7 +304,8 @@ def _dkv_step(dk1, dk2, dv_acc, k1, k2, v, kk, j, tile, Q, DO, LSE, DELTA, SEL, 
 def _sel_dkv_kernel(Q, K, V, DO, LSE, DELTA, SEL, LO, HI, QN, QI, FQN, FQI, HSLOT, HEAVY,
                     DK_, DV_, PK, PV,
                     T, TP, HKV, NKB, WQ, NH, NSPLIT, s_lb,
-                    QK_SCALE: tl.constexpr, SM_SCALE: tl.constexpr, G: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, NSEL: tl.constexpr,
+                    QK_SCALE: tl.constexpr, SM_SCALE: tl.constexpr, NG: tl.constexpr,
+                    G: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, NSEL: tl.constexpr,
                     NP: tl.constexpr, BLOCK: tl.constexpr, DK: tl.constexpr, DK1: tl.constexpr,
                     DK2: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
                     HAS_BAND: tl.constexpr, PREC: tl.constexpr):
@@ -318,7 +329,7 @@ def _sel_dkv_kernel(Q, K, V, DO, LSE, DELTA, SEL, LO, HI, QN, QI, FQN, FQI, HSLO
         e0 = n_all * 0
         e1 = tl.where(slot >= 0, 0, n_all)
     else:
-        per = tl.cdiv(n_all, NSPLIT)
+        per = tl.cdiv(tl.cdiv(n_all, NSPLIT), NG) * NG  # whole gathers per share
         e0 = tl.minimum(share * per, n_all)
         e1 = tl.minimum(e0 + per, n_all)
     kk = j.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -332,16 +343,11 @@ def _sel_dkv_kernel(Q, K, V, DO, LSE, DELTA, SEL, LO, HI, QN, QI, FQN, FQI, HSLO
     dk1 = tl.zeros([BLOCK, DK1], tl.float32)
     dk2 = tl.zeros([BLOCK, DK2 if DK2 > 0 else DK1], tl.float32)
     dv_acc = tl.zeros([BLOCK, DVP], tl.float32)
-    for e in range(e0, tl.minimum(e1, n_part)):
-        tile = tl.load(QI + lst * WQ + e)
-        dk1, dk2, dv_acc = _dkv_step(dk1, dk2, dv_acc, k1, k2, v, kk, j, tile, Q, DO, LSE, DELTA,
-                                     SEL, LO, HI, bh, b, h, T, HKV, s_lb, QK_SCALE, True, G, BT,
-                                     BM, NSEL, NP, DK, DK1, DK2, DV, DVP, HAS_BAND, PREC)
-    for e in range(tl.maximum(e0, n_part), e1):
-        tile = tl.load(FQI + lst * WQ + e - n_part)
-        dk1, dk2, dv_acc = _dkv_step(dk1, dk2, dv_acc, k1, k2, v, kk, j, tile, Q, DO, LSE, DELTA,
-                                     SEL, LO, HI, bh, b, h, T, HKV, s_lb, QK_SCALE, False, G, BT,
-                                     BM, NSEL, NP, DK, DK1, DK2, DV, DVP, HAS_BAND, PREC)
+    for e in range(e0, e1, NG):
+        dk1, dk2, dv_acc = _dkv_step(dk1, dk2, dv_acc, k1, k2, v, kk, j, e, e1, n_part, lst, WQ,
+                                     QI, FQI, Q, DO, LSE, DELTA, SEL, LO, HI, bh, b, h, T, HKV,
+                                     s_lb, QK_SCALE, NG, G, BT, BM, NSEL, NP, DK, DK1, DK2, DV,
+                                     DVP, HAS_BAND, PREC)
     d1 = tl.arange(0, DK1)
     if pid < NKB:  # dK/dV are [B, HKV, TP, D]: T padded to whole blocks
         ooff_k = bh * TP * DK
@@ -459,8 +465,8 @@ def selected_attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Ten
     wrap_triton(_sel_dkv_kernel)[(nkb + nh * nsplit, B * Hkv)](
         q, k, v, do, lse, delta, sel, lo_, hi_, q_num, q_idx, full_q_num, full_q_idx, hslot, heavy_idx,
         dk_pad, dv_pad, pk, pv,
-        T, nkb * l_sel, Hkv, nkb, q_idx.shape[-1], nh, nsplit, s_lb, QK_SCALE=scale * LOG2E, SM_SCALE=scale,
-        **consts)
+        T, nkb * l_sel, Hkv, nkb, q_idx.shape[-1], nh, nsplit, s_lb, QK_SCALE=scale * LOG2E,
+        SM_SCALE=scale, NG=max(1, DKV_ROWS // (BT * G)), **consts)
     idx = heavy_idx.long().view(B * Hkv, nh, 1, 1)
     dk_pad.view(B * Hkv, nkb, l_sel, Dk).scatter_(
         1, idx.expand(-1, -1, l_sel, Dk), pk.sum(2).to(k.dtype))
