@@ -26,7 +26,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import flex_attention
 
 from masks import MaskSpec
-from masks.core import fold_block_mask
+from masks.core import captured, fold_block_mask
 
 from .config import resolve_backend
 from .ops import HAS_TRITON, selected_attention, selected_unsupported, tile_positions, triton_interpreted
@@ -179,10 +179,16 @@ def attend_selected(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, scale: floa
     B, Hq, T, Dk, Hkv, S, G, scale = _dims(q, k, scale)
     P = tile_positions(G)
     bm = spec.block_mask(B, T, S, device=q.device, block_size=(P * G, l_sel), q_pack=G)
+    # the lists through an opaque op: compiled with a backward, the partitioner otherwise
+    # recomputes the list scatters in the backward graph, where inductor failed to generate them
+    # (torch 2.11, H100: "list indices must be integers or slices, not NoneType")
+    lists = [captured(x) for x in (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks,
+                                   bm.full_kv_indices, bm.q_num_blocks, bm.q_indices,
+                                   bm.full_q_num_blocks, bm.full_q_indices)]
     lo = hi = None
     if spec.row_band is not None:
         lo, hi = spec.row_band(torch.arange(T, device=q.device))
-    return selected_attention(q, k, v, sel, l_sel, bm, lo, hi, scale)
+    return selected_attention(q, k, v, sel, l_sel, lists, lo, hi, scale)
 
 
 def attend_flex(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, scale: float | None = None,

@@ -501,13 +501,15 @@ def selected_attention(q: Tensor, k: Tensor, v: Tensor, sel: Tensor, l_sel: int,
     log). sel [B, Hkv, T, n] block indices (-1: unused); lo, hi [B|1, T]: the keys each position
     may see at most (None: all up to itself); block_mask: the selection's BlockMask in the packed
     layout with q blocks of `tile_positions(G, rows)` positions and kv blocks of l_sel
-    (`masks.MaskSpec.block_mask(..., block_size=(P * G, l_sel), q_pack=G)`). heavy / split_tiles:
+    (`masks.MaskSpec.block_mask(..., block_size=(P * G, l_sel), q_pack=G)`), or its eight lists
+    (kv_num_blocks, kv_indices, full_kv_*, q_num_blocks, q_indices, full_q_*). heavy / split_tiles:
     the dK/dV pass's split of the most-read blocks (default HEAVY / SPLIT_TILES)."""
     bm = block_mask
     rows = rows or ROWS
-    lists = [x.to(torch.int32).contiguous() for x in (
-        bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
-        bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices)]
+    if not isinstance(bm, (list, tuple)):
+        bm = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
+              bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices)
+    lists = [x.to(torch.int32).contiguous() for x in bm]
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     return torch.ops.nsa_flex.selected_attention_fwd(
         q.contiguous(), k.contiguous(), v.contiguous(), sel.to(torch.int32).contiguous(), lo, hi,
