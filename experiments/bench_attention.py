@@ -63,6 +63,9 @@ from nsa_flex.selection import select_topn  # noqa: E402
 CONFIGS = {
     "paper": dict(n_heads=64, n_kv_heads=4, d_qk=192, d_v=128, dim=2560),
     "d128": dict(n_heads=64, n_kv_heads=4, d_qk=128, d_v=128, dim=2560),
+    # the attention of torchtitan's 125M flavor without importing torchtitan (the GPU machine has
+    # none installed); tests/experiments/test_bench_attention.py checks it against the flavor
+    "titan_125M": dict(n_heads=16, n_kv_heads=2, d_qk=64, d_v=64, dim=768),
     "tiny": dict(n_heads=4, n_kv_heads=2, d_qk=16, d_v=16, dim=64, l=8, d=4, l_sel=16, n_sel=4,
                  window=32),
 }
@@ -71,7 +74,7 @@ CONFIGS = {
 def config_args(cname: str) -> dict:
     """NSAConfig fields of a bench config: a name above, or "titan_<flavor>" for the attention of a
     torchtitan flavor (nsa_flex.titan.args, e.g. titan_1B: 32 q / 2 KV heads, d 64, dim 2048)."""
-    if cname.startswith("titan_"):
+    if cname.startswith("titan_") and cname not in CONFIGS:
         from dataclasses import asdict
 
         from nsa_flex.titan.args import nsa_flex_args

@@ -66,13 +66,15 @@ def rel(a, b):
     return ((a[fin] - b[fin]).norm() / b[fin].norm().clamp_min(1e-30)).item()
 
 
-def check(out_dir):
+def check(out_dir, only=None):
     cases = [("titan_125M", 1000, False, torch.bfloat16), ("titan_125M", 1000, True, torch.float32),
              ("paper", 777, True, torch.bfloat16), ("paper", 1024, False, torch.float32),
              ("g8_d128", 900, True, torch.float16), ("g1", 700, False, torch.bfloat16),
              ("g2", 640, True, torch.float32)]
     rows = []
     for shape, T, use_docs, dtype in cases:
+        if only and shape not in only:
+            continue
         cfg = make_cfg(shape)
         B = 2
         torch.manual_seed(T)
@@ -233,6 +235,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--check-shapes", default="", help="comma list: check only these shapes")
     ap.add_argument("--shapes", default="titan_125M:32768,paper:16384,paper:65536")
     ap.add_argument("--rows", default="16,32", help="comma list of the op's q-block rows to time")
     ap.add_argument("--trace", default="", help="selection trace .npz (key 'sel')")
@@ -240,7 +243,7 @@ def main():
     os.makedirs(a.out, exist_ok=True)
     ok = True
     if not a.skip_check:
-        ok = check(a.out)
+        ok = check(a.out, [x for x in a.check_shapes.split(",") if x])
         log("CHECK", "PASS" if ok else "FAIL")
     if a.shapes:
         timing(a.out, a.shapes.split(","), [int(r) for r in a.rows.split(",")], a.trace)

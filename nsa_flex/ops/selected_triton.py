@@ -53,10 +53,16 @@ def head_split(d: int) -> tuple[int, int]:
     return max(p, 16), 0
 
 
+def padded_group(G: int) -> int:
+    """Rows one position takes in a q block: its G heads, padded to the tensor cores' 16 rows
+    (and to a power of two), so that a q block can always hold a single position."""
+    return max(16, triton.next_power_of_2(G))
+
+
 def tile_positions(G: int, rows: int | None = None) -> int:
-    """Positions per q block: rows // G (at least 1; at least 16 rows for the tensor cores)."""
-    rows = rows or ROWS
-    return max(1, rows // G, -(-16 // G))
+    """Positions per q block: rows // padded_group(G), at least 1. With one position per q block
+    (the default) the BlockMask's lists are the selection itself (no union over positions)."""
+    return max(1, (rows or ROWS) // padded_group(G))
 
 
 def supported(q: Tensor, k: Tensor, v: Tensor, l_sel: int) -> str | None:
@@ -74,10 +80,12 @@ def supported(q: Tensor, k: Tensor, v: Tensor, l_sel: int) -> str | None:
 
 # ---------------------------------------------------------------------- Triton helpers
 @triton.jit
-def _rows(tile, BT: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, T):
+def _rows(tile, BT: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BM: tl.constexpr, T):
+    """Row r of q block `tile`: token tile * BT + r // GP, head r % GP (heads >= G: padding)."""
     r = tl.arange(0, BM)
-    t = tile * BT + r // G
-    return t.to(tl.int64), (r % G).to(tl.int64), t < T
+    t = tile * BT + r // GP
+    g = r % GP
+    return t.to(tl.int64), g.to(tl.int64), (t < T) & (g < G)
 
 
 @triton.jit
@@ -153,7 +161,7 @@ def _fwd_step(acc, m_i, l_i, q1, q2, K, V, koff, voff, j, t, lo, hi, sel, row_ok
 @triton.jit
 def _sel_fwd_kernel(Q, K, V, SEL, LO, HI, KVN, KVI, FKVN, FKVI, O, LSE,
                     T, HKV, NQB, W, s_lb,
-                    QK_SCALE: tl.constexpr, G: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, NSEL: tl.constexpr,
+                    QK_SCALE: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, NSEL: tl.constexpr,
                     NP: tl.constexpr, BLOCK: tl.constexpr, DK: tl.constexpr, DK1: tl.constexpr,
                     DK2: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
                     HAS_BAND: tl.constexpr, PREC: tl.constexpr):
@@ -161,7 +169,7 @@ def _sel_fwd_kernel(Q, K, V, SEL, LO, HI, KVN, KVI, FKVN, FKVI, O, LSE,
     bh = tl.program_id(1).to(tl.int64)
     b = bh // HKV
     h = bh % HKV
-    t, g, row_ok = _rows(tile, BT, G, BM, T)
+    t, g, row_ok = _rows(tile, BT, G, GP, BM, T)
     qrow = ((b * HKV + h) * G + g) * T + t  # row of q [B, Hq, T, *]
     q1, q2 = _load_q(Q, qrow * DK, row_ok, DK, DK1, DK2)
     sel, lo, hi = _row_state(SEL, LO, HI, bh, b, t, row_ok, T, s_lb, NSEL, NP, HAS_BAND)
@@ -218,7 +226,7 @@ def _dq_step(dq1, dq2, q1, q2, do, lse2, delta, K, V, koff, voff, j, t, lo, hi, 
 @triton.jit
 def _sel_dq_kernel(Q, K, V, DO, LSE, DELTA, SEL, LO, HI, KVN, KVI, FKVN, FKVI, DQ,
                    T, HKV, NQB, W, s_lb,
-                   QK_SCALE: tl.constexpr, SM_SCALE: tl.constexpr, G: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, NSEL: tl.constexpr,
+                   QK_SCALE: tl.constexpr, SM_SCALE: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, NSEL: tl.constexpr,
                    NP: tl.constexpr, BLOCK: tl.constexpr, DK: tl.constexpr, DK1: tl.constexpr,
                    DK2: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
                    HAS_BAND: tl.constexpr, PREC: tl.constexpr):
@@ -226,7 +234,7 @@ def _sel_dq_kernel(Q, K, V, DO, LSE, DELTA, SEL, LO, HI, KVN, KVI, FKVN, FKVI, D
     bh = tl.program_id(1).to(tl.int64)
     b = bh // HKV
     h = bh % HKV
-    t, g, row_ok = _rows(tile, BT, G, BM, T)
+    t, g, row_ok = _rows(tile, BT, G, GP, BM, T)
     qrow = ((b * HKV + h) * G + g) * T + t
     q1, q2 = _load_q(Q, qrow * DK, row_ok, DK, DK1, DK2)
     dv = tl.arange(0, DVP)
@@ -264,7 +272,7 @@ def _sel_dq_kernel(Q, K, V, DO, LSE, DELTA, SEL, LO, HI, KVN, KVI, FKVN, FKVI, D
 @triton.jit
 def _dkv_step(dk1, dk2, dv_acc, k1, k2, v, kk, j, e, e_end, n_part, lst, WQ, QI, FQI, Q, DO, LSE,
               DELTA, SEL, LO, HI, bh, b, h, T, HKV, s_lb, qk_scale, NG: tl.constexpr,
-              G: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, NSEL: tl.constexpr,
+              G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, NSEL: tl.constexpr,
               NP: tl.constexpr, DK: tl.constexpr, DK1: tl.constexpr, DK2: tl.constexpr,
               DV: tl.constexpr, DVP: tl.constexpr, HAS_BAND: tl.constexpr, PREC: tl.constexpr):
     """NG entries e.. of kv block j's list (q blocks: partial ones, then full ones) gathered into
@@ -275,9 +283,9 @@ def _dkv_step(dk1, dk2, dv_acc, k1, k2, v, kk, j, e, e_end, n_part, lst, WQ, QI,
     ok = ent < e_end
     tile = tl.load(QI + lst * WQ + ent, mask=ok & in_part, other=0) + \
         tl.load(FQI + lst * WQ + ent - n_part, mask=ok & (ent >= n_part), other=0)
-    t = (tile * BT + (r % BM) // G).to(tl.int64)
-    g = (r % G).to(tl.int64)
-    row_ok = ok & (t < T)
+    t = (tile * BT + (r % BM) // GP).to(tl.int64)
+    g = (r % GP).to(tl.int64)
+    row_ok = ok & (t < T) & (g < G)
     qrow = ((b * HKV + h) * G + g) * T + t
     q1, q2 = _load_q(Q, qrow * DK, row_ok, DK, DK1, DK2)
     dv = tl.arange(0, DVP)
@@ -305,7 +313,7 @@ def _sel_dkv_kernel(Q, K, V, DO, LSE, DELTA, SEL, LO, HI, QN, QI, FQN, FQI, HSLO
                     DK_, DV_, PK, PV,
                     T, TP, HKV, NKB, WQ, NH, NSPLIT, s_lb,
                     QK_SCALE: tl.constexpr, SM_SCALE: tl.constexpr, NG: tl.constexpr,
-                    G: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, NSEL: tl.constexpr,
+                    G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, NSEL: tl.constexpr,
                     NP: tl.constexpr, BLOCK: tl.constexpr, DK: tl.constexpr, DK1: tl.constexpr,
                     DK2: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
                     HAS_BAND: tl.constexpr, PREC: tl.constexpr):
@@ -346,7 +354,7 @@ def _sel_dkv_kernel(Q, K, V, DO, LSE, DELTA, SEL, LO, HI, QN, QI, FQN, FQI, HSLO
     for e in range(e0, e1, NG):
         dk1, dk2, dv_acc = _dkv_step(dk1, dk2, dv_acc, k1, k2, v, kk, j, e, e1, n_part, lst, WQ,
                                      QI, FQI, Q, DO, LSE, DELTA, SEL, LO, HI, bh, b, h, T, HKV,
-                                     s_lb, QK_SCALE, NG, G, BT, BM, NSEL, NP, DK, DK1, DK2, DV,
+                                     s_lb, QK_SCALE, NG, G, GP, BT, BM, NSEL, NP, DK, DK1, DK2, DV,
                                      DVP, HAS_BAND, PREC)
     d1 = tl.arange(0, DK1)
     if pid < NKB:  # dK/dV are [B, HKV, TP, D]: T padded to whole blocks
@@ -415,7 +423,7 @@ def selected_attention_fwd(q: Tensor, k: Tensor, v: Tensor, sel: Tensor, lo: Opt
     wrap_triton(_sel_fwd_kernel)[(nqb, B * Hkv)](
         q, k, v, sel, lo_, hi_, kv_num, kv_idx, full_num, full_idx, o, lse,
         T, Hkv, nqb, kv_idx.shape[-1], s_lb, QK_SCALE=scale * LOG2E,
-        G=G, BT=BT, BM=BT * G, NSEL=sel.shape[-1], NP=max(2, triton.next_power_of_2(sel.shape[-1])),
+        G=G, GP=padded_group(G), BT=BT, BM=BT * padded_group(G), NSEL=sel.shape[-1], NP=max(2, triton.next_power_of_2(sel.shape[-1])),
         BLOCK=l_sel, DK=Dk, DK1=dk1, DK2=dk2, DV=Dv, DVP=max(16, triton.next_power_of_2(Dv)),
         HAS_BAND=has_band, PREC=_prec(q.dtype), **_launch_opts(Dk, Dv, q.dtype))
     return o, lse
@@ -445,7 +453,7 @@ def selected_attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Ten
         delta = delta - dlse.float()
     lo_, hi_, s_lb, has_band = _band(lo, hi, B, T, q.device)
     dk1, dk2 = head_split(Dk)
-    consts = dict(G=G, BT=BT, BM=BT * G, NSEL=sel.shape[-1],
+    consts = dict(G=G, GP=padded_group(G), BT=BT, BM=BT * padded_group(G), NSEL=sel.shape[-1],
                   NP=max(2, triton.next_power_of_2(sel.shape[-1])), BLOCK=l_sel, DK=Dk, DK1=dk1,
                   DK2=dk2, DV=Dv, DVP=max(16, triton.next_power_of_2(Dv)), HAS_BAND=has_band,
                   PREC=_prec(q.dtype), **_launch_opts(Dk, Dv, q.dtype))
@@ -466,7 +474,7 @@ def selected_attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Ten
         q, k, v, do, lse, delta, sel, lo_, hi_, q_num, q_idx, full_q_num, full_q_idx, hslot, heavy_idx,
         dk_pad, dv_pad, pk, pv,
         T, nkb * l_sel, Hkv, nkb, q_idx.shape[-1], nh, nsplit, s_lb, QK_SCALE=scale * LOG2E,
-        SM_SCALE=scale, NG=max(1, DKV_ROWS // (BT * G)), **consts)
+        SM_SCALE=scale, NG=max(1, DKV_ROWS // (BT * padded_group(G))), **consts)
     idx = heavy_idx.long().view(B * Hkv, nh, 1, 1)
     dk_pad.view(B * Hkv, nkb, l_sel, Dk).scatter_(
         1, idx.expand(-1, -1, l_sel, Dk), pk.sum(2).to(k.dtype))
