@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 from torch import Tensor
-from torch.nn.attention.flex_attention import BlockMask
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
@@ -115,8 +115,6 @@ class MaskSpec:
         bs = (block_size, block_size) if isinstance(block_size, int) else tuple(block_size)
         mod = self.mask_mod
         if self.interval is None and self.kv_blocks is None and self.bands is None:
-            from torch.nn.attention.flex_attention import create_block_mask
-
             return create_block_mask(packed_mask_mod(mod, q_pack), B, self.heads, Q_LEN * q_pack,
                                      KV_LEN, device=device, BLOCK_SIZE=bs)
         if self.compact is not None and bs[0] == q_pack and device is not None \

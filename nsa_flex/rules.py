@@ -1,6 +1,6 @@
 """The paper's block rules, each written once (NSA, arXiv 2502.11089); training, decode and the
-Triton wrappers call these. Pure torch: this module imports nothing from nsa_flex or masks, so
-`masks` may import it lazily without a cycle.
+Triton wrappers call these. Pure torch, a leaf: this module imports nothing from nsa_flex or
+masks, so `masks` imports it at its top (nsa_flex -> masks -> nsa_flex.rules).
 
 Indices are 0-based: token t, compressed block i covers tokens [i d, i d + l), selection block j
 covers tokens [j l', (j+1) l').

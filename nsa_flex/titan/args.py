@@ -12,6 +12,9 @@ from torchtitan.protocols.model import BaseModelArgs
 from torchtitan.tools.logging import logger
 
 from nsa_flex.config import MODEL_DIMS, NSAConfig, NSAConfigError, UserError, resolve_backend
+from nsa_flex.flops import nsa_attention_flops
+
+from .tokenizer import build_tokenizer
 
 # NSAConfig's fields besides the decoder's own dims (MODEL_DIMS): the attention knobs
 _KNOBS = tuple(f for f in dataclasses.fields(NSAConfig) if f.name not in MODEL_DIMS)
@@ -60,8 +63,6 @@ class NSAModelArgs(BaseModelArgs, _NSAFields):
 
     def update_from_config(self, job_config, **kwargs) -> None:
         """Vocab size (and EOS) from the tokenizer, seq len from [training], NSA knobs from [nsa]."""
-        from .tokenizer import build_tokenizer
-
         training = job_config.training
         self.max_seq_len = training.seq_len
         tok = build_tokenizer(job_config)
@@ -99,8 +100,6 @@ class NSAModelArgs(BaseModelArgs, _NSAFields):
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
         """(parameters, training FLOPs per token): 6 x non-embedding params for the matmuls, plus
         3 x NSA's real forward attention-core FLOPs (forward + 2x backward), not full attention's."""
-        from nsa_flex.flops import nsa_attention_flops  # TODO(core): provided by nsa_flex/flops.py
-
         nparams = sum(p.numel() for p in model.parameters())
         nparams_embedding = sum(
             sum(p.numel() for p in m.parameters()) for m in model.children() if isinstance(m, nn.Embedding)
