@@ -33,8 +33,11 @@ def captured(x: Tensor) -> Tensor:
     tensor is a realized buffer when flex_attention's template inlines the mask_mod. Without it
     Inductor may inline the pointwise chain that computes the tensor into the attention kernel;
     with a masked op in that chain (slice assignment, cat, pad) the template failed to lower
-    (torch 2.11, selection mask at T=64k: "'function' object has no attribute 'graph'"). Costs one
-    copy of the captured tensor ([B, H, T, n] int64 for the selection)."""
+    (torch 2.11, selection mask at T=64k: "'function' object has no attribute 'graph'": triton
+    codegen of the inlined `ops.masked` expects a LoopBody). Costs one copy of the captured
+    tensor ([B, H, T, n] int64 for the selection). No upstream issue is filed; whether a later
+    torch still needs it is checked on a GPU only (compile the 64k layer with one builder's
+    `captured` removed; experiments/NOTES.md 12 has the traceback)."""
     return x.clone()
 
 
