@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from nsa_flex.rules import is_forced
+from nsa_flex.rules import cmp_visible, is_forced
 
 from .core import MaskSpec, captured, or_masks, transpose_lists
 
@@ -37,13 +37,13 @@ def sliding_window(window: int) -> MaskSpec:
 
 
 def compressed_causal(l: int, d: int) -> MaskSpec:
-    """Query t sees compressed block i only when the block ends at or before t: i*d + l - 1 <= t."""
+    """Query t sees compressed block i only when the block has ended (`rules.cmp_visible`)."""
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return kv_idx * d + l - 1 <= q_idx
+        return cmp_visible(kv_idx, q_idx, l, d)
 
     def interval(q):
-        # largest i with i*d + l - 1 <= t is floor((t - l + 1) / d); negative: none
+        # the last visible block is floor((t - l + 1) / d) (cmp_visible solved for i); negative: none
         hi = torch.div(q - l + 1, d, rounding_mode="floor")
         return torch.zeros_like(q).unsqueeze(0), hi.unsqueeze(0)
 

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from .ops import HAS_TRITON, group_slc_scores, topn_blocks, triton_interpreted
-from .rules import forced_and_valid, map_to_selection_blocks, pick_blocks
+from .rules import cmp_visible, forced_and_valid, map_to_selection_blocks, pick_blocks
 
 
 def use_triton_scorer(cfg, q: Tensor, lse: Tensor | None) -> bool:
@@ -67,7 +67,7 @@ def block_scores(q: Tensor, k_cmp: Tensor, lse: Tensor | None, cfg, doc_starts: 
     s = torch.einsum("bhgtd,bhnd->bhgtn", qc, k_cmp.to(q.dtype)).float() * (Dk ** -0.5)
     t = torch.arange(t0, t1, device=q.device).view(C, 1)
     i = torch.arange(Nc, device=q.device).view(1, Nc)
-    vis = (i * cfg.d + cfg.l - 1 <= t)  # compressed causal
+    vis = cmp_visible(i, t, cfg.l, cfg.d)  # compressed causal
     if doc_starts is not None:
         vis = vis.unsqueeze(0) & (i * cfg.d >= doc_starts[:, t0:t1].unsqueeze(-1))  # [B, C, Nc]
         vis = vis.view(-1, 1, 1, C, Nc)

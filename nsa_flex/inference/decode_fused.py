@@ -8,7 +8,8 @@ from torch import Tensor
 
 from ..compression import AvgCompress
 from .cache import NSACache, check_decode_backend
-from .decode_reference import BRANCHES, emit_compressed
+from ..rules import BRANCHES
+from .decode_reference import emit_compressed
 
 
 def _triton_module():

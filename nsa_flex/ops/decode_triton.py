@@ -43,7 +43,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..rules import overlap_kernel_cached, valid_blocks
-from .topn_triton import _block_keys
+from .rules_triton import block_keys, key_block
 
 SEL_MODES = ("topn", "local_selection", "causal", "none")
 PROGRAMS_PER_SM = 4  # default size of the split-K launches: about this many programs per SM
@@ -111,25 +111,30 @@ def _write_kernel(pos_ptr, Hkv,
     mv = dv < DV
     bh = pid.to(tl.int64)
     if HAS_SEL:
-        k = tl.load(ks_ptr + b * sks_b + h * sks_h + dk, mask=mk)
-        v = tl.load(vs_ptr + b * svs_b + h * svs_h + dv, mask=mv)
-        tl.store(k_sel + (bh * CAP + pos) * DK + dk, k, mask=mk)
-        tl.store(v_sel + (bh * CAP + pos) * DV + dv, v, mask=mv)
+        _copy_token(ks_ptr, vs_ptr, b * sks_b + h * sks_h, b * svs_b + h * svs_h, k_sel, v_sel,
+                    bh * CAP + pos, dk, dv, mk, mv, DK, DV)
     if HAS_WIN:
-        k = tl.load(kw_ptr + b * skw_b + h * skw_h + dk, mask=mk)
-        v = tl.load(vw_ptr + b * svw_b + h * svw_h + dv, mask=mv)
-        slot = pos % W
-        tl.store(k_win + (bh * W + slot) * DK + dk, k, mask=mk)
-        tl.store(v_win + (bh * W + slot) * DV + dv, v, mask=mv)
+        _copy_token(kw_ptr, vw_ptr, b * skw_b + h * skw_h, b * svw_b + h * svw_h, k_win, v_win,
+                    bh * W + pos % W, dk, dv, mk, mv, DK, DV)
     if HAS_CMP:
-        k = tl.load(kc_ptr + b * skc_b + h * skc_h + dk, mask=mk)
-        v = tl.load(vc_ptr + b * svc_b + h * svc_h + dv, mask=mv)
         slot = pos % L
-        tl.store(k_raw + (bh * L + slot) * DK + dk, k, mask=mk)
-        tl.store(v_raw + (bh * L + slot) * DV + dv, v, mask=mv)
+        k, v = _copy_token(kc_ptr, vc_ptr, b * skc_b + h * skc_h, b * svc_b + h * svc_h, k_raw,
+                           v_raw, bh * L + slot, dk, dv, mk, mv, DK, DV)
         if EMIT_AVG:
             _emit_avg(bh, pos, slot, k, v, k_raw, v_raw, k_cmp, v_cmp, NC, dk, dv, mk, mv,
                       DK, DV, L, L_PAD, D)
+
+
+@triton.jit
+def _copy_token(k_src, v_src, k_off, v_off, k_dst, v_dst, row, dk, dv, mk, mv, DK: tl.constexpr,
+                DV: tl.constexpr):
+    """The new token's (k, v) (at offsets k_off / v_off of the sources) into cache row `row`;
+    returns them."""
+    k = tl.load(k_src + k_off + dk, mask=mk)
+    v = tl.load(v_src + v_off + dv, mask=mv)
+    tl.store(k_dst + row * DK + dk, k, mask=mk)
+    tl.store(v_dst + row * DV + dv, v, mask=mv)
+    return k, v
 
 
 @triton.jit
@@ -219,11 +224,11 @@ def _score_kernel(pm_ptr, pl_ptr, NSPLIT, NSC, sc_ptr, pc_ptr, NC, c_ptr, idx_pt
             score += tl.load(pc_ptr + bh * NC + i, mask=ok, other=0.0) * ck
     else:
         score = jj.to(tl.float32)
-    key = _block_keys(jj, score, pos, start, NS, LS, N_LOCAL, N_INIT)
+    key = block_keys(jj, score, pos, start, NS, LS, N_LOCAL, N_INIT)
     cnt = pos * 0
     for t in range(N_SEL):
         top = tl.max(key, 0)
-        blk = tl.where(top < 0, -1, NS - 1 - top % 4294967296)
+        blk = key_block(top, NS)
         tl.store(idx_ptr + bh * N_SEL + t, blk)
         key = tl.where(key == top, -4611686018427387904, key)  # taken: padding's key
         lo = tl.maximum(blk * LS, start)
