@@ -111,14 +111,14 @@ def _write_kernel(pos_ptr, Hkv,
     mv = dv < DV
     bh = pid.to(tl.int64)
     if HAS_SEL:
-        _copy_token(ks_ptr, vs_ptr, b * sks_b + h * sks_h, b * svs_b + h * svs_h, k_sel, v_sel,
+        _copy_token(ks_ptr + b * sks_b + h * sks_h, vs_ptr + b * svs_b + h * svs_h, k_sel, v_sel,
                     bh * CAP + pos, dk, dv, mk, mv, DK, DV)
     if HAS_WIN:
-        _copy_token(kw_ptr, vw_ptr, b * skw_b + h * skw_h, b * svw_b + h * svw_h, k_win, v_win,
+        _copy_token(kw_ptr + b * skw_b + h * skw_h, vw_ptr + b * svw_b + h * svw_h, k_win, v_win,
                     bh * W + pos % W, dk, dv, mk, mv, DK, DV)
     if HAS_CMP:
         slot = pos % L
-        k, v = _copy_token(kc_ptr, vc_ptr, b * skc_b + h * skc_h, b * svc_b + h * svc_h, k_raw,
+        k, v = _copy_token(kc_ptr + b * skc_b + h * skc_h, vc_ptr + b * svc_b + h * svc_h, k_raw,
                            v_raw, bh * L + slot, dk, dv, mk, mv, DK, DV)
         if EMIT_AVG:
             _emit_avg(bh, pos, slot, k, v, k_raw, v_raw, k_cmp, v_cmp, NC, dk, dv, mk, mv,
@@ -126,12 +126,11 @@ def _write_kernel(pos_ptr, Hkv,
 
 
 @triton.jit
-def _copy_token(k_src, v_src, k_off, v_off, k_dst, v_dst, row, dk, dv, mk, mv, DK: tl.constexpr,
+def _copy_token(k_src, v_src, k_dst, v_dst, row, dk, dv, mk, mv, DK: tl.constexpr,
                 DV: tl.constexpr):
-    """The new token's (k, v) (at offsets k_off / v_off of the sources) into cache row `row`;
-    returns them."""
-    k = tl.load(k_src + k_off + dk, mask=mk)
-    v = tl.load(v_src + v_off + dv, mask=mv)
+    """The new token's (k, v) (its rows at k_src / v_src) into cache row `row`; returns them."""
+    k = tl.load(k_src + dk, mask=mk)
+    v = tl.load(v_src + dv, mask=mv)
     tl.store(k_dst + row * DK + dk, k, mask=mk)
     tl.store(v_dst + row * DV + dv, v, mask=mv)
     return k, v
