@@ -221,6 +221,7 @@ def report():
     return res
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [c[0] for c in CASES])
 def test_triton_step_matches_torch(report, name):
     """`nsa_decode_write` + `nsa_decode_attention` (five launches) against the torch step."""
@@ -228,6 +229,7 @@ def test_triton_step_matches_torch(report, name):
     assert not _case_failures(r, TOL), (_case_failures(r, TOL), r)
 
 
+@pytest.mark.slow
 def test_cases_cover_what_they_claim(report):
     """The configurations exercise what the case names promise (guards against a silent change
     of the setup making a case vacuous)."""
@@ -247,6 +249,7 @@ def test_cases_cover_what_they_claim(report):
     assert report["g8_local_selection_chunks"]["splits"][2] > 1
 
 
+@pytest.mark.slow
 def test_decode_step_trajectory_triton(report):
     r = report["trajectory"]
     assert r["err"] <= TOL, r
