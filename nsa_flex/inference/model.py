@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..data.documents import doc_ids_from_tokens
 from .cache import NSACache
 from .decode import decode_step, new_cache
 from .graphs import GraphedDecodeStep, restore_state, snapshot_state  # noqa: F401 (re-exported)
@@ -72,8 +73,6 @@ def model_prefill(model, tokens: Tensor, cache: ModelCache, lengths=None) -> Ten
                               device=dev)
     doc_ids = None
     if cache.doc_masking:
-        from nsa_flex.titan.model import doc_ids_from_tokens
-
         doc_ids = doc_ids_from_tokens(tokens, cache.eos_id)
     h = model.tok_embeddings(tokens)
     for blk, c in zip(_blocks(model), cache.layers):
