@@ -148,31 +148,26 @@ nsa_flex_args = Flavors(
             dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=32, d_qk=16, d_v=16,
             l=8, d=4, l_sel=16, n_sel=4, window=32, max_seq_len=256,
         ),
-        # ablation size (titan_configs/ablation_*.toml): 29M with gpt2's vocab (3.7M without the
-        # embedding/output); the paper's GQA group (16 query heads per KV head) and block sizes,
-        # n=8 selected blocks and a 256-token window for 2k-8k contexts
+        # ablation size (titan_configs/ablation.toml): 29M with gpt2's vocab (3.7M without the
+        # embedding/output); the paper's GQA group (16 query heads per KV head) and block sizes
+        # (NSAConfig's defaults, as in every flavor below), n=8 selected blocks and a 256-token
+        # window for 2k-8k contexts
         "30M": NSAModelArgs(
-            dim=256, n_layers=4, n_heads=16, n_kv_heads=1, d_qk=32, d_v=32,
-            l=32, d=16, l_sel=64, n_sel=8, window=256, max_seq_len=2048,
+            dim=256, n_layers=4, n_heads=16, n_kv_heads=1, d_qk=32, d_v=32, n_sel=8, window=256,
+            max_seq_len=2048,
         ),
         # the same with 4 KV heads (groups of 4 query heads): small enough to train on one GPU,
         # and it learns to copy where one KV head does not within a few thousand steps
         "30M_kv4": NSAModelArgs(
-            dim=256, n_layers=4, n_heads=16, n_kv_heads=4, d_qk=32, d_v=32,
-            l=32, d=16, l_sel=64, n_sel=8, window=256, max_seq_len=2048,
+            dim=256, n_layers=4, n_heads=16, n_kv_heads=4, d_qk=32, d_v=32, n_sel=8, window=256,
+            max_seq_len=2048,
         ),
         # GPT-3-small sized: 160M with gpt2's vocab (83M without the untied embedding/output)
-        "125M": NSAModelArgs(
-            dim=768, n_layers=12, n_heads=16, n_kv_heads=2, d_qk=64, d_v=64,
-            l=32, d=16, l_sel=64, n_sel=16, window=512, max_seq_len=8192,
-        ),
-        "350M": NSAModelArgs(
-            dim=1024, n_layers=24, n_heads=16, n_kv_heads=2, d_qk=64, d_v=64,
-            l=32, d=16, l_sel=64, n_sel=16, window=512, max_seq_len=32768,
-        ),
-        "1B": NSAModelArgs(
-            dim=2048, n_layers=16, n_heads=32, n_kv_heads=2, d_qk=64, d_v=64, ffn_dim_multiplier=1.5,
-            multiple_of=256, l=32, d=16, l_sel=64, n_sel=16, window=512, max_seq_len=32768,
-        ),
+        "125M": NSAModelArgs(dim=768, n_layers=12, n_heads=16, n_kv_heads=2, d_qk=64, d_v=64,
+                             max_seq_len=8192),
+        "350M": NSAModelArgs(dim=1024, n_layers=24, n_heads=16, n_kv_heads=2, d_qk=64, d_v=64,
+                             max_seq_len=32768),
+        "1B": NSAModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=2, d_qk=64, d_v=64,
+                           ffn_dim_multiplier=1.5, multiple_of=256, max_seq_len=32768),
     }
 )
