@@ -250,9 +250,9 @@ def test_autocast_keeps_attention_in_low_precision(monkeypatch):
     seen = []
     real = layer_mod.attend
 
-    def spy(q, k, v, spec, backend, scale=None):
+    def spy(q, k, v, spec, backend, scale=None, **kw):
         seen.append((q.dtype, k.dtype, v.dtype))
-        return real(q, k, v, spec, backend, scale)
+        return real(q, k, v, spec, backend, scale, **kw)
 
     monkeypatch.setattr(layer_mod, "attend", spy)
     layer = make_layer()
