@@ -83,7 +83,8 @@ def titan_parses(args: list[str]):
     """Patch (torchtitan 0.2.2, scope: one call of its ``main``): ``torchtitan.train.main`` takes
     no arguments and calls ``ConfigManager().parse_args()``, whose default ``args`` is the
     ``sys.argv[1:]`` bound when ``torchtitan.config.manager`` was first imported (maybe before
-    ``args`` were built); upstream has no way to pass arguments to ``main``. For the duration of
+    ``args`` were built); upstream has no way to pass arguments to ``main``
+(fixed upstream by pytorch/torchtitan PR 3725, "Read config args from current sys.argv", after 0.2.2). For the duration of
     the call that default is ``args``; restored afterwards. Version-gated by
     :func:`nsa_flex.titan.trainer.check_versions`; tests/titan/test_trainer.py fails once upstream's
     ``main`` or ``parse_args`` no longer needs it."""

@@ -83,7 +83,11 @@ class NSATrainer(Trainer):
         cpu.maybe_apply()  # before Trainer.__init__ reads torchtitan's device_type / device_module
         console.setup()
         self.init_run_control(job_config)
-        super().__init__(job_config)
+        try:
+            super().__init__(job_config)
+        except BaseException:  # torchtitan's main closes only a built trainer
+            self.stop_run_control()
+            raise
         checkpoint.adopt(self.checkpointer)
         self.metrics_processor.ops = self.ops
 

@@ -132,7 +132,7 @@ def test_upstream_builds_the_checkpoint_manager_inline():
 
 def test_upstream_main_takes_no_arguments():
     """train.titan_parses: torchtitan's main(trainer_class) has no argv parameter and parse_args'
-    default is sys.argv[1:] bound at import time."""
+    default is sys.argv[1:] bound at import time (pytorch/torchtitan PR 3725 reads it at call time)."""
     from torchtitan.config import ConfigManager
     from torchtitan.train import main
 
