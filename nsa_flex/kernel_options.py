@@ -93,37 +93,6 @@ def band_kernel_options(q: torch.Tensor) -> dict | None:
     return dict(BAND_OPTIONS[q.shape[-1]]) if q.shape[-1] in BAND_OPTIONS else None
 
 
-FOLD_MIN_ROWS = 4096  # query rows per chunk, at least
-# Off (1): with folding, the 64k compressed branch's fwd+bwd fails on the H100
-# (cudaErrorInvalidAddressSpace) while the forward runs; 16 once that is fixed.
-FOLD_MAX_CHUNKS = 1
-
-
-def query_chunks(rows: int, q_block: int, device, per_group: bool = False,
-                 kv_len: int | None = None, max_chunks: int | None = None) -> int:
-    """How many batch chunks to fold the queries into (masks.core.fold_block_mask) on GPU.
-
-    FlexAttention's dK/dV pass runs one program per (kv block, batch, kv head) over every q block
-    that lists the kv block. Two NSA masks make that loop long and the grid small: the selection
-    (block 0 and popular blocks are read by most queries; packed q blocks are only 16 rows) and
-    the compressed branch (T/d keys: 64 kv blocks x 4 heads = 256 programs at 64k, each walking
-    16 heads x 1024 q blocks). Folding into C chunks cuts every loop C times and multiplies the
-    programs by C, at the price of C copies of K/V (cheap for the compressed keys; for the
-    selection C <= 16 copies of [Hkv, T, d_k + d_v]). Chunks hold >= FOLD_MIN_ROWS rows (per
-    group: positions x G rows) and whole q blocks. Band masks with as many keys as queries
-    (window, causal) are not folded: their dK/dV loops are short or already well spread."""
-    if torch.device(device).type != "cuda":
-        return 1
-    if not per_group and (kv_len is None or kv_len * 4 > rows):
-        return 1
-    max_chunks = FOLD_MAX_CHUNKS if max_chunks is None else max_chunks
-    C = 1
-    while (C * 2 <= max_chunks and rows % (C * 2) == 0
-           and rows // (C * 2) >= FOLD_MIN_ROWS and (rows // (C * 2)) % q_block == 0):
-        C *= 2
-    return C
-
-
 _installed = False
 
 
