@@ -1,10 +1,11 @@
 """Block sizes and Triton tile options for FlexAttention's NSA masks.
 
-Group-centric packing makes the selection branch's q block small (one position's G heads, e.g.
-16 rows) and its kv block the selection block (64). Default Triton tiles (fwd 128x64, bwd
-64x64 and up) do not divide a 16-row block, so we pass explicit tiles through `kernel_options`
-(fwd BLOCK_M/BLOCK_N, bwd BLOCK_M1/N1/M2/N2 with N1 % M1 == 0 and M2 % N2 == 0, the latter
-lifted by `install_wide_dq_tiles` below).
+The selection runs on our own op (`nsa_flex.ops.selected_triton`) by default; on flex's template
+(`sel_kernel = "flex"`, or where the op does not run) group-centric packing makes the selection
+branch's q block small (one position's G heads, e.g. 16 rows) and its kv block the selection
+block (64). Default Triton tiles (fwd 128x64, bwd 64x64 and up) do not divide a 16-row block, so
+we pass explicit tiles through `kernel_options` (fwd BLOCK_M/BLOCK_N, bwd BLOCK_M1/N1/M2/N2 with
+N1 % M1 == 0 and M2 % N2 == 0).
 
 Workaround for pytorch #176025 (fixed upstream by PR #184797): torch <= 2.13 filters the
 backward configs by the sparse block size *before* applying kernel_options, so a 16-row block
@@ -23,7 +24,6 @@ NSAAttention constructor for a flex / auto backend, and `attention._flex` before
 It must be installed outside any traced region (dynamo cannot trace the patching).
 """
 
-import hashlib
 import math
 
 import torch
@@ -55,9 +55,9 @@ def flex_kernel_options(q: torch.Tensor, block_size: tuple[int, int]) -> dict | 
         return None
     QB, KB = block_size
     bm, bn = _largest_tile(QB), _largest_tile(KB)
-    # dK/dV pass: 16 q rows per step; dQ pass: the q block against N2 keys per step, N2 <= M2
-    # unless the template allows wider steps (install_wide_dq_tiles)
-    n2 = bn if _wide_dq_installed else min(bm, bn)
+    # dK/dV pass: 16 q rows per step; dQ pass: the q block against N2 keys per step (the
+    # template asserts M2 % N2 == 0)
+    n2 = min(bm, bn)
     opts = {"fwd_BLOCK_M": bm, "fwd_BLOCK_N": bn,
             "bwd_BLOCK_M1": 16, "bwd_BLOCK_N1": bn, "bwd_BLOCK_M2": bm, "bwd_BLOCK_N2": n2}
     opts.update(PACKED_OPTIONS.get(q.shape[-1], {}))
@@ -161,42 +161,6 @@ def install_small_block_bwd_configs() -> bool:
     return True
 
 
-# --------------------------------------------------------------------------- wide dQ steps
-# flex's backward template asserts BLOCK_M2 % BLOCK_N2 == 0 in its dQ loop ("otherwise the code
-# wouldn't work"), though nothing in that loop depends on it: each step loads N2 keys of the q
-# block's current sparse kv block, and the kv offsets advance by N2 within a sparse block and jump
-# between blocks by SPARSE_KV_BLOCK_SIZE // N2 steps, for any N2 dividing the kv block. For the
-# packed selection (16-row q blocks) the assert forces 16 x 16 dQ steps, 4 per selected 64-key
-# block. The wrapper below drops only that assert from the template's source (nothing else
-# changes; a torch whose template differs is left alone). Checked: the packed call's gradients
-# equal the reference (experiments/check_flex_gpu.py, case packed, on the H100).
-_DQ_ASSERT = "tl.static_assert(BLOCK_M2 % BLOCK_N2 == 0)"
-_wide_dq_installed = False
-
-
-def install_wide_dq_tiles() -> bool:
-    """Let flex's dQ pass take N2 > M2 (see above). Returns whether it is installed."""
-    global _wide_dq_installed
-    if _wide_dq_installed:
-        return True
-    try:
-        from torch._inductor.kernel.flex import flex_attention as fa
-        from torch._inductor.kernel.flex.common import load_flex_template
-        tmpl = fa.flex_attention_backward_template
-        source = load_flex_template("flex_backwards") + load_flex_template("utilities")
-    except (ImportError, AttributeError):
-        return False
-    if source.count(_DQ_ASSERT) != 1:
-        return False
-    source = source.replace(_DQ_ASSERT, "pass  # N2 > M2 allowed (nsa_flex.kernel_options)")
-    tmpl.template = tmpl._template_from_string(source)
-    if hasattr(tmpl, "_hash"):
-        tmpl._hash = hashlib.sha256(source.encode("utf-8")).hexdigest()
-    _wide_dq_installed = True
-    return True
-
-
 def install_flex_patches() -> None:
-    """Both of this module's patches of inductor's flex backward, where they apply (once)."""
+    """This module's patch of inductor's flex backward, where this torch needs it (once)."""
     install_small_block_bwd_configs()
-    install_wide_dq_tiles()
