@@ -60,6 +60,12 @@ def flex_kernel_options(q: torch.Tensor, block_size: tuple[int, int]) -> dict | 
     n2 = min(bm, bn)
     opts = {"fwd_BLOCK_M": bm, "fwd_BLOCK_N": bn,
             "bwd_BLOCK_M1": 16, "bwd_BLOCK_N1": bn, "bwd_BLOCK_M2": bm, "bwd_BLOCK_N2": n2}
+    if q.dtype.itemsize > 2:
+        # 4/8-byte elements: the tiles take 2-4x the shared memory of the measured 2-byte ones
+        # (fp32 at d_k 192 needed 262656 bytes of 232448): narrower kv steps, no pipelining
+        opts.update(fwd_BLOCK_N=min(bn, 32), bwd_BLOCK_N1=min(bn, 32), bwd_BLOCK_N2=min(n2, 16),
+                    fwd_num_stages=1, bwd_num_stages=1)
+        return opts
     opts.update(PACKED_OPTIONS.get(q.shape[-1], {}))
     return opts
 
@@ -87,8 +93,10 @@ BAND_OPTIONS: dict[int, dict] = {
 
 
 def band_kernel_options(q: torch.Tensor) -> dict | None:
-    """kernel_options of a non-packed flex call for queries q (None: inductor's own choice)."""
-    if q.device.type != "cuda":
+    """kernel_options of a non-packed flex call for queries q (None: inductor's own choice).
+    BAND_OPTIONS were measured for 2-byte elements; other dtypes take inductor's own,
+    dtype-aware configs (the bf16 tiles do not fit shared memory in fp32 at d_k 192)."""
+    if q.device.type != "cuda" or q.dtype.itemsize != 2:
         return None
     return dict(BAND_OPTIONS[q.shape[-1]]) if q.shape[-1] in BAND_OPTIONS else None
 

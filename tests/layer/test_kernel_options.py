@@ -82,6 +82,7 @@ def test_kernel_options_tiles_divide_packed_blocks():
 
     class CudaQ:
         device = torch.device("cuda", 0)
+        dtype = torch.bfloat16
         shape = (1, 64, 4096, 192)
     opts = flex_kernel_options(CudaQ, (qb, kb))
     _check_tiles(opts, qb, kb)
@@ -100,6 +101,7 @@ def test_packed_options_override_by_head_dim(monkeypatch):
 
     class CudaQ:
         device = torch.device("cuda", 0)
+        dtype = torch.bfloat16
         shape = (1, 64, 4096, 192)
     monkeypatch.setattr(ko, "PACKED_OPTIONS", {192: {"bwd_num_stages": 3}})
     got = ko.flex_kernel_options(CudaQ, (16, 64))
@@ -123,7 +125,8 @@ def test_band_kernel_options_by_head_dim(monkeypatch):
     from nsa_flex import kernel_options as ko
 
     monkeypatch.setattr(ko, "BAND_OPTIONS", {192: {"bwd_num_warps": 8}})
-    cuda_q = lambda d: SimpleNamespace(device=SimpleNamespace(type="cuda"), shape=(1, 4, 8, d))
+    cuda_q = lambda d: SimpleNamespace(device=SimpleNamespace(type="cuda"), dtype=torch.bfloat16,
+                                       shape=(1, 4, 8, d))
     got = ko.band_kernel_options(cuda_q(192))
     assert got == {"bwd_num_warps": 8} and got is not ko.BAND_OPTIONS[192]
     assert ko.band_kernel_options(cuda_q(128)) is None
@@ -141,6 +144,7 @@ def test_pack_rows_sets_positions_per_q_block(G, rows, expect):
 
     class CudaQ:
         device = torch.device("cuda", 0)
+        dtype = torch.bfloat16
         shape = (1, 64, 4096, 128)  # a head dim without PACKED_OPTIONS overrides
     bs = packed_block_size(G, Spec, rows=rows)
     assert bs == expect
@@ -166,3 +170,34 @@ def test_pack_rows_same_attention(rows, monkeypatch):
     spec = selection(torch.where(g * ls <= t, g, -1), ls)
     ref = attend_reference(q, k, v, spec)[0]
     torch.testing.assert_close(attend_flex(q, k, v, spec)[0], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_wide_dtypes_get_narrow_tiles_or_inductors_own():
+    """4-byte elements: the packed call's explicit tiles are narrowed and unpipelined, the band
+    calls take inductor's own (dtype-aware) configs; 2-byte elements keep the measured tiles."""
+    from types import SimpleNamespace
+
+    from nsa_flex import kernel_options as ko
+
+    q = lambda dt, d=192: SimpleNamespace(device=SimpleNamespace(type="cuda"), dtype=dt,  # noqa
+                                          shape=(1, 4, 8, d))
+    assert ko.band_kernel_options(q(torch.bfloat16)) == ko.BAND_OPTIONS[192]
+    assert ko.band_kernel_options(q(torch.float32)) is None
+    assert ko.band_kernel_options(q(torch.float64)) is None
+    wide = ko.flex_kernel_options(q(torch.float32), (16, 64))
+    _check_tiles(wide, 16, 64)
+    assert wide["fwd_BLOCK_N"] == 32 and wide["bwd_num_stages"] == 1 and wide["fwd_num_stages"] == 1
+    narrow = ko.flex_kernel_options(q(torch.bfloat16), (16, 64))
+    assert narrow["fwd_BLOCK_N"] == 64 and narrow["bwd_num_stages"] == 3  # PACKED_OPTIONS[192]
+
+
+def test_auto_scorer_only_for_kernel_dtypes():
+    from types import SimpleNamespace
+
+    from nsa_flex.selection import use_triton_scorer
+
+    cfg = SimpleNamespace(scorer="auto")
+    lse = torch.zeros(1)
+    for dt, want in ((torch.bfloat16, True), (torch.float32, True), (torch.float64, False)):
+        q = SimpleNamespace(is_cuda=True, dtype=dt)
+        assert use_triton_scorer(cfg, q, lse) == (want and __import__("nsa_flex.ops").ops.HAS_TRITON)
