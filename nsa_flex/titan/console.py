@@ -4,7 +4,7 @@
 ``warnings`` filter:
 
 * "Building <model> <flavor>with {...}" (a 35-line JSON dump of the model args) becomes a
-  two-line summary of the model and its NSA settings;
+  three-line summary of the model, its NSA settings and the mask builder of each branch;
 * "Peak FLOPS used for computing MFU: nan" (the CPU shim has no peak FLOPS) becomes one line
   saying MFU is unavailable, and each step line shows "mfu: n/a" instead of "mfu: nan%";
 * ANSI colour codes are removed when stdout is not a terminal (a log file, a pipe);
@@ -22,14 +22,27 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _BUILDING = re.compile(r"Building (\S+) (\S+?)\s*with (\{.*\})\s*$", re.S)
 
 
+def branch_builders(a: dict) -> str:
+    """The mask builder of each branch (preset, then the per-branch overrides) and the user's
+    builder modules, e.g. "cmp=compressed_causal sel=topn win=half_window (preset nsa, modules
+    my_masks)"."""
+    from masks import PRESETS
+
+    preset = PRESETS.get(a["masks"], (None, None, None))
+    names = [a.get(k) or p for k, p in zip(("cmp_mask", "sel_mask", "win_mask"), preset)]
+    mods = list(a.get("builder_modules") or ())
+    return (" ".join(f"{b}={n}" for b, n in zip(("cmp", "sel", "win"), names))
+            + f" (preset {a['masks']}" + (f", modules {','.join(mods)})" if mods else ")"))
+
+
 def model_summary(name: str, flavor: str, a: dict) -> str:
-    """Two lines for the model args ``a`` of an nsa_flex model."""
+    """Three lines for the model args ``a`` of an nsa_flex model."""
     return (f"Model {name} {flavor}: dim {a['dim']}, {a['n_layers']} layers, {a['n_heads']} heads / "
             f"{a['n_kv_heads']} KV heads, d_qk {a['d_qk']}, d_v {a['d_v']}, vocab {a['vocab_size']}, "
             f"seq {a['max_seq_len']}\n  NSA: l={a['l']} d={a['d']} l'={a['l_sel']} n={a['n_sel']} "
             f"(init {a['n_init']}, local {a['n_local']}) w={a['window']} phi={a['phi']} "
-            f"masks={a['masks']} backend={a['backend']} scorer={a['scorer']} "
-            f"doc_masking={a['doc_masking']}")
+            f"backend={a['backend']} scorer={a['scorer']} doc_masking={a['doc_masking']}\n"
+            f"  masks: {branch_builders(a)}")
 
 
 class ConsoleFilter(logging.Filter):
