@@ -62,7 +62,8 @@ class ConsoleFilter(logging.Filter):
                 pass
         elif msg.startswith("Peak FLOPS used for computing MFU: nan"):
             new = "MFU: unavailable on this device (no peak FLOPS known); shown as n/a"
-        if "mfu: nan%" in new:
+        if "mfu: nan%" in new:  # no peak FLOPS: no MFU, and the TFLOPS figure says nothing either
+            new = re.sub(r"tflops: [\d,.]+\s*(\x1b\[[0-9;]*m)?mfu: nan%", r"\1mfu: n/a", new)
             new = new.replace("mfu: nan%", "mfu: n/a")
         if not self.color:
             new = _ANSI.sub("", new)
