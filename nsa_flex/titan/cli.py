@@ -109,13 +109,47 @@ def _merged_job_config():
     return ConfigManager._merge_configs(JobConfig, importlib.import_module(CONFIG_MODULE).JobConfig)
 
 
+def check_flags(args: list[str]) -> None:
+    """Every option is ``--section.field`` (or one of nsa-train's own) and no value comes before the
+    first option: reported before torch is imported (the field names themselves are checked by
+    torchtitan's parser)."""
+    own = ("--preflight", "--preflight-full", "--help-all")
+    if args and not args[0].startswith("-"):
+        raise ValueError(f"unexpected argument {args[0]!r}: values follow an option (--SECTION.FIELD VALUE); "
+                         "see nsa-train --help")
+    for a in args:
+        name = a.split("=", 1)[0]
+        if re.fullmatch(r"-\d[\d.]*(e-?\d+)?|-\.\d+|-inf", a):  # a negative value
+            continue
+        if a.startswith("-") and name not in own and not re.fullmatch(r"--[A-Za-z_][\w-]*\.[A-Za-z_][\w.-]*", name):
+            raise ValueError(f"unknown option {name!r}: options are --SECTION.FIELD VALUE (e.g. --training.steps "
+                             "100), --preflight, --preflight-full; see nsa-train --help")
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = build_args(sys.argv[1:] if argv is None else argv)
+    given = sys.argv[1:] if argv is None else list(argv)
+    if "-h" in given or "--help" in given:  # answered before torch is imported
+        from .usage import usage
+
+        print(usage(), end="")
+        sys.exit(0)
+    if "--help-all" in given:
+        given = [a for a in given if a != "--help-all"] + ["--help"]
+    else:
+        try:  # argument and config-file errors, also before torch
+            check_flags(given)
+            check_config_file(given)
+        except ValueError as e:
+            sys.exit(_user_error(str(e)))
+    full = "--preflight-full" in given
+    args = build_args([a for a in given if a != "--preflight-full"])
+    if full and "--preflight" not in args:
+        sys.exit(_user_error("--preflight-full is an option of --preflight (nsa-train --preflight --preflight-full ...)"))
     setup_env()
     if "--preflight" in args:
         from .preflight import main as preflight
 
-        sys.exit(preflight([a for a in args if a != "--preflight"]))
+        sys.exit(preflight([a for a in args if a != "--preflight"], full=full))
     sys.argv = [sys.argv[0]] + args
     from torchtitan.config import ConfigManager
     from torchtitan.train import Trainer, main as titan_main
@@ -123,7 +157,6 @@ def main(argv: list[str] | None = None) -> None:
     from nsa_flex.config import UserError
 
     try:  # parse once up front: every error here is the user's (file, TOML, field, value)
-        check_config_file(args)
         ConfigManager().parse_args(args)
     except (ValueError, TypeError, OSError) as e:
         sys.exit(_user_error(config_error_message(e)))
