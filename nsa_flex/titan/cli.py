@@ -157,9 +157,23 @@ def main(argv: list[str] | None = None) -> None:
     from nsa_flex.config import UserError
 
     try:  # parse once up front: every error here is the user's (file, TOML, field, value)
-        ConfigManager().parse_args(args)
+        jc = ConfigManager().parse_args(args)
     except (ValueError, TypeError, OSError) as e:
         sys.exit(_user_error(config_error_message(e)))
+    problem = _parallelism_problem(jc)
+    par = jc.parallelism
+    if problem and par.data_parallel_shard_degree == -1 and par.data_parallel_replicate_degree == 1:
+        # the default FSDP (shard degree -1 = every rank) on CPU processes: DDP instead, said once
+        world = os.environ.get("WORLD_SIZE", "1")
+        args = args + ["--parallelism.data_parallel_replicate_degree", world,
+                       "--parallelism.data_parallel_shard_degree", "1"]
+        if os.environ.get("RANK", "0") == "0":
+            print(f"nsa-train: warning: {world} processes without CUDA: DDP instead of the default FSDP (gloo "
+                  "lacks FSDP's PREMUL_SUM); set [parallelism] data_parallel_replicate_degree = "
+                  f"{world}, data_parallel_shard_degree = 1 to say so", file=sys.stderr, flush=True)
+        sys.argv = [sys.argv[0]] + args
+    elif problem:  # FSDP asked for explicitly: every rank stops, rank 0 says why
+        sys.exit(_user_error(problem) if os.environ.get("RANK", "0") == "0" else 2)
     try:
         with _titan_parses(args):
             titan_main(Trainer)
@@ -181,6 +195,15 @@ def _titan_parses(args: list[str]):
         yield
     finally:
         ConfigManager.parse_args.__defaults__ = saved
+
+
+def _parallelism_problem(jc) -> str | None:
+    import torch
+
+    from .parallelize import cpu_data_parallel_problem
+
+    return cpu_data_parallel_problem(jc.parallelism, int(os.environ.get("WORLD_SIZE", "1")),
+                                     torch.cuda.is_available())
 
 
 def _user_error(msg: str) -> int:

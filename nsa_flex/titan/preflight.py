@@ -293,9 +293,11 @@ def check_device(cl: Checklist, jc) -> bool:
                f"param {t.mixed_precision_param}, reduce {t.mixed_precision_reduce}", probs)
         return not probs
     par = jc.parallelism
-    if world > 1 and par.data_parallel_shard_degree not in (1,):
-        probs.append("several CPU processes need DDP (parallelism.data_parallel_replicate_degree = N, "
-                     "data_parallel_shard_degree = 1): gloo lacks FSDP's PREMUL_SUM")
+    from .parallelize import cpu_data_parallel_problem
+
+    problem = cpu_data_parallel_problem(par, world, cuda=False)
+    if problem:
+        probs.append(problem)
     if t.mixed_precision_param == "float16":
         probs.append("training.mixed_precision_param='float16' is not supported on the CPU")
     note = "; bf16 autocast is ~25x slower here, use float32" if t.mixed_precision_param == "bfloat16" else ""

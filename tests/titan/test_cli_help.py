@@ -79,3 +79,53 @@ def test_eval_without_out_fails_fast():
                        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert time.perf_counter() - t0 < 9
     assert r.stdout.strip() == "exit 2 False" and "--out is required" in r.stderr, (r.stdout, r.stderr)
+
+
+def _torchrun2(tmp_path, *extra):
+    env = {k: v for k, v in ENV.items()
+           if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    import socket
+
+    with socket.socket() as sock:  # torchrun's --master_port=0 hangs the rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
+                           "-m", "nsa_flex.titan.cli", "--training.steps", "2", "--training.local_batch_size", "2",
+                           "--job.dump_folder", str(tmp_path), *extra],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_default_fsdp_on_cpu_processes_runs_ddp_with_one_warning(tmp_path):
+    """torchrun --nproc_per_node=2 on the CPU with the default (FSDP over every rank): DDP instead,
+    one warning line from rank 0; no gloo PREMUL_SUM error."""
+    r = _torchrun2(tmp_path)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    warnings = [l for l in out.splitlines() if l.startswith("nsa-train: warning:")]
+    assert len(warnings) == 1 and "DDP instead of the default FSDP" in warnings[0], out[-3000:]
+    assert "Applied DDP to the model" in out and "PREMUL_SUM" not in out.replace(warnings[0], "")
+    assert (tmp_path / "metrics.jsonl").read_text().count('"step": 2') == 1
+
+
+def test_explicit_fsdp_on_cpu_processes_is_one_error_line(tmp_path):
+    r = _torchrun2(tmp_path, "--parallelism.data_parallel_shard_degree", "2")
+    out = r.stdout + r.stderr
+    assert r.returncode != 0
+    errors = [l for l in out.splitlines() if l.startswith("nsa-train: error:")]
+    assert len(errors) == 1, out[-3000:]
+    assert ("2 processes without CUDA (gloo) cannot use FSDP" in errors[0]
+            and "--parallelism.data_parallel_replicate_degree 2 --parallelism.data_parallel_shard_degree 1"
+            in errors[0]), errors
+    assert "PREMUL_SUM with Gloo" not in out and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_cpu_data_parallel_rule():
+    from types import SimpleNamespace as NS
+
+    from nsa_flex.titan.parallelize import cpu_data_parallel_problem
+
+    assert cpu_data_parallel_problem(NS(data_parallel_shard_degree=-1), 1, cuda=False) is None
+    assert cpu_data_parallel_problem(NS(data_parallel_shard_degree=-1), 4, cuda=True) is None
+    assert cpu_data_parallel_problem(NS(data_parallel_shard_degree=1), 4, cuda=False) is None
+    assert "replicate_degree 4" in cpu_data_parallel_problem(NS(data_parallel_shard_degree=-1), 4, cuda=False)
