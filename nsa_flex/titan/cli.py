@@ -174,6 +174,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.argv = [sys.argv[0]] + args
     elif problem:  # FSDP asked for explicitly: every rank stops, rank 0 says why
         sys.exit(_user_error(problem) if os.environ.get("RANK", "0") == "0" else 2)
+    from . import console
+
+    console.setup()  # before torchtitan's first log line (the train spec's import installs it too)
     try:
         with _titan_parses(args):
             titan_main(Trainer)

@@ -7,6 +7,9 @@
   three-line summary of the model, its NSA settings and the mask builder of each branch;
 * "Peak FLOPS used for computing MFU: nan" (the CPU shim has no peak FLOPS) becomes one line
   saying MFU is unavailable, and each step line shows "mfu: n/a" instead of "mfu: nan%";
+* "torchtitan version: 0.2.2 (0.0.0 means __version__ is not defined correctly)." becomes
+  "torchtitan 0.2.2"; "Sleeping 2 seconds for other ranks to complete" is dropped in a single
+  process, "Error running lspci ..., fallback to use device_name" always (the device name is right);
 * ANSI colour codes are removed when stdout is not a terminal (a log file, a pipe);
 * torchdata's "'set_vital' is deprecated" UserWarning (raised inside StatefulDataLoader, no
   action of ours can avoid it) is ignored.
@@ -14,11 +17,13 @@
 
 import json
 import logging
+import os
 import re
 import sys
 import warnings
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_VERSION = re.compile(r"torchtitan version: (\S+) \(0\.0\.0 means __version__ is not defined correctly\)\.?")
 _BUILDING = re.compile(r"Building (\S+) (\S+?)\s*with (\{.*\})\s*$", re.S)
 
 
@@ -52,7 +57,11 @@ class ConsoleFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = record.getMessage()
-        new = msg
+        if msg.startswith("Error running lspci"):
+            return False
+        if msg.startswith("Sleeping 2 seconds for other ranks") and os.environ.get("WORLD_SIZE", "1") == "1":
+            return False
+        new = _VERSION.sub(r"torchtitan \1", msg)
         m = _BUILDING.match(msg)
         if m:
             try:

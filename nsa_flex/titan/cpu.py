@@ -120,7 +120,7 @@ def apply() -> None:
     if not _applied:
         from torchtitan.tools.logging import logger
 
-        logger.warning("nsa_flex: no CUDA device; running torchtitan on the CPU (nsa_flex.titan.cpu shim)")
+        logger.info("nsa_flex: no CUDA device; running torchtitan on the CPU (nsa_flex.titan.cpu shim)")
     _applied = True
 
 

@@ -66,6 +66,22 @@ def progress(step: int, total: int, first: tuple[int, float] | None, now: float)
     return f"{step}/{total}", eta
 
 
+class _EndOfRun(logging.Filter):
+    """torchtitan's "Training completed" after a halt (HALT file, SIGTERM) says where it stopped."""
+
+    def __init__(self, processor):
+        super().__init__()
+        self.processor = processor
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        ops = self.processor.ops
+        if record.msg == "Training completed" and ops is not None and ops.halted_at is not None:
+            record.msg = (f"Training halted after step {ops.halted_at} of {self.processor.total_steps} "
+                          f"({ops.halt_reason})")
+            record.args = None
+        return True
+
+
 class _StepProgress(logging.Filter):
     """Rewrites torchtitan's "step: 12" of the first step line to "step: 12/50  eta 1m05s"."""
 
@@ -130,10 +146,13 @@ class NSAMetricsProcessor(MetricsProcessor):
         self.ops: ops_mod.OpsMonitor | None = None
         self._dl_seen = 0  # data_loading_times entries already counted by ops
         self._first_logged: tuple[int, float] | None = None  # (step, time): the ETA's rate
+        self.total_steps = job_config.training.steps  # as configured (a halt lowers training.steps)
         super().__init__(job_config, parallel_dims, tag)
         if tag is None and getattr(job_config, "ops", None) is not None:
             self.ops = ops_mod.OpsMonitor(job_config)
             self.ops.start()
+            self._end = _EndOfRun(self)
+            log.addFilter(self._end)
         self._base_logger = self.logger
         self.jsonl: JsonlLogger | None = None
         name = getattr(job_config.metrics, "jsonl_file", "")
@@ -233,7 +252,7 @@ class NSAMetricsProcessor(MetricsProcessor):
             extra_metrics = {**(extra_metrics or {}), **self._pending}
             self._pending = None
         now = time.perf_counter()
-        shown = _StepProgress(*progress(step, self.job_config.training.steps, self._first_logged, now))
+        shown = _StepProgress(*progress(step, self.total_steps, self._first_logged, now))
         if self._first_logged is None:
             self._first_logged = (step, now)
         log.addFilter(shown)
@@ -259,8 +278,19 @@ class NSAMetricsProcessor(MetricsProcessor):
 
     def close(self) -> None:
         if self.ops is not None:
+            log.removeFilter(self._end)
             self.ops.close()
         super().close()
+        _remove_if_empty(os.path.join(self.job_config.job.dump_folder, self.job_config.comm.save_traces_folder))
+
+
+def _remove_if_empty(folder: str) -> None:
+    """torchtitan creates the flight recorder's dump folder (``[comm] save_traces_folder``) at start;
+    a run that dumped nothing leaves no empty folder behind."""
+    try:
+        os.rmdir(folder)  # only an empty folder; a missing one, or one with dumps, stays as it is
+    except OSError:
+        pass
 
 
 def build_metrics_processor(job_config, parallel_dims, model_args=None, tag: str | None = None):
