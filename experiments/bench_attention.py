@@ -63,6 +63,9 @@ from nsa_flex.selection import select_topn  # noqa: E402
 CONFIGS = {
     "paper": dict(n_heads=64, n_kv_heads=4, d_qk=192, d_v=128, dim=2560),
     "d128": dict(n_heads=64, n_kv_heads=4, d_qk=128, d_v=128, dim=2560),
+    # the attention of torchtitan's 125M flavor without importing torchtitan (the GPU machine has
+    # none installed); tests/experiments/test_bench_attention.py checks it against the flavor
+    "titan_125M": dict(n_heads=16, n_kv_heads=2, d_qk=64, d_v=64, dim=768),
     "tiny": dict(n_heads=4, n_kv_heads=2, d_qk=16, d_v=16, dim=64, l=8, d=4, l_sel=16, n_sel=4,
                  window=32),
 }
@@ -71,7 +74,7 @@ CONFIGS = {
 def config_args(cname: str) -> dict:
     """NSAConfig fields of a bench config: a name above, or "titan_<flavor>" for the attention of a
     torchtitan flavor (nsa_flex.titan.args, e.g. titan_1B: 32 q / 2 KV heads, d 64, dim 2048)."""
-    if cname.startswith("titan_"):
+    if cname.startswith("titan_") and cname not in CONFIGS:
         from dataclasses import asdict
 
         from nsa_flex.titan.args import nsa_flex_args
@@ -83,13 +86,14 @@ def config_args(cname: str) -> dict:
 
 
 STAGES = ["projections", "compression", "score_topn", "mask_build", "attn_compressed",
-          "attn_selected", "attn_selected_packed", "attn_window", "gate_out"]
+          "attn_selected", "attn_selected_flex", "attn_window", "gate_out"]
 BASELINES = ["sdpa_causal", "flex_causal", "fla_parallel_nsa_w0", "full_layer"]
 ITEMS = STAGES + BASELINES + ["nsa_layer"]  # the order items run in
 # layer.csv (issue 14): item names there for the bench's own
 LAYER_ITEMS = {"nsa_layer": "nsa_layer", "full_layer": "full_layer", "sdpa_causal": "sdpa",
                "flex_causal": "flex_causal", "fla_parallel_nsa_w0": "fla_parallel_nsa"}
 MODES = ("fwd", "fwd_bwd")
+SEL_KERNEL = "auto"  # --sel-kernel: the layer's executor of the selection
 REFIRE_S = 5.0  # after the limit, SIGALRM again every REFIRE_S until the phase ends
 
 T0 = time.perf_counter()
@@ -380,7 +384,7 @@ def write_csv(rows, path):
 def build_items(cname, T, dev, dtype, compile_=True):
     """[(name, has_backward, make)] in ITEMS order; make() does the item's setup (shared parts
     through Lazy) and returns its fwd(). Nothing is allocated or compiled before make()."""
-    cfg = NSAConfig(**config_args(cname), backend="flex")
+    cfg = NSAConfig(**config_args(cname), backend="flex", sel_kernel=SEL_KERNEL)
     train = dev == "cuda"  # CPU flex has no backward
     B, H, Hkv, dk, dv = 1, cfg.n_heads, cfg.n_kv_heads, cfg.d_qk, cfg.d_v
     comp = (lambda f: torch.compile(f, fullgraph=True, dynamic=False)) if compile_ else (lambda f: f)
@@ -445,10 +449,10 @@ def build_items(cname, T, dev, dtype, compile_=True):
         f = comp(build)
         return lambda: f(idx)
 
-    def attention(spec, kv):
+    def attention(spec, kv, sel_kernel="auto"):
         def make():
             s, q, kvr = spec(), qs(), kv()
-            f = comp(lambda q_, k_, v_: attend_flex(q_, k_, v_, s)[0])
+            f = comp(lambda q_, k_, v_: attend_flex(q_, k_, v_, s, sel_kernel=sel_kernel)[0])
             return lambda: f(q(), *kvr())
 
         return make
@@ -514,9 +518,8 @@ def build_items(cname, T, dev, dtype, compile_=True):
              ("score_topn", False, score_topn), ("mask_build", False, mask_build),
              ("attn_compressed", train, attention(cspec, kvc)),
              ("attn_selected", train, attention(sspec, kvs)),
-             # the selection as one packed call, forced blocks included (before issue 14)
-             ("attn_selected_packed", train,
-              attention(lambda: replace(sspec(), parts=None), kvs)),
+             # the selection on FlexAttention's template (forced bands + packed scored blocks)
+             ("attn_selected_flex", train, attention(sspec, kvs, "flex")),
              ("attn_window", train, attention(wspec, kvs)), ("gate_out", train, gate_out),
              ("sdpa_causal", train, sdpa_causal), ("flex_causal", train, flex_causal)]
     if _has_fla():
@@ -688,6 +691,12 @@ def main(argv=None):
     ap.add_argument("--packed-options", default="",
                     help="JSON overrides of the packed selection call's kernel_options: sets "
                          "nsa_flex.kernel_options.PACKED_OPTIONS for the paper config's head dim")
+    ap.add_argument("--sel-kernel", default="auto", choices=("auto", "flex", "triton"),
+                    help="NSAConfig.sel_kernel of the layer items (attn_selected always runs auto, "
+                         "attn_selected_flex flex)")
+    ap.add_argument("--sel-rows", type=int, default=0,
+                    help="rows of the selected-attention op's q block (positions x G): sets "
+                         "nsa_flex.ops.selected_triton.ROWS")
     ap.add_argument("--pack-rows", type=int, default=0,
                     help="rows of a packed selection q block at least (a multiple of 16): sets "
                          "nsa_flex.kernel_options.PACK_ROWS (positions per block = lcm(G, rows)/G)")
@@ -723,6 +732,13 @@ def main(argv=None):
                 table[config_args(cname)["d_qk"]] = json.loads(given)
         log(f"kernel_options: band {kernel_options.BAND_OPTIONS}, "
             f"packed {kernel_options.PACKED_OPTIONS}")
+    global SEL_KERNEL
+    SEL_KERNEL = args.sel_kernel
+    if args.sel_rows:
+        from nsa_flex.ops import selected_triton
+
+        selected_triton.ROWS = args.sel_rows
+        log(f"selected_triton: ROWS {args.sel_rows}")
     if args.pack_rows:
         from nsa_flex import kernel_options
 

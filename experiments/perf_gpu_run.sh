@@ -82,7 +82,7 @@ run_step() {
                   --only attn_selected,sdpa_causal,full_layer,nsa_layer ;;
     # issue 14: the changed stages, the old packed selection, and the layers at 64k
     split64k)   step 480 split_64k $B --T 65536 --stages-at 65536 --item-limit 200 \
-                  --only score_topn,attn_compressed,attn_selected,attn_selected_packed,sdpa_causal,full_layer,nsa_layer ;;
+                  --only score_topn,attn_compressed,attn_selected,attn_selected_flex,sdpa_causal,full_layer,nsa_layer ;;
     # issue 14: flex tile options (kernel_options) of the non-packed calls (d_k 192: compressed,
     # window) at 64k. One process per option set (BAND_OPTIONS_SETS: ;-separated JSON dicts, the
     # first is {} = inductor's defaults), TUNE_PAR of them side by side (run_sets).

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from nsa_flex.generate import build_model, load_job_config
 from nsa_flex.rules import forced_and_valid
 from nsa_flex.selection import block_scores, select_topn
-from nsa_flex.titan.data import PASSKEY_NEEDLE, PASSKEY_QUESTION, PasskeyCorpus
+from nsa_flex.data.passkey import PASSKEY_NEEDLE, PASSKEY_QUESTION, PasskeyCorpus
 
 p = argparse.ArgumentParser()
 p.add_argument("--masks", default="nsa")

@@ -92,7 +92,12 @@ def selection(sel_idx: Tensor, l_sel: int) -> MaskSpec:
     sel_idx = sel_idx.sort(dim=-1).values
     slot = torch.arange(n, device=sel_idx.device)
     repeat = (sel_idx == sel_idx.roll(1, dims=-1)) & (slot > 0)
-    sel_idx = captured(torch.where(repeat, -1, sel_idx))
+    sel_idx = torch.where(repeat, -1, sel_idx)
+    m = min(n, -(-T // l_sel))  # causal: at most this many distinct blocks, the other slots are -1
+    if m < n:  # keep the last m slots (valid ones sort after -1): mask_mod's cost stops at m
+        sel_idx, n = sel_idx.sort(dim=-1).values[..., n - m:], m
+    unique = sel_idx
+    sel_idx = captured(unique)
 
     def mask_mod(b, h, q_idx, kv_idx):
         blk = kv_idx // l_sel
@@ -109,7 +114,7 @@ def selection(sel_idx: Tensor, l_sel: int) -> MaskSpec:
                                             mod, lo, hi)
 
     return MaskSpec(mask_mod, heads=H, kv_blocks=kv_blocks, name=f"selection(n={n},l'={l_sel})",
-                    kv_block=l_sel, compact=compact)
+                    kv_block=l_sel, compact=compact, selection=(unique, l_sel))
 
 
 def forced_blocks(l_sel: int, n_init: int, n_local: int, starts: Tensor | None = None

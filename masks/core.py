@@ -72,6 +72,12 @@ class MaskSpec:
     # plain causal attention (the `causal` factory alone): the flex backend on GPU hands it to
     # SDPA's fused causal kernels, what a user of full attention would otherwise run
     is_causal: bool = False
+    # a per-(position, group) block selection (the `selection` factory): (sel_idx [B, H, T, n],
+    # block length), read with the BlockMask by the selected-attention op
+    # (nsa_flex.ops.selected_triton); `row_band`: the band the other masks of an `and_masks`
+    # restrict it to (per query token: keys lo..hi), None for the selection alone
+    selection: tuple[Tensor, int] | None = None
+    row_band: Interval | None = None
 
     @property
     def per_group(self) -> bool:
@@ -354,6 +360,11 @@ def and_masks(*specs: MaskSpec, name: str | None = None) -> MaskSpec:
                 return inner_compact(Q_LEN, KV_LEN, block_size, q_pack, device, l2, h2, mod)
 
     kv_block = next((s.kv_block for s in specs if s.kv_block is not None), None)
+    selection = row_band = None
+    if kv_blocks is not None:
+        inner_spec = next(s for s in specs if s.kv_blocks is not None)
+        if inner_spec.selection is not None and inner_spec.row_band is None:
+            selection, row_band = inner_spec.selection, band
     return MaskSpec(mask_mod, heads=heads, interval=interval, kv_blocks=kv_blocks,
                     name=name or "&".join(s.name for s in specs), kv_block=kv_block,
-                    compact=compact, bands=union)
+                    compact=compact, bands=union, selection=selection, row_band=row_band)

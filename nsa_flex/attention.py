@@ -26,9 +26,10 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import flex_attention
 
 from masks import MaskSpec
-from masks.core import fold_block_mask
+from masks.core import captured, fold_block_mask
 
 from .config import resolve_backend
+from .ops import HAS_TRITON, selected_attention, selected_unsupported, tile_positions, triton_interpreted
 from .kernel_options import (band_kernel_options, flex_kernel_options,
                              install_flex_patches, packed_block_size,
                              query_chunks)
@@ -152,14 +153,55 @@ def merge_parts(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
     return out.to(parts[0][0].dtype), torch.log(den) + m
 
 
+def use_selected_op(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, sel_kernel: str) -> bool:
+    """Whether the flex backend runs `spec` through our selected-attention op
+    (`nsa_flex.ops.selected_attention`, sel_kernel auto | flex | triton) instead of flex's
+    template: only for a per-position block selection (`spec.selection`)."""
+    if spec.selection is None or sel_kernel == "flex":
+        return False
+    why = ("triton is not importable" if not HAS_TRITON else
+           f"it needs CUDA tensors (got {q.device.type}; on CPU only under TRITON_INTERPRET=1)"
+           if not (q.is_cuda or triton_interpreted()) else
+           selected_unsupported(q, k, v, spec.selection[1]))
+    if why is None:
+        return True
+    if sel_kernel == "triton":
+        raise RuntimeError(f"NSAConfig.sel_kernel='triton' cannot run here: {why}; use "
+                           "sel_kernel='auto' or 'flex'")
+    return False
+
+
+def attend_selected(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, scale: float | None = None
+                    ) -> tuple[Tensor, Tensor]:
+    """A per-position block selection through our Triton op, fed by the selection's BlockMask in
+    the packed layout (q block = `tile_positions(G)` positions x G heads, kv block = l')."""
+    sel, l_sel = spec.selection
+    B, Hq, T, Dk, Hkv, S, G, scale = _dims(q, k, scale)
+    P = tile_positions(G)
+    bm = spec.block_mask(B, T, S, device=q.device, block_size=(P * G, l_sel), q_pack=G)
+    # the lists through an opaque op: compiled with a backward, the partitioner otherwise
+    # recomputes the list scatters in the backward graph, where inductor failed to generate them
+    # (torch 2.11, H100: "list indices must be integers or slices, not NoneType")
+    lists = [captured(x) for x in (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks,
+                                   bm.full_kv_indices, bm.q_num_blocks, bm.q_indices,
+                                   bm.full_q_num_blocks, bm.full_q_indices)]
+    lo = hi = None
+    if spec.row_band is not None:
+        lo, hi = spec.row_band(torch.arange(T, device=q.device))
+    return selected_attention(q, k, v, sel, l_sel, lists, lo, hi, scale)
+
+
 def attend_flex(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, scale: float | None = None,
-                q_chunks: int | None = None) -> tuple[Tensor, Tensor]:
+                q_chunks: int | None = None, sel_kernel: str = "auto") -> tuple[Tensor, Tensor]:
     """q_chunks: fold the queries into this many batch chunks (None: `query_chunks` picks it
-    from the shapes; 1: no folding)."""
+    from the shapes; 1: no folding). sel_kernel: see `use_selected_op`."""
     if k.shape[2] == 0:
         return empty_attention(q, v)
+    if use_selected_op(q, k, v, spec, sel_kernel):
+        return attend_selected(q, k, v, spec, scale)
     if spec.parts is not None and q.is_cuda:  # CPU flex returns no lse: one call on the whole
-        return merge_parts([attend_flex(q, k, v, p, scale, q_chunks) for p in spec.parts])
+        return merge_parts([attend_flex(q, k, v, p, scale, q_chunks, sel_kernel)
+                            for p in spec.parts])
     if spec.kv_len is not None and spec.kv_len < k.shape[2]:  # keys past kv_len are never seen
         k, v = k[:, :, :spec.kv_len], v[:, :, :spec.kv_len]
     B, Hq, T, Dk, Hkv, S, G, scale = _dims(q, k, scale)
@@ -201,6 +243,9 @@ def expand_kv_heads(T: int, S: int, G: int, device) -> bool:
 BACKENDS = {"reference": attend_reference, "flex": attend_flex}
 
 
-def attend(q, k, v, spec: MaskSpec, backend: str, scale: float | None = None):
+def attend(q, k, v, spec: MaskSpec, backend: str, scale: float | None = None,
+           sel_kernel: str = "auto"):
     # "auto" picks per device (nsa_flex.config.resolve_backend): flex on CUDA, reference on CPU
-    return BACKENDS[resolve_backend(backend, q.device)](q, k, v, spec, scale)
+    if resolve_backend(backend, q.device) == "flex":
+        return attend_flex(q, k, v, spec, scale, sel_kernel=sel_kernel)
+    return attend_reference(q, k, v, spec, scale)

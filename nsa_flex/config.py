@@ -14,6 +14,7 @@ from .rules import num_cmp
 PHI_CHOICES = ("avg", "mlp")
 BACKEND_CHOICES = ("auto", "flex", "reference")
 SCORER_CHOICES = ("auto", "torch", "triton")
+SEL_KERNEL_CHOICES = ("auto", "flex", "triton")
 
 
 class UserError(Exception):
@@ -107,6 +108,11 @@ class NSAConfig:
                                "triton imports and the compressed branch gives its lse, else torch) | "
                                "torch (the naive reference) | triton (the fused kernel, an error where "
                                "it cannot run)")
+    sel_kernel: str = knob("auto", "executor of per-position block selections (the topn, random and "
+                                   "local selection builders) on the flex backend: auto (our Triton "
+                                   "selected-attention op where it runs: CUDA, bf16/fp16/fp32, l_sel "
+                                   "16-128; else flex) | flex (FlexAttention's template) | triton "
+                                   "(the op; an error where it cannot run)")
     seed: int = knob(0, "seed of the random_selection ablation (a fresh draw per step, reproducible "
                         "per seed)")
 
@@ -114,7 +120,9 @@ class NSAConfig:
         self.validate()
 
     # ------------------------------------------------------------------ validation
-    def validate(self) -> None:
+    def validate(self, seq_len: int | None = None) -> None:
+        """Every violated rule in one :class:`NSAConfigError`. With ``seq_len`` (a training run's
+        sequence length) also: n_sel <= the number of selection blocks ceil(seq_len / l_sel)."""
         errs: list[str] = []
         bad: set[str] = set()  # fields already reported: rules that use them are skipped
         positive = ("dim", "n_heads", "n_kv_heads", "d_qk", "d_v", "l", "d", "l_sel", "n_sel",
@@ -147,6 +155,9 @@ class NSAConfig:
         if ok("n_sel", "n_init", "n_local") and self.n_sel < self.n_init + self.n_local:
             errs.append(f"n_sel={self.n_sel}: must be >= n_init + n_local = "
                         f"{self.n_init + self.n_local} (the forced blocks)")
+        if seq_len is not None and ok("n_sel", "l_sel") and self.n_sel > -(-seq_len // self.l_sel):
+            errs.append(f"n_sel={self.n_sel}: must be <= ceil(seq_len / l_sel) = {-(-seq_len // self.l_sel)}, "
+                        f"the number of selection blocks of a {seq_len}-token sequence")
         if ok("d_qk") and self.d_qk % 2:
             errs.append(f"d_qk={self.d_qk}: must be even (RoPE rotates pairs)")
         if self.phi not in PHI_CHOICES:
@@ -155,6 +166,8 @@ class NSAConfig:
             errs.append(f"backend={self.backend!r}: allowed values are {BACKEND_CHOICES}")
         if self.scorer not in SCORER_CHOICES:
             errs.append(f"scorer={self.scorer!r}: allowed values are {SCORER_CHOICES}")
+        if self.sel_kernel not in SEL_KERNEL_CHOICES:
+            errs.append(f"sel_kernel={self.sel_kernel!r}: allowed values are {SEL_KERNEL_CHOICES}")
         if not isinstance(self.rope_theta, (int, float)) or self.rope_theta <= 0:
             errs.append(f"rope_theta={self.rope_theta!r}: must be a positive number")
         # mask names are checked against the registry (imported lazily: masks imports nothing here),
@@ -176,6 +189,9 @@ class NSAConfig:
             v = getattr(self, name)
             if v is not None and v not in list_mask_builders(kind):
                 errs.append(f"{name}={v!r}: allowed values are {list_mask_builders(kind)}")
+        if not errs and set(self.branch_masks().values()) == {"none"}:
+            errs.append(f"cmp_mask={self.cmp_mask!r}, sel_mask={self.sel_mask!r}, win_mask={self.win_mask!r} "
+                        f"with masks={self.masks!r}: every branch is 'none'; keep at least one branch")
         if errs:
             raise NSAConfigError("invalid NSAConfig:\n  - " + "\n  - ".join(errs), errs)
 

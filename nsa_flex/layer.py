@@ -22,6 +22,29 @@ from .telemetry import STATS_SIZE, layer_stats
 BRANCHES = ("cmp", "sel", "win")
 
 
+def check_inputs(x: Tensor, doc_ids: Tensor | None, dim: int) -> None:
+    """One ValueError for a bad layer input: x [B, T, dim] with B, T >= 1; doc_ids [B, T] of
+    integers, non-decreasing along T (checked in eager mode only: a value check would sync and
+    break a compiled graph)."""
+    if x.dim() != 3 or x.shape[-1] != dim:
+        raise ValueError(f"NSAAttention: x must be [batch, seq_len, dim={dim}], got shape {tuple(x.shape)}")
+    if x.shape[0] == 0 or x.shape[1] == 0:
+        raise ValueError(f"NSAAttention: x has an empty batch or sequence (shape {tuple(x.shape)}): "
+                         "batch and seq_len must be >= 1")
+    if doc_ids is None:
+        return
+    if tuple(doc_ids.shape) != tuple(x.shape[:2]) or doc_ids.is_floating_point() or doc_ids.is_complex():
+        raise ValueError(f"NSAAttention: doc_ids must be integers of shape [batch, seq_len] = "
+                         f"{tuple(x.shape[:2])}, got {doc_ids.dtype} {tuple(doc_ids.shape)}")
+    if not torch.compiler.is_compiling() and doc_ids.shape[1] > 1:
+        down = doc_ids[:, 1:] < doc_ids[:, :-1]
+        if bool(down.any()):
+            b, t = (int(i) for i in down.nonzero()[0])
+            raise ValueError(f"NSAAttention: doc_ids must be non-decreasing along the sequence (packed "
+                             f"documents in order); row {b} goes from {int(doc_ids[b, t])} at position {t} "
+                             f"to {int(doc_ids[b, t + 1])} at position {t + 1}")
+
+
 class NSAAttention(nn.Module):
     def __init__(self, cfg: NSAConfig):
         super().__init__()
@@ -79,6 +102,9 @@ class NSAAttention(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+        """x [B, T, dim] -> [B, T, dim]; doc_ids [B, T] (optional): document ids, non-decreasing
+        along T (packed documents attend only within themselves)."""
+        check_inputs(x, doc_ids, self.cfg.dim)
         cfg, names = self.cfg, self.branch_names
         B, T, _ = x.shape
         cos, sin = rope_cos_sin(torch.arange(T, device=x.device), cfg.d_qk, cfg.rope_theta, x.dtype)
@@ -102,7 +128,7 @@ class NSAAttention(nn.Module):
             k_cmp, v_cmp = self.phi_k(k), self.phi_v(v)
             spec = self.builders["cmp"](ctx) if names["cmp"] != "none" else \
                 get_mask_builder("compressed_causal")(ctx)
-            o, lse_cmp = attend(q, k_cmp, v_cmp, spec, cfg.backend)
+            o, lse_cmp = attend(q, k_cmp, v_cmp, spec, cfg.backend, sel_kernel=cfg.sel_kernel)
             if names["cmp"] != "none":
                 out["cmp"], specs["cmp"] = o, (spec, k_cmp.shape[2])
 
@@ -111,7 +137,7 @@ class NSAAttention(nn.Module):
             if names[b] != "none":
                 k, v = self.project_kv(x, b, cos, sin)
                 specs[b] = (self.builders[b](ctx), T)
-                out[b], _ = attend(q, k, v, specs[b][0], cfg.backend)
+                out[b], _ = attend(q, k, v, specs[b][0], cfg.backend, sel_kernel=cfg.sel_kernel)
 
         # gate (Eq. 5): per head, per branch sigmoid, mixing the branch outputs
         g = torch.sigmoid(self.gate(x)).view(B, T, -1, 3).permute(0, 2, 1, 3)  # [B, H, T, 3]

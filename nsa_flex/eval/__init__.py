@@ -1,5 +1,8 @@
 """Evaluation of trained checkpoints: passkey / multi-key needle retrieval (`needle`), its prompts
-and scores (`prompts`), summaries, heatmaps and the ablation table (`report`).
+and scores (`prompts`), loss by token position (`position_loss`), top-n selection statistics and
+traces (`selection_stats`), held-out documents (`docs`), summaries and figures (`report`).
 
-    python -m nsa_flex.eval --quick --out /tmp/needle_quick      # CLI: see nsa_flex/eval/needle.py
+    python -m nsa_flex.eval --quick --out /tmp/needle_quick                       # needle (default task)
+    python -m nsa_flex.eval --task position-loss --quick --out /tmp/posloss
+    python -m nsa_flex.eval --task selection --quick --out /tmp/selection
 """

@@ -44,6 +44,10 @@ def parse_args(argv=None):
     p.add_argument("--out", help="output folder")
     p.add_argument("--override", action="append", default=[],
                    help="extra torchtitan config flag, e.g. --override=--nsa.window=64")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the scored rows of OUT/needle.csv and evaluate only the missing prompts")
+    p.add_argument("--time-limit", type=float, default=0,
+                   help="stop (cleanly, summary written) after this many seconds; 0 = no limit")
     p.add_argument("--collect", metavar="DIR", help="only build DIR/ablation.csv + .png from DIR/<run>/")
     a = p.parse_args(argv)
     if a.collect:

@@ -9,7 +9,7 @@
     python -m nsa_flex.eval --collect OUT
 
 Prompts (generated offline, deterministic in --seed):
-  * passkey: exactly the training passkey document of nsa_flex/titan/data.py
+  * passkey: exactly the training passkey document of nsa_flex/data/passkey.py
     (``PasskeyCorpus.build``: [BOS] intro, filler, the needle "The pass key is: 12345. Remember it.
     The pass key is: 12345." at the given depth, "What is the pass key? The pass key is:"), cut before
     the answer. A prompt of length L is the training document of seq_len L: with the synthetic
@@ -30,10 +30,14 @@ builders) a full forward per new token. Attention backend per length (--backend 
 compile), else
 ``flex``. Score: the digits at the start of the answer == the key.
 
+Long evaluations in segments: --time-limit S stops cleanly after S seconds (rows, summary and
+heatmap of what was scored; meta.json "complete": false); the same command with --resume keeps the
+scored rows of needle.csv (checked against this run's prompts) and evaluates only the missing ones.
+
 Outputs under --out: needle.csv (kind, length, depth, trial, correct, answer, expected; one row
-written and flushed as soon as it is scored), summary.csv (kind, length, n, correct, accuracy),
-needle_heatmap.png (depth x length accuracy per kind, annotated; needs matplotlib), meta.json; a
-summary line per length is printed. Bad arguments raise errors that name the flag and the value.
+written and flushed as soon as it is scored), summary.csv (kind, length, n, correct, accuracy,
+digits, ci_lo / ci_hi: the 95% Wilson interval of the accuracy), needle_heatmap.png (depth x
+length accuracy per kind, annotated; needs matplotlib), meta.json; a summary line per length is printed. Bad arguments raise errors that name the flag and the value.
 """
 
 import csv
@@ -196,12 +200,24 @@ def evaluate(args) -> dict:
             "filler": filler.kind, "kinds": kinds, "lengths": lengths, "depths": depths,
             "trials": args.trials, "n_keys": args.n_keys, "seed": args.seed, "backend": {}, "seconds": {}}
     path = os.path.join(args.out, "needle.csv")
+    kept = resumed_rows(path, jobs) if args.resume else []
+    done_keys = {(r["kind"], r["length"], r["depth"], r["trial"]) for r in kept}
     rows: list[dict] = []
+    meta["resumed_rows"] = len(kept)
+    meta["complete"] = True
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=FIELDS)
         w.writeheader()
+        w.writerows(kept)
+        rows += kept
         f.flush()
+        if kept:
+            print(f"# --resume: {len(kept)} rows of {path} kept", flush=True)
         for L in lengths:
+            if not meta["complete"]:
+                break
+            if all((k, L, it["depth"], it["trial"]) in done_keys for k in kinds for it in jobs[(k, L)]):
+                continue
             backend = pick_backend(model, L + 8, args.backend, args.device)
             set_backend(model, backend)
             bs = args.batch_size
@@ -210,9 +226,14 @@ def evaluate(args) -> dict:
             meta["backend"][L] = backend
             tL = time.perf_counter()
             for kind in kinds:
-                items = jobs[(kind, L)]
+                items = [it for it in jobs[(kind, L)] if (kind, L, it["depth"], it["trial"]) not in done_keys]
                 queue = [items[s: s + bs] for s in range(0, len(items), bs)]
                 while queue:
+                    if args.time_limit and time.perf_counter() - t0 > args.time_limit:
+                        meta["complete"] = False  # --resume goes on from here
+                        print(f"# --time-limit {args.time_limit}s reached: stopping before {kind} L={L} "
+                              f"({sum(map(len, queue))} prompts left there)", flush=True)
+                        break
                     chunk = queue.pop(0)
                     tb = time.perf_counter()
                     max_new = max(it["answer_tokens"] for it in chunk) + 2
@@ -239,9 +260,11 @@ def evaluate(args) -> dict:
                         f.flush()
                         rows.append(row)
                     done = [r for r in rows if r["kind"] == kind and r["length"] == L]
-                    print(f"  [{kind} L={L} {backend}] {len(done)}/{len(items)} rows, "
+                    print(f"  [{kind} L={L} {backend}] {len(done)}/{len(jobs[(kind, L)])} rows, "
                           f"acc {sum(r['correct'] for r in done) / len(done):.3f}, "
                           f"batch {len(chunk)} in {time.perf_counter() - tb:.1f}s", flush=True)
+                if not meta["complete"]:
+                    break
             meta["seconds"][L] = round(time.perf_counter() - tL, 2)
     summ = write_summary(rows, args.out)
     for s in summ:
@@ -253,8 +276,30 @@ def evaluate(args) -> dict:
     with open(os.path.join(args.out, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
     print(f"# wrote {path}, summary.csv{', needle_heatmap.png' if plotted else ''}, meta.json "
-          f"({meta['total_s']:.1f}s)", flush=True)
+          f"({meta['total_s']:.1f}s){'' if meta['complete'] else '; INCOMPLETE: rerun with --resume'}",
+          flush=True)
     return {"rows": rows, "summary": summ, "meta": meta, "heatmap": png if plotted else None}
+
+
+def resumed_rows(path: str, jobs: dict) -> list[dict]:
+    """The scored rows of an earlier needle.csv (--resume) that belong to this evaluation's prompts;
+    a row whose expected key differs from this run's prompt was made with other settings: error."""
+    if not os.path.isfile(path):
+        return []
+    want = {(k, L, it["depth"], it["trial"]): it["expected"] for (k, L), items in jobs.items() for it in items}
+    out = []
+    for r in csv.DictReader(open(path, newline="")):
+        if r.get("correct") not in ("0", "1"):
+            continue  # a line cut by a kill
+        key = (r["kind"], int(r["length"]), int(r["depth"]), int(r["trial"]))
+        if key not in want:
+            continue
+        if str(r["expected"]) != str(want[key]):
+            raise EvalError(f"--resume: {path} row {key} expects {r['expected']} but this evaluation's "
+                            f"prompt expects {want[key]} (other --seed / --n-keys / --filler?); use a "
+                            "new --out or the same settings")
+        out.append({**r, "length": key[1], "depth": key[2], "trial": key[3], "correct": int(r["correct"])})
+    return out
 
 
 # ---------------------------------------------------------------------- CLI

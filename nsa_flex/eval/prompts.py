@@ -70,7 +70,7 @@ class Filler:
 
     def tokens(self, n: int, trial: int) -> list[int]:
         if self.kind == "synthetic":  # the training documents' kind of filler, one passage per trial
-            from nsa_flex.titan.data import synthetic_filler
+            from nsa_flex.data.passkey import synthetic_filler
 
             got = self._cache.get(trial, [])
             if len(got) < n:
@@ -79,15 +79,9 @@ class Filler:
         got = self._cache.get(trial, [])
         if len(got) < n:
             if self._texts is None:
-                import pyarrow.parquet as pq
+                from .docs import read_texts
 
-                try:
-                    self._texts = [t for t in pq.read_table(self.path, columns=["text"]).column("text")
-                                   .to_pylist() if t]
-                except Exception as e:
-                    raise EvalError(f"--fineweb {self.path!r}: cannot read a 'text' column: {e}") from e
-                if not self._texts:
-                    raise EvalError(f"--fineweb {self.path!r}: no text")
+                self._texts = read_texts(self.path, "text", "--fineweb")
             i = (trial * 37) % len(self._texts)
             start = i
             got = []
@@ -105,8 +99,8 @@ def make_prompt(tok, kind: str, length: int, depth: int, trial: int, filler: Fil
                 n_keys: int = 4, seed: int = 0) -> dict:
     """One prompt of ``length`` (= the training document of seq_len ``length``, cut before the
     answer): {"tokens", "expected", "answer_tokens"}."""
-    from nsa_flex.titan.data import (PASSKEY_ANSWER, PASSKEY_INTRO, DatasetError,
-                                     PasskeyCorpus)
+    from nsa_flex.data.errors import DatasetError
+    from nsa_flex.data.passkey import PASSKEY_ANSWER, PASSKEY_INTRO, PasskeyCorpus
 
     rng = random.Random(f"needle:{seed}:{kind}:{length}:{depth}:{trial}")
     if kind == "passkey":

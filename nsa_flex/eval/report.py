@@ -17,14 +17,26 @@ def summarize(rows: list[dict]) -> list[dict]:
         agg.setdefault((r["kind"], int(r["length"])), []).append(
             (int(r["correct"]), digit_score(r["answer"], str(r["expected"]))))
     return [{"kind": k, "length": L, "n": len(v), "correct": sum(c for c, _ in v),
-             "accuracy": sum(c for c, _ in v) / len(v), "digits": round(sum(d for _, d in v) / len(v), 4)}
+             "accuracy": sum(c for c, _ in v) / len(v), "digits": round(sum(d for _, d in v) / len(v), 4),
+             **dict(zip(("ci_lo", "ci_hi"), (round(x, 4) for x in wilson(sum(c for c, _ in v), len(v)))))}
             for (k, L), v in sorted(agg.items())]
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval (95% for z = 1.96) of a proportion k / n."""
+    if n == 0:
+        return 0.0, 1.0
+    p = k / n
+    c = (p + z * z / (2 * n)) / (1 + z * z / n)
+    h = z * (p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5 / (1 + z * z / n)
+    return max(0.0, c - h), min(1.0, c + h)
 
 
 def write_summary(rows: list[dict], out: str) -> list[dict]:
     summ = summarize(rows)
     with open(os.path.join(out, "summary.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["kind", "length", "n", "correct", "accuracy", "digits"])
+        w = csv.DictWriter(f, fieldnames=["kind", "length", "n", "correct", "accuracy", "digits",
+                                          "ci_lo", "ci_hi"])
         w.writeheader()
         w.writerows(summ)
     return summ
@@ -171,3 +183,120 @@ def _plot_ablation(out: str, runs: list[str], table: list[dict]) -> None:
     fig.tight_layout()
     fig.savefig(os.path.join(out, "ablation.png"), dpi=110)
     plt.close(fig)
+
+
+# ---------------------------------------------------------------------- quality figures
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("# matplotlib missing: no figure", file=sys.stderr)
+        return None
+    return plt
+
+
+def plot_position_loss(runs: dict[str, list[dict]], path: str, title: str = "",
+                       marks: dict[str, int] | None = None) -> bool:
+    """Loss by token position, one curve per run (rows of position_loss.csv: pos_mid, loss,
+    loss_sem), log x axis, +-1 standard error band; ``marks``: label -> position of a vertical
+    line (e.g. the sliding window). False without matplotlib."""
+    plt = _pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for name, rows in runs.items():
+        x = [float(r["pos_mid"]) for r in rows]
+        y = [float(r["loss"]) for r in rows]
+        ax.plot(x, y, marker=".", label=name)
+        sem = [float(r["loss_sem"]) if r.get("loss_sem") not in ("", None) else 0.0 for r in rows]
+        if any(sem):
+            ax.fill_between(x, [a - s for a, s in zip(y, sem)], [a + s for a, s in zip(y, sem)], alpha=0.2)
+    for label, pos in (marks or {}).items():
+        ax.axvline(pos, color="grey", ls=":", lw=1)
+        ax.text(pos, ax.get_ylim()[1], f" {label}", va="top", fontsize=7, color="grey")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("token position (context tokens before it)")
+    ax.set_ylabel("validation loss (nats)")
+    ax.set_title(title or "loss by position", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+TRAIN_LOSS = "loss_metrics/global_avg_loss"
+VAL_LOSS = "validation_metrics/loss"
+
+
+def loss_curves(recs: dict) -> dict[str, list[tuple[int, float]]]:
+    """step -> record (read_metrics) -> {"train": [(tokens seen, loss)], "validation": [...]}.
+    Tokens seen: the record's n_tokens_seen; a step without it (e.g. a validation-only line)
+    gets step x tokens per step of the nearest earlier step that has it."""
+    per_step = None
+    out: dict[str, list[tuple[int, float]]] = {"train": [], "validation": []}
+    for s, r in sorted(recs.items()):
+        if "n_tokens_seen" in r and s > 0:
+            per_step = r["n_tokens_seen"] / s
+        tokens = r.get("n_tokens_seen", None if per_step is None else round(per_step * s))
+        if tokens is None:
+            continue
+        for key, name in ((TRAIN_LOSS, "train"), (VAL_LOSS, "validation")):
+            if key in r:
+                out[name].append((int(tokens), float(r[key])))
+    return out
+
+
+def plot_loss_vs_tokens(runs: dict[str, str], path: str, title: str = "") -> bool:
+    """Training loss (and validation loss, dashed, when logged) against tokens seen, one colour per
+    run; ``runs``: name -> metrics.jsonl path. (Built here until a general metrics.jsonl plotter
+    exists in the library; the quality report calls only this function.)"""
+    plt = _pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for i, (name, mpath) in enumerate(runs.items()):
+        c = loss_curves(read_metrics(mpath))
+        color = f"C{i}"
+        if c["train"]:
+            ax.plot(*zip(*c["train"]), color=color, lw=1, label=f"{name} train")
+        if c["validation"]:
+            ax.plot(*zip(*c["validation"]), color=color, ls="--", marker="o", ms=3, label=f"{name} validation")
+    ax.set_xlabel("tokens seen")
+    ax.set_ylabel("loss (nats)")
+    ax.set_title(title or "loss vs tokens seen", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def plot_selection(stats: list[dict], blocks: list[dict], path: str, title: str = "") -> bool:
+    """Selection figure: per length and layer, the share of picks per distance bin (left) and the
+    picks per absolute block index (right)."""
+    plt = _pyplot()
+    if plt is None:
+        return False
+    fig, (a0, a1) = plt.subplots(1, 2, figsize=(11, 3.8))
+    for r in stats:
+        bins = [k for k in r if k.startswith("dist/")]
+        a0.plot(range(len(bins)), [r[k] for k in bins], marker=".", label=f"L={r['length']} layer {r['layer']}")
+        a0.set_xticks(range(len(bins)), [k[5:] for k in bins], rotation=60, fontsize=7)
+        pts = [(b["block"], b["picks"]) for b in blocks if b["length"] == r["length"] and b["layer"] == r["layer"]]
+        a1.plot(*zip(*pts), lw=0.8, label=f"L={r['length']} layer {r['layer']}")
+    a0.set_xlabel("distance from the query's block (blocks)")
+    a0.set_ylabel("share of picks")
+    a1.set_yscale("log")
+    a1.set_xlabel("selection block index")
+    a1.set_ylabel("picks")
+    for ax in (a0, a1):
+        ax.legend(fontsize=6)
+    fig.suptitle(title or "top-n selection", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

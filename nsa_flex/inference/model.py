@@ -72,7 +72,7 @@ def model_prefill(model, tokens: Tensor, cache: ModelCache, lengths=None) -> Ten
                               device=dev)
     doc_ids = None
     if cache.doc_masking:
-        from nsa_flex.titan.model import doc_ids_from_tokens
+        from nsa_flex.data.documents import doc_ids_from_tokens
 
         doc_ids = doc_ids_from_tokens(tokens, cache.eos_id)
     h = model.tok_embeddings(tokens)

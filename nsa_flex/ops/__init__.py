@@ -2,19 +2,27 @@
 
 `group_slc_scores`: the selection scorer (Eq. 8-10 + Eq. 9) as one Triton kernel, the fast path
 of `nsa_flex.selection.block_scores`; `topn_blocks`: the top-n rule of
-`nsa_flex.rules.pick_blocks` on its scores, in registers. None when triton cannot be imported (the torch path runs).
+`nsa_flex.rules.pick_blocks` on its scores, in registers; `selected_attention`: the selection
+branch's attention (forward and backward) over the selection's BlockMask lists. None when triton cannot be imported (the torch path runs).
 """
 
 try:
     from .scorer_triton import group_slc_scores, interpreted as triton_interpreted
     from .topn_triton import topn_blocks
+    from .selected_triton import selected_attention, tile_positions
+    from .selected_triton import supported as selected_unsupported
 except ImportError:  # no triton: the torch scorer only
     group_slc_scores = None
     topn_blocks = None
+    selected_attention = tile_positions = None
+
+    def selected_unsupported(*args) -> str:
+        return "triton is not importable"
 
     def triton_interpreted() -> bool:
         return False
 
 HAS_TRITON = group_slc_scores is not None
 
-__all__ = ["HAS_TRITON", "group_slc_scores", "topn_blocks", "triton_interpreted"]
+__all__ = ["HAS_TRITON", "group_slc_scores", "selected_attention", "selected_unsupported",
+           "tile_positions", "topn_blocks", "triton_interpreted"]

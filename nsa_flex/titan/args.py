@@ -86,8 +86,8 @@ class NSAModelArgs(BaseModelArgs, _NSAFields):
             )
         if self.doc_masking and self.eos_id < 0:
             raise ValueError("nsa.doc_masking needs a tokenizer with an EOS token")
-        try:  # validate now, naming the offending fields with their TOML section
-            self.nsa_config()
+        try:  # validate now (n_sel against seq_len too), naming the offending fields with their TOML section
+            self.nsa_config().validate(seq_len=self.max_seq_len)
         except NSAConfigError as e:
             def section(rule: str) -> str:  # a rule starts with its first field: "window=-3: ..."
                 field = rule.split("=", 1)[0]

@@ -9,10 +9,29 @@ the metadata unpickles, every storage file it names exists and is long enough); 
 moved to ``<checkpoint folder>/damaged/step-N`` with a warning naming it and why, and the next
 older one is tried. If every one is damaged: one :class:`CheckpointError`. An explicit
 ``load_step`` that is damaged is an error too (never silently another step).
+
+At the start (the same ``load`` call) rank 0 also removes partial ``step-N`` folders (no
+``.metadata``: a save cut short by a kill or a full disk; torchtitan would count them in
+``keep_latest_k``) and checks that the disk holds one more checkpoint (the newest one's size, else
+the model and optimizer state's): :class:`DiskSpaceError` otherwise. Before the chosen checkpoint
+is loaded its ``run_config.json`` (:mod:`nsa_flex.titan.run_record`) is compared with the current
+config: every difference is logged; a model or data-stream change is refused with one
+:class:`ConfigChangeError` naming each field old -> new (``--checkpoint.allow_config_change``
+loads it anyway); after the load the lr schedule is rebuilt from the current config at the
+restored step.
+
+``save`` is wrapped too: the model must be finite (a NaN model is never saved:
+:class:`nsa_flex.titan.ops.NonFiniteError`); a full disk during the save (ENOSPC, or torch's
+"unexpected pos" of a short write) removes the partial folder and raises one
+:class:`DiskSpaceError` naming the folder and the free space; after a save rank 0 writes the
+config record beside the checkpoint and keeps exactly ``keep_latest_k`` step folders (torchtitan
+0.2.2 does not purge after its last-step save).
 """
 
+import errno
 import os
 import re
+import shutil
 
 from torchtitan.tools.logging import logger
 
@@ -23,6 +42,108 @@ DAMAGED = "damaged"  # sub-folder of the checkpoint folder (no "step-N" name: to
 
 class CheckpointError(UserError, RuntimeError):
     """No usable checkpoint to resume from (each damaged folder named, with why)."""
+
+
+class DiskSpaceError(UserError, OSError):
+    """The checkpoint folder's disk is (or would be) full."""
+
+
+class ConfigChangeError(UserError, ValueError):
+    """A resume would load a checkpoint into another model or data stream."""
+
+
+def _rank0() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def _free(folder: str) -> int:
+    while folder and not os.path.isdir(folder):
+        folder = os.path.dirname(folder)
+    return shutil.disk_usage(folder or ".").free
+
+
+def _folder_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
+
+
+def remove_partial(folder: str) -> list[str]:
+    """Remove the ``step-N`` folders of ``folder`` that hold no ``.metadata`` (rank 0); their paths."""
+    gone = []
+    if not _rank0() or not os.path.isdir(folder):
+        return gone
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if re.fullmatch(r"step-\d+", name) and os.path.isdir(path) and \
+                not os.path.isfile(os.path.join(path, ".metadata")):
+            shutil.rmtree(path, ignore_errors=True)
+            logger.warning(f"Removed {path}: a partial checkpoint (no .metadata: the save was cut short)")
+            gone.append(path)
+    return gone
+
+
+def _state_bytes(manager) -> int:
+    """Bytes of a first checkpoint: the model's parameters and two AdamW moments of each (the
+    optimizer state is empty before the first step)."""
+    parts = getattr(manager.states.get("model"), "model", None) or []
+    return 3 * sum(p.numel() * p.element_size() for m in parts for p in m.parameters())
+
+
+def check_free_space(manager) -> None:
+    """One more checkpoint fits on the checkpoint folder's disk; else :class:`DiskSpaceError`."""
+    folder = manager.folder
+    steps = _steps(folder) if os.path.isdir(folder) else []
+    need = _folder_bytes(os.path.join(folder, f"step-{steps[0]}")) if steps else _state_bytes(manager)
+    free = _free(folder)
+    if free < need:
+        raise DiskSpaceError(f"checkpoint folder {folder}: {_gib(free)} free, one checkpoint needs about "
+                             f"{_gib(need)}: free space or set another --job.dump_folder / --checkpoint.folder")
+
+
+def _job_config(manager):
+    trainer = manager.states.get("train_state")
+    return getattr(trainer, "job_config", None)
+
+
+def check_config(manager, path: str) -> None:
+    """Compare the checkpoint ``path``'s config record with the current config (module docstring)."""
+    from . import run_record
+
+    jc = _job_config(manager)
+    if jc is None:
+        return
+    old = run_record.read(path)
+    if old is None:
+        logger.warning(f"Checkpoint {path} has no {run_record.FILE}: its config is not checked")
+        return
+    refused, applied = run_record.compare(old, run_record.record(jc))
+    allow = getattr(jc.checkpoint, "allow_config_change", False)
+    if refused and not allow:
+        raise ConfigChangeError(
+            f"checkpoint {path} was made with another model or data stream: " + "; ".join(refused)
+            + ". Resume with the checkpoint's values, start in a new --job.dump_folder, or pass "
+              "--checkpoint.allow_config_change to load it anyway")
+    for line in refused:
+        logger.warning(f"Resume with a changed model/data field (allow_config_change): {line}")
+    for line in applied:
+        logger.info(f"Resume with a changed setting, applied: {line}")
+
+
+def rebuild_schedule(manager) -> None:
+    from . import run_record
+
+    jc = _job_config(manager)
+    scheds = manager.states.get("lr_scheduler")
+    if jc is None or scheds is None:
+        return
+    for old, new in run_record.rebuild_schedule(scheds, jc.optimizer):
+        logger.info(f"Resume: lr schedule rebuilt from the current config: lr {old:.6g} -> {new:.6g} "
+                    "at the restored step")
 
 
 def check_dcp_folder(path: str) -> str | None:
@@ -79,19 +200,28 @@ def _set_aside(folder: str, step: int, why: str) -> str:
 
 
 def _load(manager, original, step: int) -> bool:
+    path = os.path.join(manager.folder, f"step-{step}")
+    if step > 0 and os.path.isdir(path):
+        check_config(manager, path)
     loaded = original(manager, step)
     if loaded and step > 0:  # mark the resume in metrics.jsonl: the replayed steps follow
         from .metrics import note_resume
 
-        note_resume(step, os.path.join(manager.folder, f"step-{step}"))
+        rebuild_schedule(manager)
+        note_resume(step, path)
     return loaded
 
 
 def load_checked(manager, original, step: int = -1) -> bool:
     """``CheckpointManager.load`` with the integrity check (see the module docstring)."""
     folder = getattr(manager, "folder", None)
-    if not getattr(manager, "enable", False) or not folder or not os.path.isdir(folder):
+    if not getattr(manager, "enable", False) or not folder:
         return original(manager, step)
+    if not getattr(manager, "load_only", False):
+        check_free_space(manager)
+    if not os.path.isdir(folder):
+        return original(manager, step)
+    remove_partial(folder)
     if step != -1:
         why = check_dcp_folder(os.path.join(folder, f"step-{step}"))
         if why and os.path.isdir(os.path.join(folder, f"step-{step}")):
@@ -111,17 +241,67 @@ def load_checked(manager, original, step: int = -1) -> bool:
     return original(manager, step)
 
 
+def _model_finite(manager) -> bool:
+    import torch
+
+    st = manager.states.get("model")
+    parts = getattr(st, "model", None) or []
+    ps = [p.to_local() if hasattr(p, "to_local") else p for m in parts for p in m.parameters()]
+    return not ps or bool(torch.stack([n.float() for n in torch._foreach_norm([p.detach() for p in ps])])
+                          .sum().isfinite())
+
+
+def _space_error(e: BaseException) -> bool:
+    return (isinstance(e, OSError) and e.errno == errno.ENOSPC) or (
+        isinstance(e, RuntimeError) and "unexpected pos" in str(e))
+
+
+def save_checked(manager, original, curr_step: int, last_step: bool = False) -> None:
+    """``CheckpointManager.save`` with the finite check, the disk-full message, the config record
+    and the exact ``keep_latest_k`` (see the module docstring)."""
+    if not manager._should_save(curr_step, last_step):
+        return original(manager, curr_step, last_step)
+    if not _model_finite(manager):
+        from .ops import NonFiniteError
+
+        raise NonFiniteError(f"step {curr_step}: the model holds non-finite weights (NaN/inf); not saved")
+    path = os.path.join(manager.folder, f"step-{curr_step}")
+    try:
+        original(manager, curr_step, last_step)
+    except (OSError, RuntimeError) as e:
+        if not _space_error(e):
+            raise
+        if _rank0():
+            shutil.rmtree(path, ignore_errors=True)
+        raise DiskSpaceError(f"checkpoint folder {manager.folder}: the disk is full ({_gib(_free(manager.folder))} "
+                             f"free) while saving step {curr_step} ({type(e).__name__}: {e}); the partial "
+                             f"{path} is removed, older checkpoints are intact: free space and rerun to "
+                             "resume") from None
+    if _rank0() and os.path.isdir(path):
+        from . import run_record
+
+        jc = _job_config(manager)
+        if jc is not None:
+            run_record.write(path, jc)
+        if last_step:
+            manager._purge_stale_checkpoints()
+
+
 def install() -> None:
-    """Wrap torchtitan's CheckpointManager.load with :func:`load_checked` (idempotent)."""
+    """Wrap torchtitan's CheckpointManager.load and .save with :func:`load_checked` and
+    :func:`save_checked` (idempotent)."""
     from torchtitan.components.checkpoint import CheckpointManager
 
-    original = CheckpointManager.load
+    original, original_save = CheckpointManager.load, CheckpointManager.save
     if getattr(original, "_nsa_checked", False):
         return
 
     def load(self, step: int = -1) -> bool:
         return load_checked(self, original, step)
 
+    def save(self, curr_step: int, last_step: bool = False) -> None:
+        return save_checked(self, original_save, curr_step, last_step)
+
     load._nsa_checked = True
-    load.__doc__ = original.__doc__
-    CheckpointManager.load = load
+    load.__doc__, save.__doc__ = original.__doc__, original_save.__doc__
+    CheckpointManager.load, CheckpointManager.save = load, save

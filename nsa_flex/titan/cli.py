@@ -16,6 +16,14 @@ User errors (an invalid config value, unknown flavor or field, a TOML syntax err
 or checkpoint: :class:`nsa_flex.config.UserError` and config-parsing errors) are printed as one
 short message on stderr, exit code 2; a traceback only for real bugs.
 
+Exit codes: 0 done (or halted by the halt file, SIGTERM or a first Ctrl-C, with a checkpoint to
+resume from); 2 a user error; 3 the loss or the gradient norm was not finite (the non-finite
+guard, :mod:`nsa_flex.titan.ops`: nothing saved from that step on, the last checkpoint is the last
+finite one); ``[ops] stall_exit_code`` after a stall dump.
+
+One run per dump folder: rank 0 locks it (:mod:`nsa_flex.titan.runlock`) before torchtitan starts;
+a second run on it stops at once with one message naming the holder.
+
 ``nsa-train --preflight ...`` (same config and overrides) checks the launch instead of training and
 exits 0 only when every check passes (:mod:`nsa_flex.titan.preflight`).
 """
@@ -156,12 +164,15 @@ def main(argv: list[str] | None = None) -> None:
 
     from nsa_flex.config import UserError
 
+    from .ops import EXIT_NONFINITE, NonFiniteError
+    from .runlock import release_all
+
     try:  # parse once up front: every error here is the user's (file, TOML, field, value)
-        jc = ConfigManager().parse_args(args)
+        job_config = ConfigManager().parse_args(args)
     except (ValueError, TypeError, OSError) as e:
         sys.exit(_user_error(config_error_message(e)))
-    problem = _parallelism_problem(jc)
-    par = jc.parallelism
+    problem = _parallelism_problem(job_config)
+    par = job_config.parallelism
     if problem and par.data_parallel_shard_degree == -1 and par.data_parallel_replicate_degree == 1:
         # the default FSDP (shard degree -1 = every rank) on CPU processes: DDP instead, said once
         world = os.environ.get("WORLD_SIZE", "1")
@@ -178,10 +189,33 @@ def main(argv: list[str] | None = None) -> None:
 
     console.setup()  # before torchtitan's first log line (the train spec's import installs it too)
     try:
+        check_run(job_config)
         with _titan_parses(args):
             titan_main(Trainer)
+    except NonFiniteError as e:
+        sys.exit(_user_error(str(e), EXIT_NONFINITE))
     except UserError as e:
         sys.exit(_user_error(str(e)))
+    finally:
+        release_all()
+
+
+def check_run(job_config) -> None:
+    """Before torchtitan starts (every error a :class:`UserError`): the training numbers are in
+    range, the folders are writable, and rank 0 holds the dump folder's lock."""
+    from nsa_flex.config import UserError
+
+    from .runlock import check_writable, lock_dump_folder
+
+    tr = job_config.training
+    errs = [f"training.{name}={getattr(tr, name)!r}: must be an integer >= 1"
+            for name in ("steps", "local_batch_size", "seq_len")
+            if not isinstance(getattr(tr, name), int) or getattr(tr, name) < 1]
+    if errs:
+        raise UserError("; ".join(errs))
+    check_writable(job_config)
+    if int(os.environ.get("RANK", "0")) == 0:
+        lock_dump_folder(job_config.job.dump_folder)
 
 
 @contextlib.contextmanager
@@ -209,10 +243,10 @@ def _parallelism_problem(jc) -> str | None:
                                      torch.cuda.is_available())
 
 
-def _user_error(msg: str) -> int:
-    """Print a user error as one short message (no traceback); the exit code (2)."""
+def _user_error(msg: str, code: int = 2) -> int:
+    """Print a user error as one short message (no traceback); the exit code (2 by default)."""
     print(f"nsa-train: error: {msg}", file=sys.stderr, flush=True)
-    return 2
+    return code
 
 
 if __name__ == "__main__":

@@ -10,10 +10,12 @@ Sections:
   [nsa]       NSA attention settings. ``None`` (the default) keeps the value of the model flavor;
               plus telemetry: ``telemetry_every``, ``gate_collapse_threshold``, ``gate_collapse_steps``.
   [model]     + ``tokenizer``; defaults name="nsa_flex", flavor="debugmodel".
-  [training]  + ``dataset_config``, ``dataset_text_column``, ``dataset_seed``, ``passkey_mix``, ``passkey_questions``; default
+  [training]  + ``dataset_config``, ``dataset_text_column``, ``dataset_seed``, ``passkey_mix``, ``passkey_questions``,
+              ``skip_bad_records``; default
               dataset "passkey".
   [validation] default dataset "passkey" (validation stream uses its own seed).
   [metrics]   + ``jsonl_file``: per-step metrics (full-precision loss, grad norm, tps, memory) as JSONL.
+  [checkpoint] + ``allow_config_change`` (resume across a model / data-stream change).
   [experimental] default custom_import = "nsa_flex.titan.train_spec".
   [ops]       operating long runs (nsa_flex/titan/ops.py): stall watchdog, SIGUSR1 dumps, HALT file /
               SIGTERM halt, data-wait telemetry; preflight thresholds.
@@ -69,16 +71,22 @@ class Model:
 @dataclass
 class Training:
     dataset: str = "passkey"
-    """passkey (built in, generated) | fineweb_edu (HF streaming, or dataset_path) | local (dataset_path)"""
+    """passkey (built in, generated) | fineweb_edu (HF streaming, or dataset_path) | local (dataset_path) |
+    pysource (the Python source of installed packages, split by package)"""
     dataset_config: str = "sample-10BT"
     """HF config name of fineweb_edu (e.g. sample-10BT, sample-100BT, default)"""
     dataset_text_column: str = "text"
     """text column of parquet/jsonl files"""
     dataset_seed: int = 0
     """seed of the generated passkey corpus"""
-    passkey_mix: float = 0.0
-    """fraction (0..1) of the training sequences of a text dataset (fineweb_edu / local) replaced by
-    generated passkey documents, chosen per sequence index by a seeded hash (0 = none)"""
+    passkey_mix: float | None = None
+    """fraction (0..1) of the training sequences of a text dataset replaced by generated retrieval
+    documents, chosen per sequence index by a seeded hash: passkey documents (fineweb_edu / local),
+    passkey and multi-key needles in source-code filler (pysource). Unset: 0.15 for pysource, 0 else"""
+    skip_bad_records: bool = False
+    """skip data records that cannot be used (a line that is not JSON, a record without the text
+    field, a null or non-string text, undecodable UTF-8), each logged with its file and line / row
+    and counted per file; false = stop at the first with its file and line / row"""
     passkey_questions: int = 1
     """training passkey documents ask the question this many times (1..16): the extra question +
     answer pairs replace filler at random points after the needle (more retrieval targets per
@@ -94,6 +102,13 @@ class Validation:
 class Metrics:
     jsonl_file: str = "metrics.jsonl"
     """per-step metrics file, relative to job.dump_folder ("" disables); written by rank 0, appended"""
+
+
+@dataclass
+class Checkpoint:
+    allow_config_change: bool = False
+    """resume from a checkpoint made with another model or data stream ([model], [nsa], the
+    dataset fields, seq_len, batch size); without it such a resume is refused, naming each field"""
 
 
 @dataclass
@@ -122,7 +137,10 @@ class Ops:
     """creating <dump_folder>/<halt_file> makes every rank stop after the current step, save a
     (full, resumable) checkpoint and exit 0; the file is removed. "" = off"""
     halt_on_sigterm: bool = True
-    """SIGTERM does the same as the halt file (a second SIGTERM kills at once)"""
+    """SIGTERM and a first Ctrl-C (SIGINT) do the same as the halt file (a second one stops at once)"""
+    halt_on_nonfinite: bool = True
+    """stop the run when the loss or the gradient norm is not finite: nothing of that step is
+    saved, an ops dump is written, nsa-train exits with code 3"""
     data_wait_warn_share: float = 0.25
     """warn when waiting for the data loader takes more than this share (0 < x <= 1) of the step
     time ..."""
@@ -140,5 +158,6 @@ class JobConfig:
     training: Training = field(default_factory=Training)
     validation: Validation = field(default_factory=Validation)
     metrics: Metrics = field(default_factory=Metrics)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
     experimental: Experimental = field(default_factory=Experimental)
     ops: Ops = field(default_factory=Ops)

@@ -13,15 +13,10 @@ from torchtitan.models.llama3.model.model import FeedForward
 from torchtitan.models.utils import trunc_normal_
 from torchtitan.protocols.model import ModelProtocol
 
+from nsa_flex.data.documents import doc_ids_from_tokens
 from nsa_flex.layer import NSAAttention
 
 from .args import NSAModelArgs
-
-
-def doc_ids_from_tokens(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """Document index of every position: documents end at (and include) an EOS token."""
-    is_eos = (tokens == eos_id).to(torch.int32)
-    return (torch.cumsum(is_eos, dim=1) - is_eos).to(torch.long)
 
 
 class NSATransformerBlock(nn.Module):

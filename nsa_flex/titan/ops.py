@@ -28,12 +28,28 @@ code (a CUDA sync, an NCCL wait, a blocked read), and the run goes on. Same file
 (``faulthandler.register`` on SIGUSR1 wrote nothing on an H100 once torch.compile had run, though
 the signal was caught and unblocked: experiments/diag_sigusr1.py, NOTES.md 26.)
 
-Halt. ``<dump_folder>/<halt_file>`` (checked by every rank after every step) or SIGTERM: the ranks
+Halt. ``<dump_folder>/<halt_file>`` (checked by every rank after every step) or SIGTERM, or a first SIGINT (Ctrl-C): the ranks
 agree (one MAX all-reduce of a flag on a gloo group per step when world size > 1, so all stop after
 the same step), then ``job_config.training.steps`` is set to the current step. The stock loop then
 saves its "last step" checkpoint right after this step (forced to a full checkpoint, not model-only,
 so it resumes) and ends normally: exit code 0. Rerunning the same command reads ``training.steps``
-from the TOML again and resumes from that checkpoint exactly. Rank 0 removes the halt file.
+from the TOML again and resumes from that checkpoint exactly. Rank 0 removes the halt file. A second SIGTERM or SIGINT ends the
+process at once (the signal's default action), without a checkpoint.
+
+Non-finite guard (``[ops] halt_on_nonfinite``, on by default). After every optimizer step each rank
+checks that its gradients are finite (one fused norm and one host sync per step; a non-finite loss
+or grad norm makes them NaN/inf: torchtitan clips with the non-finite norm), the ranks agree with
+the halt flag, and then every rank writes an ops dump (``stalls/step-N-rank-R.txt``) and raises
+:class:`NonFiniteError` naming the step and the last checkpoint: the step's weights are never
+saved, so the newest checkpoint is the last finite one. ``nsa-train`` exits with
+:data:`EXIT_NONFINITE` (3). Resume from that checkpoint with a lower lr, another seed or
+``[training] max_norm``. How one bad input spreads (CPU, torch 2.13): a NaN at one
+position of one batch row turns every position of that row to NaN, earlier positions and other
+documents too, on the layer's reference path and with SDPA causal attention alike (flash and math
+kernels): the masked probability 0 meets the NaN value in the probabilities-times-values product
+(0 * NaN = NaN); other batch rows stay finite. GPU kernels that skip fully masked blocks may keep
+earlier blocks finite (not checked). In training the backward then reaches every weight, so the
+guard stops the run at that step.
 
 Data wait. torchtitan times each ``next(data_iterator)``; per step the processor passes the sum
 here. Logged (console step line, metrics.jsonl, TensorBoard) per log window as
@@ -98,6 +114,13 @@ def validate(ops) -> list[str]:
 
 class OpsConfigError(ValueError):
     pass
+
+
+EXIT_NONFINITE = 3  # nsa-train's exit code when the non-finite guard stops a run
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or the gradient norm was not finite at a step; nothing of that step was saved."""
 
 
 # ----------------------------------------------------------------------------- stack dumps
@@ -256,10 +279,11 @@ class OpsMonitor:
         self.first_done = False
         self._dumped_step = None  # step whose stall is already dumped
         # halt state
-        self.halt_requested = False  # set by SIGTERM
+        self.halt_requested: str | None = None  # the signal's name, set by SIGTERM / SIGINT
         self.halt_reason: str | None = None
         self.halted_at: int | None = None
-        self._sigterms = 0
+        self._signals = 0
+        self._lock = None
         # data-wait window (since the last log)
         self.win_wait = 0.0
         self.win_steps = 0
@@ -286,7 +310,13 @@ class OpsMonitor:
                             "pipe for this run (restored at the end)")
             self._old_handlers[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, _ignore_signal)
         if self.cfg.halt_on_sigterm and in_main:
-            self._old_handlers[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_sigterm)
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+        if self.rank == 0:  # under `torchrun -m torchtitan.train` too (nsa-train has taken it already)
+            from .runlock import check_writable, lock_dump_folder
+
+            check_writable(self.job_config)
+            self._lock = lock_dump_folder(self.dump_folder)
         d = torch.distributed
         if self.world > 1 and d.is_available() and d.is_initialized():
             # CPU-side agreement on halting: no GPU sync, every rank calls this in the same order
@@ -299,7 +329,7 @@ class OpsMonitor:
               + (f", exit code {self.cfg.stall_exit_code}" if self.cfg.stall_exit_code else "")
               if self.cfg.stall_timeout_s > 0 else "stall watchdog off")
         halt = " or ".join(x for x in ((f"file {self.halt_path}" if self.halt_path else ""),
-                                         ("SIGTERM" if self.cfg.halt_on_sigterm else "")) if x) or "off"
+                                         ("SIGTERM/Ctrl-C" if self.cfg.halt_on_sigterm else "")) if x) or "off"
         log.info(f"ops: rank {self.rank} pid {os.getpid()}: {wd}; dumps in {self.stall_dir}"
                  f"{' (also on SIGUSR1)' if self._pipe else ''}; halt: {halt}")
 
@@ -330,6 +360,9 @@ class OpsMonitor:
             for sig, old in self._old_handlers.items():
                 signal.signal(sig, old)
         self._old_handlers.clear()
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
         if self._group is not None:
             try:
                 torch.distributed.destroy_process_group(self._group)
@@ -379,26 +412,42 @@ class OpsMonitor:
         return _AppendToStepLine(self.console_suffix(metrics))
 
     # ------------------------------------------------------------------ halt
-    def _on_sigterm(self, signum, frame) -> None:
-        self._sigterms += 1
-        if self._sigterms > 1:  # second SIGTERM: the default action, now
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
+    def _on_signal(self, signum, frame) -> None:
+        self._signals += 1
+        if self._signals > 1:  # a second SIGTERM / SIGINT: the signal's default action, now
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
             return
-        self.halt_requested = True
+        self.halt_requested = signal.Signals(signum).name
+        if signum == signal.SIGINT:
+            log.warning("ops: Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again: stop at once)")
+
+    def _grads_finite(self) -> bool:
+        """Every gradient of this rank's model parts is finite (one fused norm, one host sync)."""
+        tr = self.trainer
+        grads = [p.grad for m in (getattr(tr, "model_parts", None) or []) for p in m.parameters()
+                 if p.grad is not None]
+        grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        if not grads:
+            return True
+        return bool(torch.stack([n.float() for n in torch._foreach_norm(grads)]).sum().isfinite())
 
     def _maybe_halt(self, step: int) -> None:
         reason = None
         if self.halt_requested:
-            reason = "SIGTERM"
+            reason = self.halt_requested
         elif self.halt_path and os.path.exists(self.halt_path):
             reason = f"halt file {self.halt_path}"
         flag = reason is not None
+        bad = self.cfg.halt_on_nonfinite and not self._grads_finite()
         if self._group is not None:
-            t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+            t = torch.tensor([1 if flag else 0, 1 if bad else 0], dtype=torch.int32)
             torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self._group)
-            if t.item() and not flag:
+            if t[0].item() and not flag:
                 reason, flag = "requested on another rank", True
+            bad = bool(t[1].item())
+        if bad:
+            self._stop_nonfinite(step)
         if not flag:
             return
         if step >= self.job_config.training.steps:  # the last step: the run ends normally anyway
@@ -416,6 +465,21 @@ class OpsMonitor:
                         "the halt checkpoint holds the model only and will not resume")
         self._consume_halt_file()
         log.warning(f"ops: halt ({reason}) on rank {self.rank}: stopping after step {step}, saving a checkpoint")
+
+    def _stop_nonfinite(self, step: int) -> None:
+        path, _ = self.write_dump(f"non-finite loss or gradient norm at step {step}", self._stacks_now(), step)
+        ck = self.job_config.checkpoint
+        folder = os.path.join(self.dump_folder, ck.folder)
+        steps = sorted(int(n[5:]) for n in (os.listdir(folder) if ck.enable and os.path.isdir(folder) else [])
+                       if re.fullmatch(r"step-\d+", n) and os.path.isfile(os.path.join(folder, n, ".metadata")))
+        last = (f"the last checkpoint is {os.path.join(folder, f'step-{steps[-1]}')} (finite)" if steps
+                else "no checkpoint was saved")
+        msg = (f"step {step}: the loss or the gradient norm is not finite (NaN/inf); stopped before saving "
+               f"anything of this step; {last}; ops dump {path}. Resume with a lower --optimizer.lr, "
+               f"--training.max_norm or another seed ([ops] halt_on_nonfinite = false trains on)")
+        log.error(f"ops: {msg}")
+        self.halted_at = None
+        raise NonFiniteError(msg)
 
     def _consume_halt_file(self) -> None:
         """Rank 0 removes the halt file (all ranks have read it: the agreement came first), so
@@ -440,9 +504,10 @@ class OpsMonitor:
             path = f"{base}.{k}.txt"
         return path
 
-    def write_dump(self, reason: str, stacks: str) -> tuple[str, str]:
-        """Write one dump file; returns (path, innermost project frame of the main thread)."""
-        step = self._step_in_progress()
+    def write_dump(self, reason: str, stacks: str, step: int | None = None) -> tuple[str, str]:
+        """Write one dump file (of ``step``, default the step in progress); returns (path,
+        innermost project frame of the main thread)."""
+        step = self._step_in_progress() if step is None else step
         where = innermost_project_frame(stacks)
         path = self._dump_path(step)
         os.makedirs(self.stall_dir, exist_ok=True)

@@ -98,7 +98,7 @@ def config_problems(jc) -> list[str]:
 
     from . import ops
     from .args import apply_nsa_section, nsa_flex_args
-    from .data import DATASET_CHOICES
+    from .data import DATASET_CHOICES, passkey_mix_of
 
     probs: list[str] = []
     m, t, par = jc.model, jc.training, jc.parallelism
@@ -126,9 +126,10 @@ def config_problems(jc) -> list[str]:
             probs.append(f"{name}={v!r}: must be an integer >= {lo}")
     if t.dataset.lower() not in DATASET_CHOICES:
         probs.append(f"training.dataset={t.dataset!r}: choices {list(DATASET_CHOICES)}")
-    if not 0.0 <= float(t.passkey_mix) <= 1.0:
+    mix = passkey_mix_of(t)
+    if not 0.0 <= float(mix) <= 1.0:
         probs.append(f"training.passkey_mix={t.passkey_mix!r}: must be in [0, 1]")
-    elif t.passkey_mix > 0 and t.dataset.lower() == "passkey":
+    elif mix > 0 and t.dataset.lower() == "passkey":
         probs.append("training.passkey_mix > 0 needs a text dataset (fineweb_edu, local), not 'passkey'")
     if not 1 <= t.passkey_questions <= 16:
         probs.append(f"training.passkey_questions={t.passkey_questions!r}: must be in [1, 16]")

@@ -17,6 +17,8 @@ import os
 
 from torchtitan.components.tokenizer import BaseTokenizer
 
+from nsa_flex.config import UserError
+
 TIKTOKEN_ENCODINGS = ("gpt2", "r50k_base", "cl100k_base")
 TOKENIZER_CHOICES = ("byte",) + TIKTOKEN_ENCODINGS + ("<path>.tiktoken",)
 
@@ -27,7 +29,7 @@ _CL100K_PAT = (
 )
 
 
-class TokenizerError(ValueError):
+class TokenizerError(UserError, ValueError):
     """Unknown tokenizer name, missing or corrupt tokenizer file, encoding not available offline."""
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nsa_flex.titan.data import PasskeyCorpus
+from nsa_flex.data.passkey import PasskeyCorpus
 from nsa_flex.titan.tokenizer import ByteTokenizer, build_tokenizer_from_name
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,7 +43,7 @@ def test_passkey_prompt_is_the_training_document(tok):
     """Synthetic filler: prompt + answer + EOS == the training corpus's document for the same key,
     depth and filler passage; and the corpus's own documents are build(key, depth, filler) of their
     seeded draws (the filler a repeated passage of the document's own seed)."""
-    from nsa_flex.titan.data import synthetic_filler
+    from nsa_flex.data.passkey import synthetic_filler
 
     syn = ne.Filler("synthetic", tok)
     for L in (300, 1000, 4096):
@@ -341,3 +341,51 @@ def test_cli_user_error_exit_code(cmd):
     r = subprocess.run([sys.executable, *cmd, "--quick"], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and "needle_eval: error: --out is required" in r.stderr, r.stderr
+
+
+def test_time_limit_then_resume(tmp_path, monkeypatch):
+    """--time-limit stops between batches (complete: false, the scored rows summarised); --resume
+    keeps them, evaluates only the missing prompts, and ends with every row once; a needle.csv of
+    other settings is refused."""
+    calls = []
+    clock = iter(range(0, 10 ** 6, 10))  # every perf_counter call advances 10 s
+
+    def fake(model, prompts, max_new, mode, eos_id, device):
+        calls.append(len(prompts))
+        return [BYTE.encode("12345.")] * len(prompts)
+
+    monkeypatch.setattr(ne, "generate_batch", fake)
+    monkeypatch.setattr(ne.time, "perf_counter", lambda: next(clock))
+    args = ["--quick", "--out", str(tmp_path), "--depths", "0,50,100", "--lengths", "300,400",
+            "--kinds", "passkey", "--batch-size", "1"]
+    a = ne.main(args + ["--time-limit", "45"])
+    assert not a["meta"]["complete"] and 0 < len(a["rows"]) < 6 and len(calls) == len(a["rows"])
+    first = list(csv.DictReader(open(tmp_path / "needle.csv")))
+    assert len(first) == len(a["rows"])
+    with open(tmp_path / "needle.csv", "a") as f:
+        f.write("passkey,400,100,0,")  # a line cut by a kill
+    calls.clear()
+    monkeypatch.setattr(ne.time, "perf_counter", lambda: 0.0)
+    b = ne.main(args + ["--resume"])
+    rows = list(csv.DictReader(open(tmp_path / "needle.csv")))
+    assert b["meta"]["complete"] and b["meta"]["resumed_rows"] == len(first)
+    assert len(calls) == 6 - len(first) and len(rows) == 6
+    assert sorted((r["length"], r["depth"]) for r in rows) == sorted(
+        (L, d) for L in ("300", "400") for d in ("0", "50", "100"))
+    assert rows[: len(first)] == first
+    summ = list(csv.DictReader(open(tmp_path / "summary.csv")))
+    assert [s["n"] for s in summ] == ["3", "3"]
+    with pytest.raises(ne.EvalError, match=r"--resume: .* expects .*\(other --seed"):
+        ne.main(args + ["--resume", "--seed", "5"])
+
+
+def test_summary_wilson_interval():
+    from nsa_flex.eval.report import summarize, wilson
+
+    lo, hi = wilson(18, 20)
+    assert abs(lo - 0.6990) < 1e-3 and abs(hi - 0.9721) < 1e-3
+    assert wilson(0, 20)[0] == 0.0 and wilson(20, 20)[1] == 1.0
+    rows = [{"kind": "passkey", "length": 4096, "correct": int(i < 18), "answer": "1", "expected": "1"}
+            for i in range(20)]
+    s = summarize(rows)[0]
+    assert (s["n"], s["correct"], s["accuracy"], s["ci_lo"], s["ci_hi"]) == (20, 18, 0.9, 0.699, 0.9721)

@@ -136,3 +136,17 @@ def test_timing_lock_shared_for_compile_exclusive_for_timing(bench, tmp_path, mo
         assert not can(fcntl.LOCK_SH) and not can(fcntl.LOCK_EX)
     assert can(fcntl.LOCK_EX)  # released
     assert bench.locked(lambda a: a + 1, 1) == 2
+
+
+def test_static_titan_config_matches_the_flavor():
+    """bench_attention's static titan_125M entry (used where torchtitan is not installed) is the
+    125M flavor's attention."""
+    from dataclasses import asdict
+
+    from nsa_flex.titan.args import nsa_flex_args
+
+    bench = load_script("bench_attention")
+    c = asdict(nsa_flex_args["125M"].nsa_config())
+    assert bench.CONFIGS["titan_125M"] == {k: c[k] for k in bench.CONFIGS["titan_125M"]}
+    for k in ("l", "d", "l_sel", "n_sel", "window"):  # the rest are the NSAConfig defaults
+        assert c[k] == getattr(bench.NSAConfig(), k)

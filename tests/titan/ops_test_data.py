@@ -4,6 +4,7 @@ two more names whose training data loader misbehaves, to exercise [ops] on CPU.
     --experimental.custom_import tests.titan.ops_test_data   (with the project root on PYTHONPATH)
     --model.name nsa_flex_block    the loader blocks forever when batch BLOCK_AT is requested
     --model.name nsa_flex_slow     the loader sleeps SLOW_S before every batch (same data, same losses)
+    --model.name nsa_flex_nan      the loss is NaN from training step NAN_AT on (the non-finite guard)
 """
 
 import dataclasses
@@ -16,6 +17,7 @@ from nsa_flex.titan import train_spec  # registers "nsa_flex" and applies the CP
 from nsa_flex.titan.data import build_dataloader
 
 BLOCK_AT = 3  # 1-based batch index: step 3 never gets its data
+NAN_AT = 5  # 1-based training step whose loss (and so its gradients) is NaN
 SLOW_S = 0.15
 
 
@@ -56,6 +58,24 @@ def _spec(mode: str):
     return dataclasses.replace(train_spec.get_train_spec(), build_dataloader_fn=build)
 
 
+def _nan_spec():
+    base = train_spec.get_train_spec()
+
+    def build_loss(job_config, **kw):
+        inner, calls = base.build_loss_fn(job_config, **kw), [0]
+
+        def loss(pred, labels):
+            calls[0] += 1  # one call per training step (no gradient accumulation, no validation)
+            out = inner(pred, labels)
+            return out * float("nan") if calls[0] >= NAN_AT else out
+
+        return loss
+
+    return dataclasses.replace(base, build_loss_fn=build_loss)
+
+
 for _mode in ("block", "slow"):
     if f"nsa_flex_{_mode}" not in _extra_train_specs:
         register_train_spec(f"nsa_flex_{_mode}", _spec(_mode))
+if "nsa_flex_nan" not in _extra_train_specs:
+    register_train_spec("nsa_flex_nan", _nan_spec())

@@ -3,6 +3,7 @@ DP sharding, checkpointable streaming, and the errors for bad names, paths and f
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,13 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from nsa_flex.titan.data import (
-    DATASET_CHOICES,
-    DatasetError,
-    PackedTokenDataset,
-    build_source,
-    passkey_document,
-)
+from nsa_flex.data.errors import DatasetError
+from nsa_flex.data.packing import PackedTokenDataset
+from nsa_flex.data.passkey import passkey_document
+from nsa_flex.data.sources import DATASET_CHOICES, build_source
 from nsa_flex.titan.tokenizer import ByteTokenizer, build_tokenizer_from_name
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,131 +39,6 @@ def take(ds, n):
     return [next(it) for _ in range(n)]
 
 
-# ----------------------------------------------------------------------------- passkey
-@pytest.mark.parametrize("seq_len", [128, 256, 1000, 8192])
-def test_passkey_documents_exact_length_and_answer(seq_len):
-    tok = ByteTokenizer()
-    for i in range(5):
-        toks, ans, key = passkey_document(tok, seq_len, i, seed=3)
-        assert len(toks) == seq_len + 1
-        assert toks[0] == tok.bos_id and toks[-1] == tok.eos_id
-        text = tok.decode(toks)
-        assert text.count(f"The pass key is: {key}. Remember it. The pass key is: {key}.") == 1
-        assert text.count(":") == 3  # the cue: two needle mentions and the question
-        assert text.endswith(f"What is the pass key? The pass key is: {key}.")
-        assert tok.decode(toks[ans:-1]) == f" {key}."  # the space before the key is the answer's
-        assert 10000 <= key <= 99999
-        # deterministic
-        assert passkey_document(tok, seq_len, i, seed=3) == (toks, ans, key)
-
-
-@needs_shared
-@pytest.mark.parametrize("name", ["byte", "gpt2", "cl100k_base"])
-def test_passkey_answer_tokens_copy_the_needle(name, offline):
-    """The answer's key tokens occur verbatim (same ids) in the needle, for byte and BPE tokenizers:
-    retrieval is a plain copy. (With the question ending in "is " and the answer "12345." encoded
-    alone, gpt2 gave "12","345" after a lone " " while the needle had " 12","345" -- never a copy.)"""
-    tok = build_tokenizer_from_name(name)
-    for seq_len in (256, 2048):
-        for i in range(200):
-            toks, ans, key = passkey_document(tok, seq_len, i)
-            key_toks = toks[ans:-2]  # the answer without "." and EOS
-            assert tok.decode(key_toks) == f" {key}"
-            hits = [j for j in range(ans - len(key_toks)) if toks[j:j + len(key_toks)] == key_toks]
-            assert len(hits) >= 2, (name, seq_len, i, key)  # both needle mentions
-
-
-def test_passkey_depth_covers_both_ends():
-    """Depth 0 puts the needle right after the head, depth 1 (the evaluation's 100%) right before
-    the question, and a training draw just below 1 reaches that insertion point too (it never did
-    with int(depth * n_fill): no training document had the needle next to the question)."""
-    from nsa_flex.titan.data import PASSKEY_NEEDLE, PASSKEY_QUESTION, PasskeyCorpus
-
-    tok = ByteTokenizer()
-    c = PasskeyCorpus(tok, 257)
-    needle_q = PASSKEY_NEEDLE.format(key=12345) + PASSKEY_QUESTION
-    assert needle_q in tok.decode(c.build(12345, 1.0)[0])
-    assert c.build(12345, 1 - 1e-9) == c.build(12345, 1.0)
-    assert needle_q not in tok.decode(c.build(12345, 0.5)[0])
-    assert tok.decode(c.build(12345, 0.0)[0][1:]).startswith(PASSKEY_NEEDLE.format(key=12345))
-
-
-def test_passkey_varies_with_index_seed_and_split():
-    tok = ByteTokenizer()
-    keys = [passkey_document(tok, 512, i)[2] for i in range(20)]
-    assert len(set(keys)) > 15
-    assert passkey_document(tok, 512, 0, seed=1) != passkey_document(tok, 512, 0, seed=2)
-    assert passkey_document(tok, 512, 0, split="train") != passkey_document(tok, 512, 0, split="validation")
-    # the needle's depth varies
-    depths = {tok.decode(passkey_document(tok, 2048, i)[0]).index("The pass key is") for i in range(10)}
-    assert len(depths) > 5
-
-
-@pytest.mark.parametrize("seq_len", [256, 300, 512, 2048])
-def test_passkey_questions_asks_q_times_after_the_needle(seq_len):
-    """passkey_questions=q: the same document but q question+answer pairs (q-1 at random points after
-    the needle, the last at the end), exact length, deterministic; q=1 is the plain document."""
-    from nsa_flex.titan.data import PASSKEY_QUESTION
-
-    tok = ByteTokenizer()
-    for i in range(20):  # at 256 / 300 the intro is dropped (it was, with extra questions, a wrong length)
-        toks, ans, key = passkey_document(tok, seq_len, i, questions=2 if seq_len < 512 else 4)
-        assert len(toks) == seq_len + 1 and toks[-1] == tok.eos_id
-        text = tok.decode(toks)
-        qa = PASSKEY_QUESTION + f" {key}."
-        assert text.count(qa) == (2 if seq_len < 512 else 4) and text.endswith(qa)
-        assert text.index(qa) > text.index(f"The pass key is: {key}. Remember it.")
-        assert tok.decode(toks[ans:-1]) == f" {key}."
-        assert passkey_document(tok, seq_len, i, questions=2 if seq_len < 512 else 4) == (toks, ans, key)
-        one = passkey_document(tok, seq_len, i)
-        assert one[2] == key and tok.decode(one[0]).count(qa) == 1
-    # the extra questions sit at different distances from the needle
-    gaps = {tok.decode(passkey_document(tok, seq_len, i, questions=2)[0]).index(PASSKEY_QUESTION)
-            for i in range(10)}
-    assert len(gaps) > 5
-
-
-def test_synthetic_filler_is_a_repeated_passage_per_document():
-    """The filler of a document repeats one passage of random sentences (period 3..100 sentences),
-    different per document (seed) and deterministic; so most filler tokens are copies of earlier ones."""
-    from nsa_flex.titan.data import synthetic_filler
-
-    tok = ByteTokenizer()
-    periods = set()
-    for i in range(30):
-        f = synthetic_filler(tok, 4000, f"train:0:{i}")
-        assert len(f) >= 4000 and f == synthetic_filler(tok, 4000, f"train:0:{i}")
-        text = tok.decode(f)
-        period = next(p for p in range(20, len(text)) if text[p:p + 200] == text[:200])
-        assert text[:len(text) - period] == text[period:]  # periodic
-        periods.add(period)
-    assert len(periods) > 20 and min(periods) < 300 and max(periods) > 1500
-    docs = [tok.decode(passkey_document(tok, 1024, i)[0]) for i in range(5)]
-    assert len({d[200:300] for d in docs}) == 5  # each document its own passage
-
-
-@pytest.mark.parametrize("bad", [0, 17, 2.0, True, "4"])
-def test_passkey_questions_out_of_range_errors(bad):
-    with pytest.raises(DatasetError, match=r"training.passkey_questions=.*must be an integer in \[1, 16\]"):
-        passkey_document(ByteTokenizer(), 512, 0, questions=bad)
-    with pytest.raises(DatasetError, match=r"passkey_questions=8 \(needs seq_len >= \d+"):
-        passkey_document(ByteTokenizer(), 256, 0, questions=8)
-
-
-def test_passkey_too_short_sequence_errors():
-    with pytest.raises(DatasetError, match=r"seq_len=32 is too short.*needs seq_len >= \d+"):
-        passkey_document(ByteTokenizer(), 32, 0)
-
-
-@needs_shared
-def test_passkey_with_gpt2_any_length(offline):
-    tok = build_tokenizer_from_name("gpt2")
-    for seq_len in (200, 4096, 32768):
-        toks, ans, key = passkey_document(tok, seq_len, 7)
-        assert len(toks) == seq_len + 1 and toks[-1] == tok.eos_id
-        assert tok.decode(toks[ans:-1]) == f" {key}."  # the space before the key is the answer's
-
-
 def test_passkey_samples_are_whole_documents():
     tok = ByteTokenizer()
     ds = PackedTokenDataset(build_source("passkey", None, tok, 300, seed=5), 300)
@@ -176,13 +49,45 @@ def test_passkey_samples_are_whole_documents():
 
 # ----------------------------------------------------------------------------- packing, sharding, resume
 def test_dp_sharding_keeps_the_global_batch():
-    """Rank r of W keeps packed sequences k % W == r: the union over ranks is the 1-rank stream."""
+    """Passkey: rank r of W reads documents k * W + r: the union over ranks is the 1-rank stream."""
     tok = ByteTokenizer()
     one = [y for _, y in take(PackedTokenDataset(build_source("passkey", None, tok, 200), 200), 8)]
     r0 = [y for _, y in take(PackedTokenDataset(build_source("passkey", None, tok, 200), 200, 0, 2), 4)]
     r1 = [y for _, y in take(PackedTokenDataset(build_source("passkey", None, tok, 200), 200, 1, 2), 4)]
     for i in range(4):
         assert torch.equal(r0[i], one[2 * i]) and torch.equal(r1[i], one[2 * i + 1])
+
+
+@pytest.mark.parametrize("n_files", [1, 4])
+def test_two_ranks_read_disjoint_documents_and_resume_exactly(tmp_path, n_files):
+    """split_dataset_by_node: 2 ranks read disjoint documents that together are the whole corpus
+    (whole files per rank when 2 divides their number, else every other record); each rank's stream
+    resumes exactly from its state."""
+    tok = ByteTokenizer()
+    for f in range(n_files):
+        with open(tmp_path / f"part{f}.jsonl", "w") as fh:
+            for i in range(f, 48, n_files):
+                fh.write(json.dumps({"text": f"<doc {i:02d}> " + "words " * (i % 7 + 2)}) + "\n")
+
+    def stream(rank, n=None, state=None):
+        ds = PackedTokenDataset(build_source("local", str(tmp_path), tok, 32), 32, rank, 2, infinite=False)
+        if state is not None:
+            ds.load_state_dict(state)
+        it = iter(ds)
+        got = [x["input"].tolist() + y[-1:].tolist() for x, y in (it if n is None else (next(it) for _ in range(n)))]
+        return got, ds
+
+    docs = []
+    for rank in (0, 1):
+        seqs, _ = stream(rank)
+        text = tok.decode([t for s in seqs for t in s])
+        docs.append({int(m) for m in re.findall(r"<doc (\d\d)>", text)})
+        head, ds = stream(rank, 3)
+        state = ds.state_dict()
+        rest, _ = stream(rank, state=state)
+        assert head + rest == seqs
+    assert not docs[0] & docs[1]
+    assert len(docs[0]) > 15 and len(docs[1]) > 15 and len(docs[0] | docs[1]) >= 46  # cut at the end
 
 
 def _fineweb_loader(tok, seq_len=512, batch=2):
@@ -294,13 +199,11 @@ def test_corrupt_files_are_named(tmp_path):
         build_source("local", str(bad_jl), tok, 64)
     assert str(bad_jl) in str(e.value)
 
-    # corruption after a valid first record surfaces while streaming, still naming the file
+    # corruption after a valid first record: found by the up-front check, with its line
     late = tmp_path / "late.jsonl"
     late.write_text(json.dumps({"text": "ok " * 10}) + "\n" + "{{{ not json\n")
-    src = build_source("local", str(late), tok, 16)
-    with pytest.raises(DatasetError) as e:
-        list(src)
-    assert str(late) in str(e.value)
+    with pytest.raises(DatasetError, match=f"data file '{late}', line 2: bad record: not valid JSON"):
+        build_source("local", str(late), tok, 16)
 
     no_col = tmp_path / "nocol.jsonl"
     no_col.write_text(json.dumps({"body": "x"}) + "\n")
@@ -325,7 +228,7 @@ def test_trainer_reports_unknown_dataset():
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
     assert p.returncode != 0
-    assert "unknown dataset 'c4_test'; choices: ['passkey', 'fineweb_edu', 'local']" in p.stdout + p.stderr
+    assert "unknown dataset 'c4_test'; choices: ['passkey', 'fineweb_edu', 'local', 'pysource']" in p.stdout + p.stderr
 
 
 def test_validation_loader_restarts_each_pass():
@@ -423,7 +326,7 @@ def test_fineweb_edu_offline_fails_fast(monkeypatch):
 
     import huggingface_hub.constants as hc
 
-    import nsa_flex.titan.data as data
+    import nsa_flex.data.sources as data
 
     probe = data.hub_unreachable
     monkeypatch.setattr(hc, "HF_HUB_OFFLINE", True)  # the real probe: offline mode, no request
@@ -433,3 +336,26 @@ def test_fineweb_edu_offline_fails_fast(monkeypatch):
     with pytest.raises(DatasetError, match=r"hub is unreachable \(test: no network\).*dataset_path"):
         build_source("fineweb_edu", None, ByteTokenizer(), 64)
     assert time.time() - t0 < 5
+
+
+@pytest.mark.slow
+def test_nsa_train_bad_record_names_file_and_line_then_skips(tmp_path):
+    """Through nsa-train: a broken line deep in a jsonl stops before step 1 with its file and line
+    (exit 2, no traceback); ``--training.skip_bad_records`` trains on, logging the skip."""
+    path = tmp_path / "d.jsonl"
+    with open(path, "w") as f:
+        for i in range(1, 3001):
+            f.write('{"text": "cut\n' if i == 2500 else json.dumps({"text": f"document {i} " * 5}) + "\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT")}
+    cmd = [sys.executable, "-m", "nsa_flex.titan.cli", "--training.dataset", "local", "--training.dataset_path",
+           str(path), "--training.steps", "1", "--training.seq_len", "64", "--training.local_batch_size", "2",
+           "--job.dump_folder", str(tmp_path / "out"), "--checkpoint.no-enable"]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert f"nsa-train: error: data file '{path}', line 2500: bad record: not valid JSON" in p.stderr
+    assert "Traceback" not in p.stdout + p.stderr
+    p = subprocess.run(cmd + ["--training.skip_bad_records"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert f"'{path}': 1 bad record(s) in its first 64 MiB (the first at line 2500) will be skipped" in (
+        p.stdout + p.stderr)

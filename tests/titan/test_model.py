@@ -10,7 +10,8 @@ from torchtitan.distributed import ParallelDims
 from nsa_flex.config import NSAConfigError
 from nsa_flex.flops import full_attention_flops, nsa_attention_flops
 from nsa_flex.titan.args import NSAModelArgs, nsa_flex_args
-from nsa_flex.titan.model import NSATransformer, doc_ids_from_tokens
+from nsa_flex.data.documents import doc_ids_from_tokens
+from nsa_flex.titan.model import NSATransformer
 from nsa_flex.titan.parallelize import parallelize_nsa
 
 CFG = "nsa_flex.titan.job_config"

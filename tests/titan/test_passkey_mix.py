@@ -7,7 +7,10 @@ from pathlib import Path
 import pytest
 from torchtitan.config import ConfigManager
 
-from nsa_flex.titan.data import DatasetError, PackedTokenDataset, PasskeyCorpus, build_dataloader
+from nsa_flex.data.errors import DatasetError
+from nsa_flex.data.packing import PackedTokenDataset
+from nsa_flex.data.passkey import PasskeyCorpus
+from nsa_flex.titan.data import build_dataloader
 from nsa_flex.titan.tokenizer import ByteTokenizer
 
 SEQ = 200
@@ -20,6 +23,9 @@ class ListSource:
 
     def __init__(self, docs):
         self.docs, self.i = docs, 0
+
+    def shard(self, rank, world):
+        self.docs = self.docs[rank::world]
 
     def __iter__(self):
         while self.i < len(self.docs):
@@ -83,10 +89,21 @@ def test_mix_fraction_content_and_text_stream():
 
 
 def test_mix_dp_sharding_and_resume():
+    """Rank r of 2: its k-th sequence is passkey document 2k + r when that global index is drawn
+    (disjoint across ranks, the 1-rank mix interleaved), else the next sequence of its own documents."""
     one = [_seq(s) for s in _take(_ds(0.5), 60)]
-    r0 = [_seq(s) for s in _take(_ds(0.5, 0, 2), 30)]
-    r1 = [_seq(s) for s in _take(_ds(0.5, 1, 2), 30)]
-    assert one[0::2] == r0 and one[1::2] == r1
+    corpus = PasskeyCorpus(TOK, SEQ + 1)
+    for r in (0, 1):
+        ds = _ds(0.5, r, 2)
+        got = [_seq(s) for s in _take(ds, 30)]
+        own_text = [_seq(s) for s in _take(PackedTokenDataset(ListSource(DOCS[r::2]), SEQ), 30)]
+        text = []
+        for k, x in enumerate(got):
+            if ds.is_passkey(2 * k + r):
+                assert x == corpus.document(2 * k + r)[0] == one[2 * k + r]
+            else:
+                text.append(x)
+        assert 5 < len(text) < 25 and text == own_text[: len(text)]
     ds = _ds(0.5)
     it = iter(ds)
     for _ in range(23):

@@ -1,0 +1,157 @@
+#!/usr/bin/env bash
+# Long-context quality, one variant: train titan_configs/quality_125m_16k.toml with --nsa.masks VARIANT
+# in resumed segments, then evaluate the final checkpoint (needle retrieval, loss by position,
+# selection statistics and traces) -- every invocation does the next SEGMENT seconds of that work.
+#
+# Usage (device machine, repo root); repeat the same command until it prints "DONE":
+#   bash experiments/quality_runs.sh VARIANT OUT DATA [EXPORT]
+#     VARIANT  nsa | full_causal | sliding_only
+#     OUT      work folder: OUT/VARIANT/{train_*.log, metrics.jsonl, stages.txt, needle/, position_loss/,
+#              selection/, DONE}; checkpoints go to RUNS_DIR/VARIANT (default /tmp/nsa_quality_runs)
+#     DATA     folder with fineweb_sample_2800.parquet, fineweb_edu_sample_150.parquet and
+#              tiktoken_cache/ (e.g. ../shared/data)
+#     EXPORT   optional folder (the device tool's $OUT) that gets OUT/VARIANT as
+#              quality_VARIANT.tgz (no checkpoints) after every invocation
+#   then, with the three variants' OUT:  python experiments/quality_report.py OUT
+#
+# Stages, in order, each done once (OUT/VARIANT/stages.txt records them):
+#   train      until the checkpoint of training.steps exists. A segment ends by SIGTERM at its time
+#              limit: the trainer halts after the current step and saves a full checkpoint (exit 0);
+#              the next invocation resumes from it exactly (same TOML, data position and LR schedule).
+#   needle     python -m nsa_flex.eval (passkey + multikey, LENGTHS x DEPTHS x TRIALS) with
+#              --time-limit and --resume: an evaluation longer than a segment goes on in the next one.
+#   position   python -m nsa_flex.eval --task position-loss (POS_SEQ tokens, VAL_DOCS).
+#   selection  python -m nsa_flex.eval --task selection at SEL_LENGTHS (variants with a selection branch).
+# Knobs (environment): SEGMENT (540 s per invocation), HALT_GRACE (90 s: a halted step + checkpoint),
+#   TRAIN_DATA ($DATA/fineweb_sample_2800.parquet), VAL_DOCS ($DATA/fineweb_edu_sample_150.parquet),
+#   VAL_JOIN (1: its documents are short, so they are joined; 0 for a corpus of long documents),
+#   LENGTHS (4096,8192,16384,32768,65536), DEPTHS (0,10,..,100), TRIALS (20), KINDS (passkey,multikey),
+#   FILLER (fineweb), POS_SEQ (16384), POS_DOCS (16), SEL_LENGTHS (32768,65536), TOML, RUNS_DIR,
+#   TRAIN_ARGS (extra trainer flags --section.field=value / --section.no-flag, also given to every evaluation as
+#   --override), EVAL_ARGS (extra flags of every evaluation), PYTHON (python).
+set -uo pipefail
+USAGE="usage: quality_runs.sh VARIANT OUT DATA [EXPORT]"
+VARIANT=${1:?$USAGE}
+OUT=${2:?$USAGE}
+DATA=${3:?$USAGE}
+EXPORT=${4:-}
+case "$VARIANT" in nsa|full_causal|sliding_only) ;;
+  *) echo "VARIANT must be one of nsa, full_causal, sliding_only; got '$VARIANT'" >&2; exit 2;; esac
+SEGMENT=${SEGMENT:-540}
+HALT_GRACE=${HALT_GRACE:-90}
+case "$SEGMENT" in ''|*[!0-9]*) echo "SEGMENT must be a number of seconds, got '$SEGMENT'" >&2; exit 2;; esac
+[ -d "$DATA" ] || { echo "DATA=$DATA is not a folder" >&2; exit 2; }
+TRAIN_DATA=${TRAIN_DATA:-$DATA/fineweb_sample_2800.parquet}
+VAL_DOCS=${VAL_DOCS:-$DATA/fineweb_edu_sample_150.parquet}
+VAL_JOIN=${VAL_JOIN:-1}
+for f in "$TRAIN_DATA" "$VAL_DOCS"; do [ -f "$f" ] || { echo "no such file: $f (TRAIN_DATA / VAL_DOCS)" >&2; exit 2; }; done
+LENGTHS=${LENGTHS:-4096,8192,16384,32768,65536}
+DEPTHS=${DEPTHS:-0,10,20,30,40,50,60,70,80,90,100}
+TRIALS=${TRIALS:-20}
+KINDS=${KINDS:-passkey,multikey}
+FILLER=${FILLER:-fineweb}
+POS_SEQ=${POS_SEQ:-16384}
+POS_DOCS=${POS_DOCS:-16}
+SEL_LENGTHS=${SEL_LENGTHS:-32768,65536}
+TOML=${TOML:-titan_configs/quality_125m_16k.toml}
+RUNS_DIR=${RUNS_DIR:-/tmp/nsa_quality_runs}
+TRAIN_ARGS=${TRAIN_ARGS:-}
+EVAL_ARGS=${EVAL_ARGS:-}
+PY=${PYTHON:-python}
+[ -f "$TOML" ] || { echo "TOML=$TOML: no such file" >&2; exit 2; }
+for f in $TRAIN_ARGS; do
+  [[ "$f" == --?*.?* ]] || { echo "TRAIN_ARGS: flag '$f' must look like --section.field=value or --section.no-field" >&2; exit 2; }
+done
+JOIN=""; [ "$VAL_JOIN" = 1 ] && JOIN="--join"
+D=$OUT/$VARIANT
+DUMP=$RUNS_DIR/$VARIANT
+mkdir -p "$D" "$DUMP" ${EXPORT:+"$EXPORT"}
+D=$(cd "$D" && pwd)
+DATA=$(cd "$DATA" && pwd)
+[ -d "$DATA/tiktoken_cache" ] && export TIKTOKEN_CACHE_DIR=${TIKTOKEN_CACHE_DIR:-$DATA/tiktoken_cache}
+export PYTHONUNBUFFERED=1 HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+START=$(date +%s)
+left() { echo $(( SEGMENT - ($(date +%s) - START) )); }
+note() { echo "[$(date -u +%FT%TZ) +$(( $(date +%s) - START ))s] $VARIANT: $*" | tee -a "$D/timeline.txt"; }
+done_stage() { grep -qx "$1" "$D/stages.txt" 2>/dev/null; }
+mark() { echo "$1" >> "$D/stages.txt"; }
+OVR="--override=--nsa.masks=$VARIANT"
+for f in $TRAIN_ARGS; do OVR="$OVR --override=$f"; done
+
+export_results() {
+  [ -n "$EXPORT" ] || return 0
+  tar czf "$EXPORT/quality_$VARIANT.tgz" -C "$(dirname "$D")" "$(basename "$D")"
+}
+finish() {  # $1: why this invocation ends
+  export_results
+  if [ -f "$D/DONE" ]; then note "DONE (all stages)"; else note "$1; run the same command again"; fi
+  exit 0
+}
+latest_ckpt() { ls -d "$DUMP"/checkpoint/step-* 2>/dev/null | sort -t- -k2 -n | tail -1; }
+
+# ------------------------------------------------------------------ train
+if ! done_stage train; then
+  # shellcheck disable=SC2086
+  STEPS=$($PY -c "import sys; from nsa_flex.generate import load_job_config
+print(load_job_config(sys.argv[1], sys.argv[2:]).training.steps)" "$TOML" --nsa.masks="$VARIANT" $TRAIN_ARGS) \
+    || { echo "cannot read training.steps from $TOML with TRAIN_ARGS" >&2; exit 2; }
+  t=$(( $(left) - HALT_GRACE ))
+  [ "$t" -ge 30 ] || finish "no time left to train in this segment"
+  ck=$(latest_ckpt)
+  note "train: steps $STEPS, resuming from ${ck:+$(basename "$ck")}${ck:-scratch}, SIGTERM after ${t}s"
+  n=$(ls "$D"/train_*.log 2>/dev/null | wc -l)
+  # shellcheck disable=SC2086
+  timeout -s TERM -k "$HALT_GRACE" "$t" $PY -m nsa_flex.titan.cli --job.config_file "$TOML" \
+    --job.dump_folder "$DUMP" --training.dataset_path "$TRAIN_DATA" --validation.dataset_path "$VAL_DOCS" \
+    --nsa.masks "$VARIANT" $TRAIN_ARGS > "$D/train_$n.log" 2>&1
+  rc=$?
+  [ -f "$DUMP/metrics.jsonl" ] && cp "$DUMP/metrics.jsonl" "$D/"
+  ck=$(latest_ckpt)
+  note "train: rc=$rc, checkpoint ${ck:+$(basename "$ck")}"
+  if [ "$rc" -ne 0 ]; then grep -E "Error|error:" "$D/train_$n.log" | tail -3; finish "training failed (rc=$rc, $D/train_$n.log)"; fi
+  [ "${ck##*step-}" = "$STEPS" ] || finish "training halted at ${ck:+$(basename "$ck")}"
+  mark train
+fi
+CKPT=$(latest_ckpt)
+[ -n "$CKPT" ] || { note "no checkpoint in $DUMP/checkpoint (was this machine restarted? train again)"; exit 1; }
+
+# ------------------------------------------------------------------ evaluations
+if ! done_stage needle; then
+  t=$(( $(left) - 20 ))
+  [ "$t" -ge 60 ] || finish "no time left for the needle evaluation in this segment"
+  note "needle: $KINDS at $LENGTHS, $TRIALS trials, time limit ${t}s"
+  # shellcheck disable=SC2086
+  timeout -k 10 $(( t + 60 )) $PY -m nsa_flex.eval --config "$TOML" $OVR --checkpoint "$CKPT" --lengths "$LENGTHS" \
+    --depths "$DEPTHS" --trials "$TRIALS" --kinds "$KINDS" --filler "$FILLER" --fineweb "$TRAIN_DATA" \
+    --resume --time-limit "$t" --tag "$VARIANT" --out "$D/needle" $EVAL_ARGS >> "$D/needle.log" 2>&1
+  rc=$?
+  grep -E "length +[0-9]+:" "$D/needle.log" | tail -10
+  [ "$rc" -eq 0 ] || finish "needle evaluation failed or was cut (rc=$rc, $D/needle.log)"
+  grep -q '"complete": true' "$D/needle/meta.json" || finish "needle evaluation not complete yet"
+  mark needle
+fi
+if ! done_stage position; then
+  [ "$(left)" -ge 60 ] || finish "no time left for the position loss in this segment"
+  note "position: $POS_DOCS sequences of $POS_SEQ from $VAL_DOCS"
+  # shellcheck disable=SC2086
+  timeout -k 10 "$(left)" $PY -m nsa_flex.eval --task position-loss --config "$TOML" $OVR --checkpoint "$CKPT" \
+    --docs "$VAL_DOCS" $JOIN --seq-len "$POS_SEQ" --max-docs "$POS_DOCS" --tag "$VARIANT" \
+    --out "$D/position_loss" $EVAL_ARGS > "$D/position_loss.log" 2>&1 \
+    || { tail -3 "$D/position_loss.log"; finish "position loss failed or was cut ($D/position_loss.log)"; }
+  mark position
+fi
+if ! done_stage selection; then
+  if [ "$VARIANT" = nsa ]; then
+    [ "$(left)" -ge 60 ] || finish "no time left for the selection statistics in this segment"
+    note "selection: lengths $SEL_LENGTHS"
+    # shellcheck disable=SC2086
+    timeout -k 10 "$(left)" $PY -m nsa_flex.eval --task selection --config "$TOML" $OVR --checkpoint "$CKPT" \
+      --docs "$VAL_DOCS" $JOIN --lengths "$SEL_LENGTHS" --tag "$VARIANT" --out "$D/selection" $EVAL_ARGS \
+      > "$D/selection.log" 2>&1 \
+      || { tail -3 "$D/selection.log"; finish "selection statistics failed or were cut ($D/selection.log)"; }
+  fi
+  mark selection
+fi
+date -u +%FT%TZ > "$D/DONE"
+finish "done"

@@ -1,0 +1,8 @@
+"""The one error type of the data path."""
+
+from nsa_flex.config import UserError
+
+
+class DatasetError(UserError, ValueError):
+    """Unknown dataset name, missing path, unreadable or corrupt data file or record (named in the
+    message with its line or row)."""

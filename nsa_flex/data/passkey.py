@@ -1,0 +1,242 @@
+"""The passkey corpus: deterministic long-context retrieval documents of an exact length.
+
+Document i (seeded by the corpus seed, the split and i) is exactly ``length`` tokens: [BOS] intro,
+filler text with a needle "The pass key is: 12345. Remember it. The pass key is: 12345." at a random
+depth in a filler passage of random sentences that repeats (``synthetic_filler``, new in every
+document), then "What is the pass key? The pass key is: 12345." and EOS (the answer " 12345." with its
+leading space, tokenized as in the needle); so every training sample is one document, for any sequence
+length and tokenizer. ``questions`` = q > 1 asks the question q times: q - 1 extra question + answer
+pairs replace filler at random points after the needle (more retrieval targets per document; the
+evaluation asks once, at the end). :meth:`PasskeyCorpus.build` takes any filler (real text too).
+
+Tokenizers are duck-typed: ``encode(text)``, ``eos_id`` and optionally ``bos_id``.
+"""
+
+import math
+import random
+from typing import Any, Iterator
+
+from torch.utils.data import get_worker_info
+
+from .errors import DatasetError
+
+PASSKEY_INTRO = (
+    "There is an important info hidden inside a lot of irrelevant text. "
+    "Find it and memorize it. I will quiz you about the important information there.\n"
+)
+# Synthetic filler: a passage of random sentences, different in every document, repeated until the
+# document is full. A fixed filler (the classic "The grass is green. The sky is blue. ...") is
+# memorized in the weights and teaches nothing about the context; a
+# per-document passage repeated at a period of ~20 to ~600
+# tokens can only be predicted by copying from earlier in the context -- the induction circuit that
+# retrieval of the key needs, trained on most tokens instead of the key's few, and
+# at distances inside and beyond the sliding window.
+_NOUNS = ("grass", "sky", "sun", "river", "house", "garden", "road", "cloud", "tree", "stone", "bird",
+          "field", "lake", "hill", "door", "lamp", "boat", "bridge", "forest", "window", "city", "cat")
+_ADJS = ("green", "blue", "yellow", "quiet", "old", "small", "bright", "dark", "warm", "cold", "wide",
+         "tall", "calm", "red", "soft", "long", "wet", "round", "empty", "busy", "still", "white")
+_VERBS = ("walked to", "looked at", "painted", "found", "passed", "watched", "left", "crossed", "saw")
+_NAMES = ("Anna", "Ben", "Clara", "David", "Ella", "Frank", "Grace", "Hugo", "Iris", "Jack", "Lena")
+
+
+def _sentence(rng: random.Random) -> str:
+    if rng.random() < 0.5:
+        return f"The {rng.choice(_NOUNS)} is {rng.choice(_ADJS)}. "
+    return f"{rng.choice(_NAMES)} {rng.choice(_VERBS)} the {rng.choice(_ADJS)} {rng.choice(_NOUNS)}. "
+
+
+def synthetic_filler(tokenizer, n: int, seed: str) -> list[int]:
+    """At least ``n`` filler tokens for ``seed``: a passage of 3..100 random sentences (log-uniform),
+    repeated, tokenized at once. Deterministic in (seed, tokenizer)."""
+    rng = random.Random(f"filler:{seed}")
+    unit = "".join(_sentence(rng) for _ in range(int(math.exp(rng.uniform(math.log(3), math.log(100))))))
+    reps, got = 1, tokenizer.encode(unit)
+    while len(got) < n:
+        reps *= 2
+        got = tokenizer.encode(unit * reps)
+    return got
+
+
+# The key follows the cue ":" which nothing else in a synthetic document has: "is" alone occurs
+# three times per filler sentence, so retrieving after "... is" needs a two-token match, and small
+# models trained from scratch learn no copy at all; after ":" it is a one-token
+# match (an induction head). The needle states the key twice, the second a short-range copy of the
+# same pattern.
+PASSKEY_NEEDLE = " The pass key is: {key}. Remember it. The pass key is: {key}. "
+# The space before the key belongs to the answer, as in the needle (": {key}."): with a BPE
+# tokenizer (gpt2) the answer's key tokens are then exactly the needle's (" 60", "494"), so the
+# answer is a plain copy; ": " + "60494." gave different tokens ("60", "494" after a lone " ";
+# a 1-in-4 different digit split too) and no copy to learn.
+PASSKEY_QUESTION = "\nWhat is the pass key? The pass key is:"
+PASSKEY_ANSWER = " {key}."
+
+
+MAX_QUESTIONS = 16
+
+
+def check_questions(questions) -> int:
+    """``[training] passkey_questions``: an int in [1, MAX_QUESTIONS], else DatasetError."""
+    if isinstance(questions, bool) or not isinstance(questions, int) or not 1 <= questions <= MAX_QUESTIONS:
+        raise DatasetError(f"training.passkey_questions={questions!r}: must be an integer in [1, {MAX_QUESTIONS}]")
+    return questions
+
+
+class PasskeyCorpus:
+    """Deterministic passkey documents of exactly ``length`` tokens (``length = seq_len + 1``)."""
+
+    def __init__(self, tokenizer, length: int, seed: int = 0, split: str = "train",
+                 questions: int = 1):
+        check_questions(questions)
+        self.tok = tokenizer
+        self.length = length
+        self.seed = seed
+        self.split = split
+        self.questions = questions
+        self._intro = tokenizer.encode(PASSKEY_INTRO)
+        self._question = tokenizer.encode(PASSKEY_QUESTION)
+        self._bos = [tokenizer.bos_id] if getattr(tokenizer, "bos_id", None) is not None else []
+        self._eos = [tokenizer.eos_id]
+        # the longest needle/answer (5-digit keys) must fit, with at least some filler
+        probe = self._parts(99999)
+        fixed = (len(self._bos) + len(probe[0]) + questions * (len(probe[1]) + len(self._question))
+                 + len(self._eos))
+        if fixed + 8 > length:
+            raise DatasetError(
+                f"passkey: seq_len={length - 1} is too short for a passkey document with "
+                f"passkey_questions={questions} (needs seq_len >= {fixed + 7} with this tokenizer)"
+            )
+
+    def _parts(self, key: int) -> tuple[list[int], list[int]]:
+        return (self.tok.encode(PASSKEY_NEEDLE.format(key=key)), self.tok.encode(PASSKEY_ANSWER.format(key=key)))
+
+    def document(self, index: int) -> tuple[list[int], int, int]:
+        """(tokens, answer_start, key) of document ``index``; tokens[answer_start:-1] is the answer
+        (" 12345.", the space included)."""
+        rng = random.Random(f"passkey:{self.split}:{self.seed}:{index}")
+        key = rng.randint(10000, 99999)
+        depth = rng.random()
+        extra = [rng.random() for _ in range(self.questions - 1)]
+        filler = synthetic_filler(self.tok, self.length, f"{self.split}:{self.seed}:{index}")
+        toks, answer_start = self.build(key, depth, filler, extra_questions=extra)
+        return toks, answer_start, key
+
+    def build(self, key: int, depth: float, filler: list[int] | None = None,
+              extra_questions: list[float] = ()) -> tuple[list[int], int]:
+        """(tokens, answer_start) of the document with pass key ``key`` whose needle sits at
+        ``depth`` (0..1) of the filler; ``filler``: token ids, at least ``length`` of them (default:
+        ``synthetic_filler`` of seed "build"; documents use their own seed, the needle-in-a-haystack
+        evaluation passes one per trial, or real text).
+        ``extra_questions`` (each in [0, 1)): one more question + answer per value, placed at that
+        fraction of the filler that follows the needle (training documents, passkey_questions)."""
+        filler = synthetic_filler(self.tok, self.length, "build") if filler is None else filler
+        needle, answer = self._parts(key)
+        qa = self._question + answer
+        head = self._bos + self._intro
+        tail = qa + self._eos
+        fixed = len(needle) + len(tail) + len(qa) * len(extra_questions)
+        n_fill = self.length - len(head) - fixed
+        if n_fill < 8:  # drop the intro when the sequence is short
+            head = list(self._bos)
+            n_fill = self.length - len(head) - fixed
+        if len(filler) < n_fill:
+            raise DatasetError(f"passkey: filler of {len(filler)} tokens, the document needs {n_fill}")
+        # n_fill + 1 insertion points, from right after the head (depth 0) to right before the
+        # question (depth 1: the evaluation's 100%); a uniform depth in [0, 1) draws each alike
+        # (int(depth * n_fill) never put the needle next to the question in training)
+        cut = min(int(depth * (n_fill + 1)), n_fill)
+        after = filler[cut:n_fill]
+        for f in sorted(extra_questions, reverse=True):  # from the back: earlier cuts stay valid
+            at = min(int(f * (n_fill - cut + 1)), n_fill - cut)
+            after = after[:at] + qa + after[at:]
+        toks = head + filler[:cut] + needle + after + tail
+        assert len(toks) == self.length, (len(toks), self.length)
+        return toks, self.length - len(answer) - len(self._eos)
+
+
+# Multi-key documents: n_keys needles naming different people, the question asks for one of them
+# (the needle evaluation's multikey prompts are these documents cut before the answer).
+MULTIKEY_NAMES = ("Alice", "Bob", "Carol", "David", "Emma", "Frank", "Grace", "Henry", "Irene", "Jack",
+                  "Karen", "Louis", "Maria", "Nora", "Oscar", "Peter")
+MULTI_NEEDLE = " The pass key of {name} is: {key}. Remember it. The pass key of {name} is: {key}. "
+MULTI_QUESTION = "\nWhat is the pass key of {name}? The pass key of {name} is:"  # + PASSKEY_ANSWER
+
+
+def multikey_document(tokenizer, length: int, names: list[str], keys: list[int], depths: list[float],
+                      filler: list[int]) -> tuple[list[int], int]:
+    """(tokens, answer_start) of a document of exactly ``length`` tokens: [BOS] intro, ``filler``
+    with needle i (``names[i]``, ``keys[i]``) inserted at ``depths[i]`` (0..1) of it, the question
+    for ``names[0]`` and its answer " {keys[0]}." and EOS; tokens[answer_start:-1] is the answer.
+    The intro is dropped when the sequence is short; DatasetError when even that does not fit."""
+    needles = [tokenizer.encode(MULTI_NEEDLE.format(name=n, key=k)) for n, k in zip(names, keys)]
+    question = tokenizer.encode(MULTI_QUESTION.format(name=names[0]))
+    answer = tokenizer.encode(PASSKEY_ANSWER.format(key=keys[0]))
+    bos = [tokenizer.bos_id] if getattr(tokenizer, "bos_id", None) is not None else []
+    head = bos + tokenizer.encode(PASSKEY_INTRO)
+    fixed = len(question) + len(answer) + 1 + sum(map(len, needles))
+    n_fill = length - len(head) - fixed
+    if n_fill < 8:
+        head = list(bos)
+        n_fill = length - len(head) - fixed
+    if n_fill < 8:
+        raise DatasetError(f"multi-key: seq_len={length - 1} is too short for a {len(names)}-key document "
+                           f"(needs seq_len >= {len(head) + fixed + 7} with this tokenizer)")
+    if len(filler) < n_fill:
+        raise DatasetError(f"multi-key: filler of {len(filler)} tokens, the document needs {n_fill}")
+    at = [min(int(d * (n_fill + 1)), n_fill) for d in depths]  # insertion points, as PasskeyCorpus.build
+    body, prev = [], 0
+    for i in sorted(range(len(names)), key=lambda i: (at[i], i)):
+        body += filler[prev:at[i]] + needles[i]
+        prev = at[i]
+    body += filler[prev:n_fill]
+    toks = head + body + question + answer + [tokenizer.eos_id]
+    assert len(toks) == length, (len(toks), length)
+    return toks, length - len(answer) - 1
+
+
+def passkey_document(tokenizer, seq_len: int, index: int, seed: int = 0, split: str = "train",
+                     questions: int = 1):
+    """Document ``index`` of the passkey corpus for ``seq_len``: (tokens [seq_len+1], answer_start, key)."""
+    return PasskeyCorpus(tokenizer, seq_len + 1, seed, split, questions).document(index)
+
+
+class PasskeySource:
+    """Stateful stream of passkey documents (token lists) of one data-parallel shard.
+
+    Rank r of W (and DataLoader worker w of n) reads documents ``j * W * n + r * n + w`` for
+    j = 0, 1, ...: the ranks' documents are disjoint and their union is the 1-rank stream.
+    State = j, the number of documents this shard has read."""
+
+    def __init__(self, corpus: PasskeyCorpus):
+        self.corpus = corpus
+        self.doc_idx = 0
+        self.rank, self.world = 0, 1
+
+    def shard(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+
+    def __iter__(self) -> Iterator[list[int]]:
+        info = get_worker_info()
+        n_workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        stride, offset = self.world * n_workers, self.rank * n_workers + worker
+        while True:
+            toks, _, _ = self.corpus.document(self.doc_idx * stride + offset)
+            self.doc_idx += 1
+            yield toks
+
+    def next_epoch(self) -> None:  # infinite already
+        pass
+
+    def restart(self) -> None:
+        self.doc_idx = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"doc_idx": self.doc_idx}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if "doc_idx" not in sd:
+            raise DatasetError(f"the checkpoint's data state {sorted(sd)} is not that of {self.describe()}: "
+                               "it was saved with another dataset")
+        self.doc_idx = int(sd["doc_idx"])
+
+    def describe(self) -> str:
+        return f"passkey(seed={self.corpus.seed}, split={self.corpus.split})"

@@ -1,0 +1,526 @@
+"""Selected attention (paper §3.3.2) as our own Triton op, driven by the selection's BlockMask.
+
+Inputs: q [B, Hq, T, Dk], the branch's k [B, Hkv, T, Dk] and v [B, Hkv, T, Dv], the selection
+`sel` [B, Hkv, T, n] (block indices of l' keys, -1 unused; one list per position and GQA group,
+Eq. 10), a per-position key band `lo`, `hi` [B|1, T] (e.g. the document's first token; keys are
+also never after the query) and the selection BlockMask in the packed layout (query row r = token
+r // G, head r % G; q block = `rows` = P positions x G heads; kv block = l'):
+  * forward and dQ are query-centric: one program per (q block, batch, KV head) holds the G heads of
+    its P positions and walks the block's q-major lists (partial, then full blocks: the union of the
+    P positions' selections), loading each selected K/V block once for all P*G rows;
+  * dK/dV is KV-block-centric: one program per (kv block, batch, KV head) walks the kv-major lists
+    (the inverse index) and gathers the q blocks that selected it into `rows`-row MMA tiles. No
+    atomics. The most-read blocks (block 0, popular blocks: `HEAVY` of them per head) are split over
+    `splits` equal shares of their list; each share writes an fp32 partial that a sum finishes.
+Inside a partial block every row keeps exactly its own selection: row r sees key s iff s's block
+is in sel[t] and lo[t] <= s <= min(hi[t], t). d_k that is not a power of two (192) runs as two
+dots (128 + 64), not padded to 256.
+
+`torch.ops.nsa_flex.selected_attention` is a `triton_op` with autograd (no graph break, no host
+sync, static shapes); under TRITON_INTERPRET=1 it runs on CPU tensors through Triton's
+interpreter (how the CPU tests compare it with the reference backend). lse (natural log, -inf for a
+row that sees nothing) is differentiable too.
+"""
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from torch.library import triton_op, wrap_triton
+
+LOG2E = 1.4426950408889634
+
+# Rows of a q block (positions x G heads) by default, and how many of each head's most-read kv
+# blocks the dK/dV pass splits over the q blocks that read them. Chosen on the H100
+# (experiments/NOTES.md, bench_attention.py --sel-rows).
+ROWS = 16
+HEAVY = 16
+SPLIT_TILES = 256  # q blocks per share of a heavy block's list (at most), sets the share count
+DKV_ROWS = 64  # rows of the dK/dV pass's gathered q tile (several q blocks of one kv block's list)
+
+
+def head_split(d: int) -> tuple[int, int]:
+    """(D1, D2): a head dim as two power-of-two dot widths (D2 = 0: one dot, padded to D1)."""
+    p = triton.next_power_of_2(d)
+    if p == d:
+        return max(d, 16), 0
+    lo = p // 2
+    if d - lo >= 16 and triton.next_power_of_2(d - lo) == d - lo:
+        return lo, d - lo
+    return max(p, 16), 0
+
+
+def padded_group(G: int) -> int:
+    """Rows one position takes in a q block: its G heads, padded to the tensor cores' 16 rows
+    (and to a power of two), so that a q block can always hold a single position."""
+    return max(16, triton.next_power_of_2(G))
+
+
+def tile_positions(G: int, rows: int | None = None) -> int:
+    """Positions per q block: rows // padded_group(G), at least 1. With one position per q block
+    (the default) the BlockMask's lists are the selection itself (no union over positions)."""
+    return max(1, (rows or ROWS) // padded_group(G))
+
+
+def supported(q: Tensor, k: Tensor, v: Tensor, l_sel: int) -> str | None:
+    """Why the op cannot run these inputs (None: it can)."""
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"dtype {q.dtype} (bf16, fp16 and fp32 only)"
+    if l_sel not in (16, 32, 64, 128):
+        return f"selection block l_sel={l_sel} (16, 32, 64 or 128)"
+    if q.shape[-1] < 16 or v.shape[-1] < 16:
+        return "head dims below 16"
+    if q.shape[-1] > 256 or v.shape[-1] > 256:
+        return "head dims above 256"
+    return None
+
+
+# ---------------------------------------------------------------------- Triton helpers
+@triton.jit
+def _rows(tile, BT: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BM: tl.constexpr, T):
+    """Row r of q block `tile`: token tile * BT + r // GP, head r % GP (heads >= G: padding)."""
+    r = tl.arange(0, BM)
+    t = tile * BT + r // GP
+    g = r % GP
+    return t.to(tl.int64), g.to(tl.int64), (t < T) & (g < G)
+
+
+@triton.jit
+def _load_q(ptr, off, ok, D: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr):
+    """Rows at offsets off [R] of a tensor with a contiguous last dim: ([R, D1], [R, D2])."""
+    d1 = tl.arange(0, D1)
+    a = tl.load(ptr + off[:, None] + d1[None, :], mask=ok[:, None] & (d1 < D)[None, :], other=0.0)
+    if D2 > 0:
+        d2 = D1 + tl.arange(0, D2)
+        b = tl.load(ptr + off[:, None] + d2[None, :], mask=ok[:, None], other=0.0)
+    else:
+        b = a
+    return a, b
+
+
+@triton.jit
+def _dot2(a1, a2, b1, b2, D2: tl.constexpr, PREC: tl.constexpr):
+    """a @ b^T over a head dim held as two pieces (a1|a2, b1|b2)."""
+    s = tl.dot(a1, tl.trans(b1), input_precision=PREC)
+    if D2 > 0:
+        s += tl.dot(a2, tl.trans(b2), input_precision=PREC)
+    return s
+
+
+@triton.jit
+def _visible(kk, t, lo, hi, sel, j, row_ok):
+    """[R, BLOCK] visibility of keys kk of block j for rows at tokens t with bands lo..hi and
+    selections sel [R, NP]: the row selected j, and lo <= key <= min(hi, t)."""
+    hit = tl.max((sel == j).to(tl.int32), 1) > 0
+    top = tl.minimum(hi, t)
+    return (hit & row_ok)[:, None] & (kk[None, :] <= top[:, None]) & (kk[None, :] >= lo[:, None])
+
+
+@triton.jit
+def _row_state(SEL, LO, HI, bh, b, t, row_ok, T, s_lb, NSEL: tl.constexpr, NP: tl.constexpr,
+               HAS_BAND: tl.constexpr):
+    """The rows' selections [R, NP] (int32, -1 pads) and key bands lo, hi [R]."""
+    n = tl.arange(0, NP)
+    sel = tl.load(SEL + (bh * T + t)[:, None] * NSEL + n[None, :],
+                  mask=row_ok[:, None] & (n < NSEL)[None, :], other=-1)
+    if HAS_BAND:
+        lo = tl.load(LO + b * s_lb + t, mask=row_ok, other=0)
+        hi = tl.load(HI + b * s_lb + t, mask=row_ok, other=0)
+    else:
+        lo = t * 0
+        hi = t
+    return sel, lo, hi
+
+
+# ---------------------------------------------------------------------- forward
+@triton.jit
+def _fwd_step(acc, m_i, l_i, q1, q2, K, V, koff, voff, j, t, lo, hi, sel, row_ok, T, qk_scale,
+              MASKED: tl.constexpr, BLOCK: tl.constexpr, DK: tl.constexpr, DK1: tl.constexpr,
+              DK2: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr):
+    kk = j.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    k_ok = kk < T
+    k1, k2 = _load_q(K + koff, kk * DK, k_ok, DK, DK1, DK2)
+    dv = tl.arange(0, DVP)
+    v = tl.load(V + voff + kk[:, None] * DV + dv[None, :], mask=k_ok[:, None] & (dv < DV)[None, :],
+                other=0.0)
+    s = _dot2(q1, q2, k1, k2, DK2, PREC) * qk_scale
+    if MASKED:
+        s = tl.where(_visible(kk, t, lo, hi, sel, j, row_ok), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _sel_fwd_kernel(Q, K, V, SEL, LO, HI, KVN, KVI, FKVN, FKVI, O, LSE,
+                    T, HKV, NQB, W, s_lb,
+                    QK_SCALE: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, NSEL: tl.constexpr,
+                    NP: tl.constexpr, BLOCK: tl.constexpr, DK: tl.constexpr, DK1: tl.constexpr,
+                    DK2: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
+                    HAS_BAND: tl.constexpr, PREC: tl.constexpr):
+    tile = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // HKV
+    h = bh % HKV
+    t, g, row_ok = _rows(tile, BT, G, GP, BM, T)
+    qrow = ((b * HKV + h) * G + g) * T + t  # row of q [B, Hq, T, *]
+    q1, q2 = _load_q(Q, qrow * DK, row_ok, DK, DK1, DK2)
+    sel, lo, hi = _row_state(SEL, LO, HI, bh, b, t, row_ok, T, s_lb, NSEL, NP, HAS_BAND)
+    koff = bh * T * DK
+    voff = bh * T * DV
+    m_i = tl.full([BM], float("-inf"), tl.float32)
+    l_i = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, DVP], tl.float32)
+    lst = bh * NQB + tile
+    n_part = tl.load(KVN + lst)
+    for i in range(n_part):
+        j = tl.load(KVI + lst * W + i)
+        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q1, q2, K, V, koff, voff, j, t, lo, hi, sel,
+                                  row_ok, T, QK_SCALE, True, BLOCK, DK, DK1, DK2, DV, DVP, PREC)
+    n_full = tl.load(FKVN + lst)
+    for i in range(n_full):
+        j = tl.load(FKVI + lst * W + i)
+        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q1, q2, K, V, koff, voff, j, t, lo, hi, sel,
+                                  row_ok, T, QK_SCALE, False, BLOCK, DK, DK1, DK2, DV, DVP, PREC)
+    seen = l_i > 0
+    o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    dv = tl.arange(0, DVP)
+    tl.store(O + (qrow * DV)[:, None] + dv[None, :], o.to(O.dtype.element_ty),
+             mask=row_ok[:, None] & (dv < DV)[None, :])
+    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) / 1.4426950408889634,
+                   float("-inf"))
+    tl.store(LSE + qrow, lse, mask=row_ok)
+
+
+# ---------------------------------------------------------------------- dQ
+@triton.jit
+def _dq_step(dq1, dq2, q1, q2, do, lse2, delta, K, V, koff, voff, j, t, lo, hi, sel, row_ok, T,
+             qk_scale, MASKED: tl.constexpr, BLOCK: tl.constexpr, DK: tl.constexpr,
+             DK1: tl.constexpr, DK2: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
+             PREC: tl.constexpr):
+    kk = j.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    k_ok = kk < T
+    k1, k2 = _load_q(K + koff, kk * DK, k_ok, DK, DK1, DK2)
+    dv = tl.arange(0, DVP)
+    v = tl.load(V + voff + kk[:, None] * DV + dv[None, :], mask=k_ok[:, None] & (dv < DV)[None, :],
+                other=0.0)
+    s = _dot2(q1, q2, k1, k2, DK2, PREC) * qk_scale
+    p = tl.math.exp2(s - lse2[:, None])
+    if MASKED:
+        p = tl.where(_visible(kk, t, lo, hi, sel, j, row_ok), p, 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+    ds = (p * (dp - delta[:, None])).to(k1.dtype)
+    dq1 += tl.dot(ds, k1, input_precision=PREC)
+    if DK2 > 0:
+        dq2 += tl.dot(ds, k2, input_precision=PREC)
+    return dq1, dq2
+
+
+@triton.jit
+def _sel_dq_kernel(Q, K, V, DO, LSE, DELTA, SEL, LO, HI, KVN, KVI, FKVN, FKVI, DQ,
+                   T, HKV, NQB, W, s_lb,
+                   QK_SCALE: tl.constexpr, SM_SCALE: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, NSEL: tl.constexpr,
+                   NP: tl.constexpr, BLOCK: tl.constexpr, DK: tl.constexpr, DK1: tl.constexpr,
+                   DK2: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
+                   HAS_BAND: tl.constexpr, PREC: tl.constexpr):
+    tile = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // HKV
+    h = bh % HKV
+    t, g, row_ok = _rows(tile, BT, G, GP, BM, T)
+    qrow = ((b * HKV + h) * G + g) * T + t
+    q1, q2 = _load_q(Q, qrow * DK, row_ok, DK, DK1, DK2)
+    dv = tl.arange(0, DVP)
+    do = tl.load(DO + (qrow * DV)[:, None] + dv[None, :], mask=row_ok[:, None] & (dv < DV)[None, :],
+                 other=0.0)
+    lse = tl.load(LSE + qrow, mask=row_ok, other=float("-inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    delta = tl.load(DELTA + qrow, mask=row_ok, other=0.0)
+    sel, lo, hi = _row_state(SEL, LO, HI, bh, b, t, row_ok, T, s_lb, NSEL, NP, HAS_BAND)
+    koff = bh * T * DK
+    voff = bh * T * DV
+    dq1 = tl.zeros([BM, DK1], tl.float32)
+    dq2 = tl.zeros([BM, DK2 if DK2 > 0 else DK1], tl.float32)
+    lst = bh * NQB + tile
+    n_part = tl.load(KVN + lst)
+    for i in range(n_part):
+        j = tl.load(KVI + lst * W + i)
+        dq1, dq2 = _dq_step(dq1, dq2, q1, q2, do, lse2, delta, K, V, koff, voff, j, t, lo, hi, sel,
+                            row_ok, T, QK_SCALE, True, BLOCK, DK, DK1, DK2, DV, DVP, PREC)
+    n_full = tl.load(FKVN + lst)
+    for i in range(n_full):
+        j = tl.load(FKVI + lst * W + i)
+        dq1, dq2 = _dq_step(dq1, dq2, q1, q2, do, lse2, delta, K, V, koff, voff, j, t, lo, hi, sel,
+                            row_ok, T, QK_SCALE, False, BLOCK, DK, DK1, DK2, DV, DVP, PREC)
+    d1 = tl.arange(0, DK1)
+    tl.store(DQ + (qrow * DK)[:, None] + d1[None, :], (dq1 * SM_SCALE).to(DQ.dtype.element_ty),
+             mask=row_ok[:, None] & (d1 < DK)[None, :])
+    if DK2 > 0:
+        d2 = DK1 + tl.arange(0, DK2)
+        tl.store(DQ + (qrow * DK)[:, None] + d2[None, :], (dq2 * SM_SCALE).to(DQ.dtype.element_ty),
+                 mask=row_ok[:, None])
+
+
+# ---------------------------------------------------------------------- dK / dV
+@triton.jit
+def _dkv_step(dk1, dk2, dv_acc, k1, k2, v, kk, j, e, e_end, n_part, lst, WQ, QI, FQI, Q, DO, LSE,
+              DELTA, SEL, LO, HI, bh, b, h, T, HKV, s_lb, qk_scale, NG: tl.constexpr,
+              G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, NSEL: tl.constexpr,
+              NP: tl.constexpr, DK: tl.constexpr, DK1: tl.constexpr, DK2: tl.constexpr,
+              DV: tl.constexpr, DVP: tl.constexpr, HAS_BAND: tl.constexpr, PREC: tl.constexpr):
+    """NG entries e.. of kv block j's list (q blocks: partial ones, then full ones) gathered into
+    one NG*BM-row tile: row r is row r % BM of the q block of entry e + r // BM."""
+    r = tl.arange(0, NG * BM)
+    ent = e + r // BM
+    in_part = ent < n_part
+    ok = ent < e_end
+    tile = tl.load(QI + lst * WQ + ent, mask=ok & in_part, other=0) + \
+        tl.load(FQI + lst * WQ + ent - n_part, mask=ok & (ent >= n_part), other=0)
+    t = (tile * BT + (r % BM) // GP).to(tl.int64)
+    g = (r % GP).to(tl.int64)
+    row_ok = ok & (t < T) & (g < G)
+    qrow = ((b * HKV + h) * G + g) * T + t
+    q1, q2 = _load_q(Q, qrow * DK, row_ok, DK, DK1, DK2)
+    dv = tl.arange(0, DVP)
+    do = tl.load(DO + (qrow * DV)[:, None] + dv[None, :], mask=row_ok[:, None] & (dv < DV)[None, :],
+                 other=0.0)
+    lse = tl.load(LSE + qrow, mask=row_ok, other=float("-inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    delta = tl.load(DELTA + qrow, mask=row_ok, other=0.0)
+    s = _dot2(q1, q2, k1, k2, DK2, PREC) * qk_scale  # [NG*BM, BLOCK]
+    p = tl.math.exp2(s - lse2[:, None])
+    sel, lo, hi = _row_state(SEL, LO, HI, bh, b, t, row_ok, T, s_lb, NSEL, NP, HAS_BAND)
+    p = tl.where(_visible(kk, t, lo, hi, sel, j, row_ok), p, 0.0)
+    pt = tl.trans(p.to(do.dtype))  # [BLOCK, NG*BM]
+    dv_acc += tl.dot(pt, do, input_precision=PREC)
+    dp = tl.dot(do, tl.trans(v), input_precision=PREC)  # [NG*BM, BLOCK]
+    dst = tl.trans((p * (dp - delta[:, None])).to(q1.dtype))
+    dk1 += tl.dot(dst, q1, input_precision=PREC)
+    if DK2 > 0:
+        dk2 += tl.dot(dst, q2, input_precision=PREC)
+    return dk1, dk2, dv_acc
+
+
+@triton.jit
+def _sel_dkv_kernel(Q, K, V, DO, LSE, DELTA, SEL, LO, HI, QN, QI, FQN, FQI, HSLOT, HEAVY,
+                    DK_, DV_, PK, PV,
+                    T, TP, HKV, NKB, WQ, NH, NSPLIT, s_lb,
+                    QK_SCALE: tl.constexpr, SM_SCALE: tl.constexpr, NG: tl.constexpr,
+                    G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, NSEL: tl.constexpr,
+                    NP: tl.constexpr, BLOCK: tl.constexpr, DK: tl.constexpr, DK1: tl.constexpr,
+                    DK2: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
+                    HAS_BAND: tl.constexpr, PREC: tl.constexpr):
+    pid = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // HKV
+    h = bh % HKV
+    if pid < NKB:  # one program per kv block; a heavy block is left to its shares
+        j = pid
+        slot = tl.load(HSLOT + bh * NKB + j)
+        share = slot * 0
+    else:
+        w = pid - NKB
+        slot = w // NSPLIT
+        share = w % NSPLIT
+        j = tl.load(HEAVY + bh * NH + slot)
+    lst = bh * NKB + j
+    n_part = tl.load(QN + lst)
+    n_all = n_part + tl.load(FQN + lst)
+    if pid < NKB:
+        e0 = n_all * 0
+        e1 = tl.where(slot >= 0, 0, n_all)
+    else:
+        per = tl.cdiv(tl.cdiv(n_all, NSPLIT), NG) * NG  # whole gathers per share
+        e0 = tl.minimum(share * per, n_all)
+        e1 = tl.minimum(e0 + per, n_all)
+    kk = j.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    k_ok = kk < T
+    koff = bh * T * DK
+    voff = bh * T * DV
+    k1, k2 = _load_q(K + koff, kk * DK, k_ok, DK, DK1, DK2)
+    dv = tl.arange(0, DVP)
+    v = tl.load(V + voff + kk[:, None] * DV + dv[None, :], mask=k_ok[:, None] & (dv < DV)[None, :],
+                other=0.0)
+    dk1 = tl.zeros([BLOCK, DK1], tl.float32)
+    dk2 = tl.zeros([BLOCK, DK2 if DK2 > 0 else DK1], tl.float32)
+    dv_acc = tl.zeros([BLOCK, DVP], tl.float32)
+    for e in range(e0, e1, NG):
+        dk1, dk2, dv_acc = _dkv_step(dk1, dk2, dv_acc, k1, k2, v, kk, j, e, e1, n_part, lst, WQ,
+                                     QI, FQI, Q, DO, LSE, DELTA, SEL, LO, HI, bh, b, h, T, HKV,
+                                     s_lb, QK_SCALE, NG, G, GP, BT, BM, NSEL, NP, DK, DK1, DK2, DV,
+                                     DVP, HAS_BAND, PREC)
+    d1 = tl.arange(0, DK1)
+    if pid < NKB:  # dK/dV are [B, HKV, TP, D]: T padded to whole blocks
+        ooff_k = bh * TP * DK
+        ooff_v = bh * TP * DV
+        ok = k_ok & ((kk * 0 + slot) < 0)
+        tl.store(DK_ + ooff_k + (kk * DK)[:, None] + d1[None, :],
+                 (dk1 * SM_SCALE).to(DK_.dtype.element_ty), mask=ok[:, None] & (d1 < DK)[None, :])
+        if DK2 > 0:
+            d2 = DK1 + tl.arange(0, DK2)
+            tl.store(DK_ + ooff_k + (kk * DK)[:, None] + d2[None, :],
+                     (dk2 * SM_SCALE).to(DK_.dtype.element_ty), mask=ok[:, None])
+        tl.store(DV_ + ooff_v + (kk * DV)[:, None] + dv[None, :], dv_acc.to(DV_.dtype.element_ty),
+                 mask=ok[:, None] & (dv < DV)[None, :])
+    else:  # fp32 partials [B*HKV, NH, NSPLIT, BLOCK, D]
+        part = (bh * NH + slot) * NSPLIT + share
+        r = tl.arange(0, BLOCK).to(tl.int64)
+        tl.store(PK + (part * BLOCK + r)[:, None] * DK + d1[None, :], dk1 * SM_SCALE,
+                 mask=(d1 < DK)[None, :])
+        if DK2 > 0:
+            d2 = DK1 + tl.arange(0, DK2)
+            tl.store(PK + (part * BLOCK + r)[:, None] * DK + d2[None, :], dk2 * SM_SCALE)
+        tl.store(PV + (part * BLOCK + r)[:, None] * DV + dv[None, :], dv_acc,
+                 mask=(dv < DV)[None, :])
+
+
+# ---------------------------------------------------------------------- launchers
+def _launch_opts(dk: int, dv: int, dtype) -> dict:
+    """num_warps / num_stages of the three kernels (H100-measured where noted in NOTES.md)."""
+    wide = dk > 128 or dv > 128 or dtype == torch.float32
+    return {"num_warps": 8 if wide else 4, "num_stages": 2}
+
+
+def _band(lo, hi, B: int, T: int, device):
+    if lo is None:
+        z = torch.zeros(1, T, dtype=torch.int64, device=device)
+        return z, z, 0, False
+    lo = lo.to(torch.int64).expand(-1, T).contiguous()
+    hi = hi.to(torch.int64).expand(-1, T).contiguous()
+    return lo, hi, (T if lo.shape[0] > 1 else 0), True
+
+
+def _prec(dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton_op("nsa_flex::selected_attention_fwd", mutates_args=())
+def selected_attention_fwd(q: Tensor, k: Tensor, v: Tensor, sel: Tensor, lo: Optional[Tensor],
+                           hi: Optional[Tensor], kv_num: Tensor, kv_idx: Tensor, full_num: Tensor,
+                           full_idx: Tensor, q_num: Tensor, q_idx: Tensor, full_q_num: Tensor,
+                           full_q_idx: Tensor, scale: float, l_sel: int, rows: int,
+                           heavy: int, split_tiles: int) -> tuple[Tensor, Tensor]:
+    """(out [B, Hq, T, Dv], lse [B, Hq, T]); the kv-major lists (q_num .. full_q_idx) are for
+    the backward."""
+    B, Hq, T, Dk = q.shape
+    Hkv, Dv = k.shape[1], v.shape[-1]
+    G = Hq // Hkv
+    BT = tile_positions(G, rows)
+    nqb = kv_num.shape[-1]
+    o = torch.empty(B, Hq, T, Dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
+    if T == 0 or B == 0:
+        return o, lse
+    lo_, hi_, s_lb, has_band = _band(lo, hi, B, T, q.device)
+    dk1, dk2 = head_split(Dk)
+    wrap_triton(_sel_fwd_kernel)[(nqb, B * Hkv)](
+        q, k, v, sel, lo_, hi_, kv_num, kv_idx, full_num, full_idx, o, lse,
+        T, Hkv, nqb, kv_idx.shape[-1], s_lb, QK_SCALE=scale * LOG2E,
+        G=G, GP=padded_group(G), BT=BT, BM=BT * padded_group(G), NSEL=sel.shape[-1], NP=max(2, triton.next_power_of_2(sel.shape[-1])),
+        BLOCK=l_sel, DK=Dk, DK1=dk1, DK2=dk2, DV=Dv, DVP=max(16, triton.next_power_of_2(Dv)),
+        HAS_BAND=has_band, PREC=_prec(q.dtype), **_launch_opts(Dk, Dv, q.dtype))
+    return o, lse
+
+
+@triton_op("nsa_flex::selected_attention_bwd", mutates_args=())
+def selected_attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor,
+                           o: Tensor, lse: Tensor, sel: Tensor, lo: Optional[Tensor],
+                           hi: Optional[Tensor], kv_num: Tensor, kv_idx: Tensor, full_num: Tensor,
+                           full_idx: Tensor, q_num: Tensor, q_idx: Tensor, full_q_num: Tensor,
+                           full_q_idx: Tensor, scale: float, l_sel: int, rows: int,
+                           heavy: int, split_tiles: int) -> tuple[Tensor, Tensor, Tensor]:
+    B, Hq, T, Dk = q.shape
+    Hkv, Dv = k.shape[1], v.shape[-1]
+    G = Hq // Hkv
+    BT = tile_positions(G, rows)
+    nqb, nkb = kv_num.shape[-1], q_num.shape[-1]
+    dq = torch.empty_like(q)
+    dk_pad = torch.empty(B, Hkv, nkb * l_sel, Dk, dtype=k.dtype, device=k.device)
+    dv_pad = torch.empty(B, Hkv, nkb * l_sel, Dv, dtype=v.dtype, device=v.device)
+    if T == 0 or B == 0:
+        return dq, dk_pad[:, :, :T], dv_pad[:, :, :T]
+    do = do.contiguous()
+    # D_i = rowsum(dO * O) (FlashAttention's delta); a gradient on lse enters as -dlse
+    delta = (do.float() * o.float()).sum(-1)
+    if dlse is not None:
+        delta = delta - dlse.float()
+    lo_, hi_, s_lb, has_band = _band(lo, hi, B, T, q.device)
+    dk1, dk2 = head_split(Dk)
+    consts = dict(G=G, GP=padded_group(G), BT=BT, BM=BT * padded_group(G), NSEL=sel.shape[-1],
+                  NP=max(2, triton.next_power_of_2(sel.shape[-1])), BLOCK=l_sel, DK=Dk, DK1=dk1,
+                  DK2=dk2, DV=Dv, DVP=max(16, triton.next_power_of_2(Dv)), HAS_BAND=has_band,
+                  PREC=_prec(q.dtype), **_launch_opts(Dk, Dv, q.dtype))
+    wrap_triton(_sel_dq_kernel)[(nqb, B * Hkv)](
+        q, k, v, do, lse, delta, sel, lo_, hi_, kv_num, kv_idx, full_num, full_idx, dq,
+        T, Hkv, nqb, kv_idx.shape[-1], s_lb, QK_SCALE=scale * LOG2E, SM_SCALE=scale, **consts)
+    # the HEAVY most-read kv blocks of each head are split into NSPLIT shares of their lists
+    nh = max(1, min(heavy, nkb))  # at least one slot: the shapes stay static
+    nsplit = max(1, min(64, -(-nqb // split_tiles)))
+    count = (q_num + full_q_num).view(B * Hkv, nkb)
+    heavy_idx = torch.topk(count, nh, dim=-1).indices.to(torch.int32).contiguous()  # [BH, nh]
+    hslot = torch.full((B * Hkv, nkb), -1, dtype=torch.int32, device=q.device)
+    hslot.scatter_(1, heavy_idx.long(), torch.arange(nh, dtype=torch.int32, device=q.device)
+                   .expand(B * Hkv, nh).contiguous())
+    pk = torch.empty(B * Hkv, nh, nsplit, l_sel, Dk, dtype=torch.float32, device=q.device)
+    pv = torch.empty(B * Hkv, nh, nsplit, l_sel, Dv, dtype=torch.float32, device=q.device)
+    wrap_triton(_sel_dkv_kernel)[(nkb + nh * nsplit, B * Hkv)](
+        q, k, v, do, lse, delta, sel, lo_, hi_, q_num, q_idx, full_q_num, full_q_idx, hslot, heavy_idx,
+        dk_pad, dv_pad, pk, pv,
+        T, nkb * l_sel, Hkv, nkb, q_idx.shape[-1], nh, nsplit, s_lb, QK_SCALE=scale * LOG2E,
+        SM_SCALE=scale, NG=max(1, DKV_ROWS // (BT * padded_group(G))), **consts)
+    idx = heavy_idx.long().view(B * Hkv, nh, 1, 1)
+    dk_pad.view(B * Hkv, nkb, l_sel, Dk).scatter_(
+        1, idx.expand(-1, -1, l_sel, Dk), pk.sum(2).to(k.dtype))
+    dv_pad.view(B * Hkv, nkb, l_sel, Dv).scatter_(
+        1, idx.expand(-1, -1, l_sel, Dv), pv.sum(2).to(v.dtype))
+    return dq, dk_pad[:, :, :T], dv_pad[:, :, :T]
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, sel, lo, hi, *lists = inputs[:14]
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, sel, lo, hi, *lists)
+    ctx.extra = inputs[14:]
+
+
+def _backward(ctx, do, dlse):
+    q, k, v, o, lse, sel, lo, hi, *lists = ctx.saved_tensors
+    dq, dk, dv = torch.ops.nsa_flex.selected_attention_bwd(
+        do, dlse, q, k, v, o, lse, sel, lo, hi, *lists, *ctx.extra)
+    return (dq, dk, dv) + (None,) * 16
+
+
+selected_attention_fwd.register_autograd(_backward, setup_context=_setup)
+
+
+def selected_attention(q: Tensor, k: Tensor, v: Tensor, sel: Tensor, l_sel: int, block_mask,
+                       lo: Tensor | None = None, hi: Tensor | None = None,
+                       scale: float | None = None, rows: int | None = None,
+                       heavy: int | None = None, split_tiles: int | None = None
+                       ) -> tuple[Tensor, Tensor]:
+    """Attention of q to the selected blocks: (out [B, Hq, T, Dv], lse [B, Hq, T] fp32, natural
+    log). sel [B, Hkv, T, n] block indices (-1: unused); lo, hi [B|1, T]: the keys each position
+    may see at most (None: all up to itself); block_mask: the selection's BlockMask in the packed
+    layout with q blocks of `tile_positions(G, rows)` positions and kv blocks of l_sel
+    (`masks.MaskSpec.block_mask(..., block_size=(P * G, l_sel), q_pack=G)`), or its eight lists
+    (kv_num_blocks, kv_indices, full_kv_*, q_num_blocks, q_indices, full_q_*). heavy / split_tiles:
+    the dK/dV pass's split of the most-read blocks (default HEAVY / SPLIT_TILES)."""
+    bm = block_mask
+    rows = rows or ROWS
+    if not isinstance(bm, (list, tuple)):
+        bm = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
+              bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices)
+    lists = [x.to(torch.int32).contiguous() for x in bm]
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return torch.ops.nsa_flex.selected_attention_fwd(
+        q.contiguous(), k.contiguous(), v.contiguous(), sel.to(torch.int32).contiguous(), lo, hi,
+        *lists, scale, l_sel, rows, HEAVY if heavy is None else heavy,
+        split_tiles or SPLIT_TILES)
+

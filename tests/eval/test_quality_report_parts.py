@@ -1,0 +1,46 @@
+"""The quality study's pieces that need no model: loss-vs-tokens curves from metrics.jsonl, the
+multi-run position-loss figure, and the shared TOML of the three variants."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from nsa_flex.eval.report import loss_curves, plot_loss_vs_tokens, plot_position_loss, read_metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_loss_curves_tokens_seen(tmp_path):
+    p = tmp_path / "metrics.jsonl"
+    lines = [{"step": 1, "loss_metrics/global_avg_loss": 9.0, "n_tokens_seen": 4096},
+             {"step": 10, "loss_metrics/global_avg_loss": 5.0, "n_tokens_seen": 40960},
+             {"step": 10, "validation_metrics/loss": 5.5},  # same step: merged, tokens known
+             {"step": 20, "validation_metrics/loss": 5.2},  # validation only: step x tokens per step
+             {"step": 30, "loss_metrics/global_avg_loss": 4.0, "n_tokens_seen": 122880}]
+    p.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    c = loss_curves(read_metrics(str(p)))
+    assert c["train"] == [(4096, 9.0), (40960, 5.0), (122880, 4.0)]
+    assert c["validation"] == [(40960, 5.5), (81920, 5.2)]
+    assert plot_loss_vs_tokens({"a": str(p), "b": str(p)}, str(tmp_path / "l.png"))
+    assert (tmp_path / "l.png").stat().st_size > 1000
+
+
+def test_position_loss_figure_several_runs(tmp_path):
+    rows = lambda off: [{"pos_mid": m, "loss": 5 - 0.1 * i + off, "loss_sem": 0.05} for i, m in enumerate((1, 4, 16))]
+    assert plot_position_loss({"nsa": rows(0), "full": rows(0.2)}, str(tmp_path / "p.png"), marks={"window": 8})
+    assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_quality_toml():
+    from nsa_flex.generate import load_job_config
+
+    path = str(ROOT / "titan_configs" / "quality_125m_16k.toml")
+    for masks in ("nsa", "full_causal", "sliding_only"):
+        c = load_job_config(path, [f"--nsa.masks={masks}"])
+        assert c.nsa.masks == masks and c.model.flavor == "125M" and c.training.seq_len == 16384
+    t = c.training
+    assert t.steps * t.local_batch_size * t.seq_len >= 100_000_000
+    assert 0.1 <= t.passkey_mix <= 0.2 and c.validation.enable and c.validation.seq_len == 16384
+    assert c.checkpoint.enable and c.checkpoint.interval < t.steps and c.ops.halt_on_sigterm
+    assert c.nsa.telemetry_every > 0 and c.metrics.jsonl_file == "metrics.jsonl"

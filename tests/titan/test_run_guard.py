@@ -1,0 +1,220 @@
+"""Run robustness, in process: the dump-folder lock, writable folders, the checkpoint config record
+and resume check, the lr schedule rebuilt on resume, a full disk during a save, partial folders,
+the free-space check, the non-finite model check before a save."""
+
+import errno
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from nsa_flex.titan import checkpoint as ck
+from nsa_flex.titan import run_record
+from nsa_flex.titan.ops import NonFiniteError
+from nsa_flex.titan.runlock import LOCK_NAME, DumpLock, FolderNotWritable, RunLockError, check_writable
+
+
+# ----------------------------------------------------------------------------- lock
+def _write_lock(folder, pid, host=None):
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, LOCK_NAME), "w") as f:
+        json.dump({"pid": pid, "host": host or socket.gethostname(), "started": time.time() - 60}, f)
+
+
+def test_lock_held_then_released(tmp_path):
+    lock = DumpLock(str(tmp_path)).acquire()
+    holder = json.loads((tmp_path / LOCK_NAME).read_text())
+    assert holder["pid"] == os.getpid() and holder["host"] == socket.gethostname()
+    assert abs(holder["started"] - time.time()) < 60
+    DumpLock(str(tmp_path)).acquire()  # the same process again: no error
+    lock.release()
+    assert not (tmp_path / LOCK_NAME).exists()
+
+
+def test_live_holder_refuses_a_second_run(tmp_path):
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        _write_lock(tmp_path, other.pid)
+        with pytest.raises(RunLockError) as e:
+            DumpLock(str(tmp_path)).acquire()
+        msg = str(e.value)
+        assert str(tmp_path) in msg and f"pid {other.pid} on host {socket.gethostname()}" in msg
+        assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == other.pid  # untouched
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_stale_lock_taken_over_other_host_refused(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    _write_lock(tmp_path, dead.pid)
+    lock = DumpLock(str(tmp_path)).acquire()
+    assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
+    lock.release()
+    _write_lock(tmp_path, dead.pid, host="some-other-host")  # liveness unknown there: refused
+    with pytest.raises(RunLockError, match="some-other-host"):
+        DumpLock(str(tmp_path)).acquire()
+
+
+# ----------------------------------------------------------------------------- writable
+def _jc(dump, enable=True):
+    return SimpleNamespace(job=SimpleNamespace(dump_folder=str(dump)),
+                           checkpoint=SimpleNamespace(enable=enable, folder="checkpoint"))
+
+
+def test_unwritable_folders_named(tmp_path):
+    check_writable(_jc(tmp_path / "new"))  # created
+    assert (tmp_path / "new" / "checkpoint").is_dir()
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(FolderNotWritable, match=f"job.dump_folder {blocker}/run is not writable"):
+        check_writable(_jc(blocker / "run"))
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "checkpoint").write_text("x")
+    with pytest.raises(FolderNotWritable, match="checkpoint.folder .*d/checkpoint is not writable"):
+        check_writable(_jc(tmp_path / "d"))
+    check_writable(_jc(tmp_path / "d", enable=False))  # checkpointing off: not checked
+
+
+# ----------------------------------------------------------------------------- config record
+def _job(**over):
+    from nsa_flex.titan.cli import _merged_job_config
+
+    jc = _merged_job_config()()
+    for key, v in over.items():
+        sec, name = key.split("__")
+        setattr(getattr(jc, sec), name, v)
+    return jc
+
+
+def test_config_record_compare():
+    old = run_record.record(_job())
+    assert old["model.flavor"] == "debugmodel" and "nsa.window" in old and "optimizer.lr" in old
+    json.dumps(old)
+    new = run_record.record(_job(nsa__window=64, model__flavor="x", optimizer__lr=0.1, training__steps=99,
+                                 nsa__telemetry_every=5, training__dataset="local"))
+    refused, applied = run_record.compare(old, new)
+    assert refused == ["model.flavor 'debugmodel' -> 'x'", "nsa.window None -> 64",
+                       "training.dataset 'passkey' -> 'local'"]
+    assert [a.split()[0] for a in applied] == ["nsa.telemetry_every", "optimizer.lr", "training.steps"]
+    assert run_record.compare(old, old) == ([], [])
+
+
+class _Manager:
+    """The parts of torchtitan's CheckpointManager the wrappers use."""
+
+    def __init__(self, folder, job_config=None, params=None):
+        self.folder, self.enable, self.load_only = str(folder), True, False
+        model = torch.nn.Linear(4, 4)
+        if params is not None:
+            with torch.no_grad():
+                model.weight.fill_(params)
+        self.states = {"model": SimpleNamespace(model=[model]), "train_state": SimpleNamespace(job_config=job_config)}
+        self.purged = 0
+
+    def _should_save(self, step, last_step=False):
+        return True
+
+    def _purge_stale_checkpoints(self):
+        self.purged += 1
+
+
+def _fake_ckpt(folder, step, complete=True):
+    d = folder / f"step-{step}"
+    d.mkdir(parents=True)
+    (d / "__0_0.distcp").write_bytes(b"x" * 100)
+    if complete:
+        (d / ".metadata").write_bytes(b"m")
+    return d
+
+
+def test_resume_refuses_model_change_and_allows_with_flag(tmp_path, monkeypatch):
+    monkeypatch.setattr(ck, "check_dcp_folder", lambda path: None)
+    d = _fake_ckpt(tmp_path, 4)
+    run_record.write(str(d), _job())
+    loads = []
+    m = _Manager(tmp_path, _job(nsa__n_sel=8, model__tokenizer="gpt2"))
+    with pytest.raises(ck.ConfigChangeError) as e:
+        ck.load_checked(m, lambda man, s: loads.append(s) or True)
+    assert str(d) in str(e.value)
+    assert "model.tokenizer 'byte' -> 'gpt2'" in str(e.value) and "nsa.n_sel None -> 8" in str(e.value)
+    assert loads == []  # nothing loaded
+    m.states["train_state"].job_config.checkpoint.allow_config_change = True
+    assert ck.load_checked(m, lambda man, s: loads.append(s) or True) and loads == [4]
+
+
+def test_schedule_rebuilt_from_new_config():
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.AdamW([p], lr=3e-4)
+
+    def lam(step):  # warmup 2 steps, then linear decay to 0 at step 20
+        return (step + 1) / 2 if step < 2 else max(0.0, (20 - step) / 18)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lam)
+    for _ in range(10):
+        opt.step()
+        sched.step()
+    assert run_record.rebuild_schedule([sched], SimpleNamespace(lr=3e-4, weight_decay=None, eps=None)) == []
+    changed = run_record.rebuild_schedule([sched], SimpleNamespace(lr=0.1, weight_decay=0.5, eps=None))
+    assert changed == [(3e-4 * lam(10), 0.1 * lam(10))]
+    g = opt.param_groups[0]
+    assert g["lr"] == 0.1 * lam(10) and g["initial_lr"] == 0.1 and g["weight_decay"] == 0.5
+    sched.step()
+    assert g["lr"] == 0.1 * lam(11)  # the new schedule goes on, no jump back
+
+
+# ----------------------------------------------------------------------------- save / disk
+@pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"),
+                                   RuntimeError("unexpected pos 704 vs 598")])
+def test_disk_full_during_save(tmp_path, error):
+    prev = _fake_ckpt(tmp_path, 2)
+    before = sorted(p.name for p in prev.iterdir())
+
+    def writer(man, step, last):  # a DCP save cut short: data file written, no .metadata
+        _fake_ckpt(tmp_path, step, complete=False)
+        raise error
+
+    with pytest.raises(ck.DiskSpaceError) as e:
+        ck.save_checked(_Manager(tmp_path, _job()), writer, 4)
+    msg = str(e.value)
+    assert f"checkpoint folder {tmp_path}: the disk is full (" in msg and "GiB free) while saving step 4" in msg
+    assert not (tmp_path / "step-4").exists()
+    assert sorted(p.name for p in prev.iterdir()) == before  # the previous checkpoint is intact
+
+
+def test_save_records_config_purges_after_last_step_and_refuses_nan(tmp_path):
+    m = _Manager(tmp_path, _job(optimizer__lr=0.25))
+    ck.save_checked(m, lambda man, step, last: _fake_ckpt(tmp_path, step), 4, last_step=True)
+    assert run_record.read(str(tmp_path / "step-4"))["optimizer.lr"] == 0.25
+    assert m.purged == 1
+    ck.save_checked(m, lambda man, step, last: _fake_ckpt(tmp_path, step), 6)
+    assert m.purged == 1  # torchtitan purges after interval saves itself
+    called = []
+    with pytest.raises(NonFiniteError, match="step 8: the model holds non-finite weights"):
+        ck.save_checked(_Manager(tmp_path, _job(), params=float("nan")), lambda *a: called.append(a), 8)
+    assert called == [] and not (tmp_path / "step-8").exists()
+
+
+def test_partial_folder_removed_at_start_and_free_space_checked(tmp_path, monkeypatch):
+    monkeypatch.setattr(ck, "check_dcp_folder", lambda path: None)
+    _fake_ckpt(tmp_path, 2)
+    _fake_ckpt(tmp_path, 4, complete=False)
+    loads = []
+    assert ck.load_checked(_Manager(tmp_path, _job()), lambda man, s: loads.append(s) or True)
+    assert loads == [2] and not (tmp_path / "step-4").exists() and (tmp_path / "step-2").exists()
+
+    monkeypatch.setattr(ck.shutil, "disk_usage", lambda p: SimpleNamespace(free=50))
+    with pytest.raises(ck.DiskSpaceError, match=f"checkpoint folder {tmp_path}: 0.00 GiB free"):
+        ck.load_checked(_Manager(tmp_path, _job()), lambda man, s: True)
+    empty = tmp_path / "empty"
+    monkeypatch.setattr(ck.shutil, "disk_usage", lambda p: SimpleNamespace(free=3 * 20 * 4 - 1))
+    with pytest.raises(ck.DiskSpaceError):  # no checkpoint yet: model + 2 AdamW moments (Linear 4x4 + 4)
+        ck.check_free_space(_Manager(empty, _job()))
+    monkeypatch.setattr(ck.shutil, "disk_usage", lambda p: SimpleNamespace(free=3 * 20 * 4))
+    ck.check_free_space(_Manager(empty, _job()))
