@@ -21,6 +21,7 @@ def run(tmp_path, sets, *extra):
                            "--T", "128", *extra], capture_output=True, text=True, timeout=600, cwd=ROOT)
 
 
+@pytest.mark.slow  # times several option sets
 def test_sets_side_by_side(tmp_path):
     sets = [{"name": "a", "only": "attn_compressed", "modes": "fwd", "band": {}},
             {"name": "b", "only": "attn_window", "modes": "fwd", "packed": {"bwd_num_stages": 3}}]

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
@@ -96,6 +98,7 @@ def _torchrun2(tmp_path, *extra):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow  # a 2-process training run
 def test_default_fsdp_on_cpu_processes_runs_ddp_with_one_warning(tmp_path):
     """torchrun --nproc_per_node=2 on the CPU with the default (FSDP over every rank): DDP instead,
     one warning line from rank 0; no gloo PREMUL_SUM error."""

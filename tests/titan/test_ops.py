@@ -133,6 +133,7 @@ def test_nonfinite_gradients_stop_before_the_save(tmp_path):
 
 
 # ----------------------------------------------------------------------------- stall watchdog
+@pytest.mark.slow  # waits for the stall watchdog
 def test_blocked_data_source_triggers_watchdog(tmp_path):
     timeout, code = 6.0, 75  # well above a CPU debug step (<1.5 s on a busy 2-core box)
     cmd = [sys.executable, "-m", "nsa_flex.titan.cli", "--job.config_file", str(CONFIG),

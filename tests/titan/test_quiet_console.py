@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "titan_configs" / "debug_nsa.toml"
 
@@ -45,6 +47,7 @@ def test_debug_run_console_is_quiet(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["metrics.jsonl"]  # no empty comm_traces/ (nor stalls/)
 
 
+@pytest.mark.slow  # a training run
 def test_halted_run_does_not_say_completed(tmp_path):
     (tmp_path / "HALT").write_text("")
     r = _run(tmp_path)
