@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Ablation: the six titan_configs/ablation_*.toml (identical but for [nsa] masks: nsa,
+# Ablation: titan_configs/ablation.toml with six [nsa] masks presets (--nsa.masks: nsa,
 # full_causal, sliding_only, random_selection, local_selection, no_compressed) trained on one GPU
 # (flavor 30M_kv4, byte tokenizer, FineWeb sample + 90% passkey documents, seq 1024, bf16,
 # torch.compile, the same STEPS x 16 x 1024 tokens each), then experiments/needle_eval.py on each
 # final checkpoint at 1x, 2x and 4x the trained length (SEQ, default 1024: keep it equal to the
-# TOMLs' seq_len), then one table (loss, tokens/s, accuracy per length) and a plot.
+# TOML's seq_len), then one table (loss, tokens/s, accuracy per length) and a plot.
 #
 # Usage (device machine, repo root):
 #   bash experiments/ablation_runs.sh OUT DATA STEPS [EXPORT]
@@ -30,8 +30,7 @@
 # and the others go on. Checkpoints (~120 MB each) go to RUNS_DIR (default /tmp/nsa_ablation_runs), off
 # OUT. Timings per stage are printed and kept in OUT/timeline.txt.
 #
-# Runs: PRESETS lists them, each a preset name (titan_configs/ablation_<preset>.toml, the run is named
-# after it) or NAME=PRESET:FLAG,FLAG,... -- a diagnostic variant of a preset with extra torchtitan
+# Runs: PRESETS lists them, each a masks preset name (--nsa.masks; the run is named after it) or NAME=PRESET:FLAG,FLAG,... -- a diagnostic variant of a preset with extra torchtitan
 # flags, given to its training and (as --override) to its evaluation, e.g.
 #   PRESETS="nsa_n16=nsa:--nsa.n_sel=16 nsa_mlp=nsa:--nsa.phi=mlp"
 # Knobs (environment): BUDGET, EVAL_RESERVE (150), JOBS (6), PRESETS (the six), SEQ, LENGTHS (1x,2x,4x of
@@ -75,7 +74,8 @@ parse_run() {  # spec -> RUN_NAME RUN_PRESET RUN_FLAGS (space separated)
 for spec in $PRESETS; do
   parse_run "$spec"
   [[ "$RUN_NAME" =~ ^[A-Za-z0-9_.-]+$ ]] || { echo "PRESETS entry '$spec': run name '$RUN_NAME' must be [A-Za-z0-9_.-]+" >&2; exit 2; }
-  [ -f "titan_configs/ablation_$RUN_PRESET.toml" ] || { echo "PRESETS entry '$spec': no titan_configs/ablation_$RUN_PRESET.toml" >&2; exit 2; }
+  $PY -c 'import sys, masks; sys.exit(sys.argv[1] not in masks.PRESETS)' "$RUN_PRESET" 2>/dev/null \
+    || { echo "PRESETS entry '$spec': '$RUN_PRESET' is not a masks preset" >&2; exit 2; }
   for f in $RUN_FLAGS; do
     [[ "$f" == --*=* ]] || { echo "PRESETS entry '$spec': flag '$f' must look like --section.field=value" >&2; exit 2; }
   done
@@ -115,8 +115,8 @@ run_one() {
   note "$p: train start (steps $STEPS, limit ${t}s)"
   t0=$(date +%s)
   # shellcheck disable=SC2086
-  timeout --kill-after=15 "$t" $PY -m nsa_flex.titan.cli --job.config_file "titan_configs/ablation_$preset.toml" \
-    --job.dump_folder "$dump" --training.dataset_path "$DATA/fineweb_sample_2800.parquet" \
+  timeout --kill-after=15 "$t" $PY -m nsa_flex.titan.cli --job.config_file titan_configs/ablation.toml \
+    --nsa.masks "$preset" --job.dump_folder "$dump" --training.dataset_path "$DATA/fineweb_sample_2800.parquet" \
     --training.steps "$STEPS" --checkpoint.interval "$CKPT_EVERY" $flags $TRAIN_ARGS > "$d/train.log" 2>&1
   rc=$?
   echo $(( $(date +%s) - t0 )) > "$d/train_seconds"
@@ -136,7 +136,7 @@ run_one() {
     note "$p: eval start (limit ${te}s)"
     local t1; t1=$(date +%s)
     # shellcheck disable=SC2086
-    timeout --kill-after=10 "$te" $PY experiments/needle_eval.py --config "titan_configs/ablation_$preset.toml" $eflags \
+    timeout --kill-after=10 "$te" $PY experiments/needle_eval.py --config titan_configs/ablation.toml --override=--nsa.masks="$preset" $eflags \
       --checkpoint "$ckpt" --lengths "$LENGTHS" --depths "$DEPTHS" --trials "$TRIALS" --kinds "$KINDS" \
       --filler "$FILLER" --fineweb "$DATA/fineweb_sample_2800.parquet" --backend reference --mem-fraction 0.5 --tag "$p" \
       --out "$d/needle" $EVAL_ARGS > "$d/eval.log" 2>&1

@@ -1,5 +1,5 @@
 """Per-token decode latency of ONE attention layer: NSA (per-branch caches; torch reference path and
-fused Triton path) vs full attention with a KV cache (SDPA), same process, same data type, caches
+Triton path) vs full attention with a KV cache (SDPA), same process, same data type, caches
 pre-filled with random normal data (never zeros).
 
     # GPU (H100), the issue's grid: S in {4k, 16k, 64k, 128k}, batch 1 and 16, bf16,
@@ -15,13 +15,10 @@ same matmuls for both up to NSA's extra k/v pairs and are excluded; --with-proj 
               completes (branch-free), compressed attention, top-n scoring (Eq. 8-10, forced
               blocks, ties to the lower index), gather of the n selected blocks + attention,
               window attention, sigmoid-gated sum: ~50 small kernels (the reference the tests check)
-  nsa_triton  `decode_attention(backend="triton")`: the same step in three Triton launches
-              (`nsa_flex.ops.decode_triton`, fused path: write + compressed + window split-K,
-              chunked scorer + per-chunk top-n + branch merges, top-n + selected split-K + gated
-              combine by the last-arriving program); extra launch configs (--triton-configs) are
+  nsa_triton  `decode_attention(backend="triton")`: the same step in five Triton launches
+              (`nsa_flex.ops.decode_triton`: write, compressed + window split-K, scorer + top-n,
+              selected split-K, combine + gates); extra launch configs (--triton-configs) are
               timed in graph mode only, the row keeps the fastest
-  nsa_triton_unfused  the five-launch path (triton_opts fused=False: write, compressed + window
-              split-K, scorer + top-n, selected split-K, combine + gates), default launch config
   full_gqa    write the new token into a [B, Hkv, S, D] KV cache, then SDPA of q [B, H, 1, Dk]
               over the S cached keys with enable_gqa=True
   full_fold   the same with q folded to [B, Hkv, G, Dk] (the G heads of a group as G query rows
@@ -32,20 +29,18 @@ torch.cuda.CUDAGraph and replayed: launch overhead removed from both sides alike
 Context S = keys the step attends to, the new token included (the caches hold S - 1 tokens).
 Timing: CUDA: triton.testing.do_bench median (L2 flushed before every call, CUDA events), else
 CUDA events; CPU: median wall clock. No host sync inside any step (all per-row state on device).
-Checks per row: the read counters of both NSA paths equal the exact expected reads; the Triton
+Checks per row: the read counters of the NSA paths equal the exact expected reads; the Triton
 output against the torch path's (max abs error, share of (row, group) selections that agree:
-bf16 scores may break near-ties differently). Before the grid (CUDA): prefill + decode == full
-forward for both backends (fp32), and Triton == torch at the paper's head dims (fp32).
+bf16 scores may break near-ties differently). The device checks (prefill + decode == full
+forward, Triton == torch at the paper's head dims, CUDA-graph replays) are GPU tests:
+`python -m pytest -m gpu tests/inference/test_decode_gpu.py`.
 Robust: an error in one measurement is recorded in the row's `errors` column and the run goes on.
---breakdown: per-kernel device time of one step of each Triton path and of the full-attention
+--breakdown: per-kernel device time of one step of the Triton path and of the full-attention
 baseline (torch.profiler, every kernel's launches summed per step, median over the profiled
 steps; on the CPU the top-level torch ops instead), into <out>/decode_breakdown.csv (columns
 S, batch, kernel, us, launches; kernel = "<implementation>/<kernel name>", plus the rows
 "<implementation>/ALL_KERNELS" (their sum) and "<implementation>/GRAPH_STEP" (the timed step,
 CUDA graphs when timed so: the difference to ALL_KERNELS is launch gaps and idle time)).
-Implementations: nsa_triton (fused=True: the three-launch path), and nsa_triton_unfused
-(fused=False, the library default: the five-launch path), timed side by side; the row's NSA time
-is the faster of the two.
 Output: <out>/bench_decode.csv (rewritten after every row), <out>/bench_decode.png, stdout table.
 """
 
@@ -279,9 +274,7 @@ def bench_one(cfg: NSAConfig, S: int, B: int, device, dtype, timer: Timer, graph
     fns = {"nsa_torch": nsa_step("torch")}
     ok_tr, why = triton_available(device)
     if ok_tr:
-        fns["nsa_triton"] = nsa_step("triton", opts=dict(launch_opts(triton_cfgs[0], device), fused=True))
-        fns["nsa_triton_unfused"] = nsa_step(
-            "triton", opts=dict(launch_opts(triton_cfgs[0], device), fused=False))
+        fns["nsa_triton"] = nsa_step("triton", opts=launch_opts(triton_cfgs[0], device))
     else:
         row["skipped"] = f"nsa_triton: {why}"
     if compile_:
@@ -318,18 +311,6 @@ def bench_one(cfg: NSAConfig, S: int, B: int, device, dtype, timer: Timer, graph
                     row["triton_sel_agree"] = same.all(-1).float().mean().item()
             except Exception as e:  # noqa: BLE001
                 fail("check nsa_triton", e)
-        if "nsa_triton_unfused" in fns:
-            try:
-                o_u = fns["nsa_triton_unfused"]().float()
-                reads = {k: v.float().mean().item() for k, v in cache.reads.items()}
-                if reads != {k: float(v) for k, v in exp.items()}:
-                    raise AssertionError(f"unfused read counters {reads} != expected {exp}")
-                if o_t is not None:
-                    row["triton_unfused_max_abs_err"] = (o_u - o_t).abs().max().item()
-                    same = cache.last_selection.sort(-1).values == sel_t
-                    row["triton_unfused_sel_agree"] = same.all(-1).float().mean().item()
-            except Exception as e:  # noqa: BLE001
-                fail("check nsa_triton_unfused", e)
         try:
             o_a, o_b = fns["full_gqa"](), fns["full_fold"]()
             if not torch.allclose(o_a.float(), o_b.float(), atol=2e-2, rtol=2e-2):
@@ -340,7 +321,7 @@ def bench_one(cfg: NSAConfig, S: int, B: int, device, dtype, timer: Timer, graph
     if profile and device.type == "cuda":
         from torch.profiler import ProfilerActivity, profile as prof
 
-        for name in [n for n in ("nsa_torch", "nsa_triton", "nsa_triton_unfused") if n in fns]:
+        for name in [n for n in ("nsa_torch", "nsa_triton") if n in fns]:
             acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
             with torch.no_grad(), prof(activities=acts) as pr:
                 for _ in range(10):
@@ -374,7 +355,7 @@ def bench_one(cfg: NSAConfig, S: int, B: int, device, dtype, timer: Timer, graph
 
     if breakdown is not None:
         sfx = "_graph_ms" if "graph" in graph_modes else "_ms"
-        for name in [n for n in ("nsa_triton", "nsa_triton_unfused", "nsa_torch", "full_fold")
+        for name in [n for n in ("nsa_triton", "nsa_torch", "full_fold")
                      if n in fns and (device.type == "cuda" or n == "nsa_torch")]:
             try:
                 with torch.no_grad():
@@ -399,8 +380,7 @@ def bench_one(cfg: NSAConfig, S: int, B: int, device, dtype, timer: Timer, graph
 
     mode_sfx = "_graph_ms" if "graph" in graph_modes else "_ms"
     row["full_ms"], row["full_best"] = best([f"full_gqa{mode_sfx}", f"full_fold{mode_sfx}"])
-    tr_keys = ([k for k in row if k.startswith("nsa_triton_graph_ms[")] or [f"nsa_triton{mode_sfx}"]) \
-        + [f"nsa_triton_unfused{mode_sfx}"]  # the NSA row: the faster launch path
+    tr_keys = [k for k in row if k.startswith("nsa_triton_graph_ms[")] or [f"nsa_triton{mode_sfx}"]
     row["nsa_triton_best_ms"], row["nsa_triton_best"] = best(tr_keys)
     row["nsa_torch_best_ms"], _ = best([f"nsa_torch{mode_sfx}", f"nsa_torch_compiled{mode_sfx}"])
     row["nsa_ms"], which = best(["nsa_triton_best_ms", "nsa_torch_best_ms"])
@@ -408,8 +388,6 @@ def bench_one(cfg: NSAConfig, S: int, B: int, device, dtype, timer: Timer, graph
                        if which == "nsa_triton_best_ms" else "torch" if which else "")
     row["speedup"] = row["full_ms"] / row["nsa_ms"]
     row["speedup_triton_vs_torch"] = row["nsa_torch_best_ms"] / row["nsa_triton_best_ms"]
-    row["speedup_fused_vs_unfused"] = (row.get(f"nsa_triton_unfused{mode_sfx}", float("nan"))
-                                       / row.get(f"nsa_triton{mode_sfx}", float("nan")))
     if "eager" in graph_modes:
         f_e, _ = best(["full_gqa_ms", "full_fold_ms"])
         n_e, _ = best(["nsa_triton_ms", "nsa_torch_ms"])
@@ -428,108 +406,6 @@ def bench_one(cfg: NSAConfig, S: int, B: int, device, dtype, timer: Timer, graph
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
-
-
-def check_equivalence(device, T: int = 700, seed: int = 0, backend: str = "torch") -> float:
-    """Prefill + token-by-token decode == one full forward, on `device` in fp32 (the same check
-    as tests/inference/test_inference.py, here with the device's decode path, `backend`). Returns the max
-    abs difference of the layer outputs."""
-    from nsa_flex import NSAAttention
-    from nsa_flex.inference import decode_step, new_cache, prefill
-
-    torch.manual_seed(seed)
-    cfg = NSAConfig(dim=64, n_heads=8, n_kv_heads=2, d_qk=32, d_v=16, l=16, d=8, l_sel=32,
-                    n_sel=4, window=64, backend="reference")
-    layer = NSAAttention(cfg).to(device)
-    with torch.no_grad():
-        layer.gate.weight.normal_(0, 0.5)
-        x = torch.randn(2, T, cfg.dim, device=device)
-        full = layer(x)
-        p0, p1 = T // 3, (2 * T) // 3
-        P = torch.tensor([p0, p1], device=device)
-        cache = new_cache(layer, 2, T + p1 - p0, decode_backend=backend)
-        out = prefill(layer, x[:, :p1], cache, P)
-        err = max((out[b, : P[b]] - full[b, : P[b]]).abs().max().item() for b in range(2))
-        rows = torch.arange(2, device=device)
-        for k in range(T - p0):
-            t = (P + k).clamp_max(T - 1)
-            o = decode_step(layer, x[rows, t].unsqueeze(1), cache)
-            live = P + k < T
-            err = max(err, (o[live, 0] - full[rows[live], t[live]]).abs().max().item())
-    return err
-
-
-def check_triton_vs_torch(device, lens=(700, 3000, 5000), seed: int = 0,
-                          fused: bool = True) -> dict:
-    """One decode step at the paper's head dims (G = 16, d_k 192, d_v 128) in fp32, rows of
-    different lengths: the Triton path (fused or the five launches) against the torch path
-    (outputs, selections, counters, caches after the write)."""
-    cfg = NSAConfig(**PAPER, backend="reference")
-    B, H, Hkv, dk, dv = len(lens), cfg.n_heads, cfg.n_kv_heads, cfg.d_qk, cfg.d_v
-    gen = torch.Generator(device=device).manual_seed(seed)
-    caches = {}
-    for be in ("torch", "triton"):
-        c = NSACache.empty(cfg, B, max(lens) + 1, device, torch.float32)
-        c.random_fill_(torch.tensor(lens, device=device), generator=torch.Generator(
-            device=device).manual_seed(seed))
-        caches[be] = c
-    q = torch.randn(B, H, 1, dk, generator=gen, device=device)
-    kv = {b: (torch.randn(B, Hkv, 1, dk, generator=gen, device=device),
-              torch.randn(B, Hkv, 1, dv, generator=gen, device=device)) for b in MODES}
-    g = torch.rand(B, H, 1, 3, generator=gen, device=device)
-    phi = PHI["avg"](cfg.l, cfg.d, dk)
-    out = {}
-    with torch.no_grad():
-        for be, c in caches.items():
-            out[be] = decode_attention(cfg, MODES, q, kv, g, c, phi, phi, backend=be,
-                                       triton_opts={"fused": fused} if be == "triton" else None)
-    a, b = caches["torch"], caches["triton"]
-    return {"max_abs_err": (out["torch"] - out["triton"]).abs().max().item(),
-            "sel_agree": (a.last_selection.sort(-1).values == b.last_selection.sort(-1).values)
-            .all(-1).float().mean().item(),
-            "reads_equal": all(torch.equal(a.reads[k], b.reads[k]) for k in a.reads),
-            "cache_max_abs_err": max((getattr(b, k) - t).abs().max().item()
-                                     for k, t in a.tensors().items())}
-
-
-def check_graph_replays(device, S: int = 20000, B: int = 3, replays: int = 300,
-                        seed: int = 0) -> dict:
-    """The fused Triton step (bf16, paper config, rows at different lengths, one with a document
-    start) captured in a CUDA graph and replayed `replays` times: every replay must give the
-    eager step's output bit for bit (the step is deterministic: fixed split shapes and merge
-    order, whichever program arrives last). Checks the arrival counters' reset and the memory
-    ordering of the last-arriving combine under real concurrency, and that the three-launch
-    path is capturable. Also times eager vs replay for a sanity line."""
-    cfg = NSAConfig(**PAPER, backend="reference")
-    H, Hkv, dk, dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_qk, cfg.d_v
-    gen = torch.Generator(device=device).manual_seed(seed)
-    c = NSACache.empty(cfg, B, S, device, torch.bfloat16)
-    lens = torch.tensor([S - 1 - 997 * i for i in range(B)], device=device)
-    c.random_fill_(lens, generator=gen)
-    c.doc_start[-1] = 4096
-    q = torch.randn(B, H, 1, dk, generator=gen, device=device, dtype=torch.bfloat16)
-    kv = {b: (torch.randn(B, Hkv, 1, dk, generator=gen, device=device, dtype=torch.bfloat16),
-              torch.randn(B, Hkv, 1, dv, generator=gen, device=device, dtype=torch.bfloat16))
-          for b in MODES}
-    g = torch.rand(B, H, 1, 3, generator=gen, device=device, dtype=torch.bfloat16)
-    phi = PHI["avg"](cfg.l, cfg.d, dk)
-
-    def step():  # the fused path: its arrival counters persist between replays
-        return decode_attention(cfg, MODES, q, kv, g, c, phi, phi, backend="triton",
-                                triton_opts={"fused": True})
-
-    with torch.no_grad():
-        ref = step().clone()
-        graph, out = capture_graph(step, warmup=3)
-        bad, worst = 0, 0.0
-        for _ in range(replays):
-            graph.replay()
-            d = (out.float() - ref.float()).abs().max().item()
-            bad += d != 0
-            worst = max(worst, d)
-        again = step()
-    return {"replays": replays, "mismatched_replays": int(bad), "max_abs_diff": worst,
-            "eager_after_graph_equal": bool(torch.equal(again, ref))}
 
 
 def capture_graph(fn, warmup: int):
@@ -621,13 +497,8 @@ def main(argv=None):
     p.add_argument("--profile", action="store_true", help="print CUDA kernel profiles of NSA steps")
     p.add_argument("--breakdown", action="store_true",
                    help="per-kernel device times of one step (torch.profiler, median over steps) "
-                        "of both Triton paths and the baseline -> <out>/decode_breakdown.csv")
+                        "of the Triton path and the baseline -> <out>/decode_breakdown.csv")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--keep-going", action="store_true",
-                   help="a failed device check prints FAIL and the grid still runs")
-    p.add_argument("--no-check", action="store_true",
-                   help="skip the device checks before the grid (prefill+decode == forward for "
-                        "both backends, Triton == torch at paper dims; fp32, ~10 s)")
     a = p.parse_args(argv)
 
     if a.quick:
@@ -649,46 +520,6 @@ def main(argv=None):
     print(f"device {device} dtype {dtype} modes {modes} triton path: "
           f"{'yes ' + str([cfg_name(c) for c in triton_cfgs]) if ok_tr else 'no (' + why + ')'}",
           flush=True)
-    failures = []
-
-    def verdict(ok: bool, msg: str) -> None:
-        """One check's line; a failure stops the run unless --keep-going."""
-        print(f"check {'PASS' if ok else 'FAIL'}: {msg}", flush=True)
-        if not ok:
-            if not a.keep_going:
-                raise AssertionError(msg)
-            failures.append(msg)
-
-    def guarded(what, fn):
-        try:
-            return fn()
-        except Exception as e:  # noqa: BLE001 - with --keep-going a broken check is a failure
-            if not a.keep_going:
-                raise
-            verdict(False, f"{what}: {type(e).__name__}: {str(e)[:300]}")
-            return None
-
-    if not a.no_check and not a.quick:
-        for be in ("torch", "triton") if ok_tr else ("torch",):
-            t0 = time.time()
-            err = guarded(f"prefill + decode ({be})", lambda: check_equivalence(device, backend=be))
-            if err is not None:
-                verdict(err < 1e-3, f"prefill + decode ({be}) vs full forward on {device} (fp32): "
-                        f"max |diff| = {err:.2e} ({time.time() - t0:.1f} s)")
-        if ok_tr:
-            for fused in (True, False):
-                name = "fused" if fused else "five launches"
-                r = guarded(f"triton ({name}) vs torch",
-                            lambda: check_triton_vs_torch(device, fused=fused))
-                if r is not None:
-                    verdict(r["reads_equal"] and r["cache_max_abs_err"] < 1e-5
-                            and (r["sel_agree"] < 1 or r["max_abs_err"] < 1e-3),
-                            f"triton ({name}) vs torch step at paper head dims (fp32): {r}")
-            if device.type == "cuda":
-                r = guarded("graph replays", lambda: check_graph_replays(device))
-                if r is not None:
-                    verdict(r["mismatched_replays"] == 0 and r["eager_after_graph_equal"],
-                            f"fused step, CUDA graph replays vs eager (bf16): {r}")
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "bench_decode.csv")
     rows, kernels = [], ([] if a.breakdown else None)
@@ -714,7 +545,6 @@ def main(argv=None):
         print(f"  S={S:>7} B={B:>3}  nsa {r['nsa_ms']:8.4f} ms ({r.get('nsa_best', '')})  "
               f"full {r['full_ms']:8.4f} ms ({r.get('full_best', '')})  speedup "
               f"{r['speedup']:6.2f}x  triton/torch {tt:.2f}x  "
-              f"fused/unfused {r.get('speedup_fused_vs_unfused', float('nan')):.2f}x"
               f"  reads {r['nsa_reads']}/{S} ({r['read_ratio']:.2f}x fewer)"
               + (f"  ERRORS: {r['errors']}" if r.get("errors") else ""), flush=True)
         write_csv(rows, path)
@@ -722,9 +552,6 @@ def main(argv=None):
             write_csv(kernels, os.path.join(a.out, "decode_breakdown.csv"))
     print(f"wrote {path}")
     plot(rows, os.path.join(a.out, "bench_decode.png"))
-    if failures:
-        print(f"{len(failures)} check(s) FAILED (--keep-going): " + " | ".join(failures),
-              flush=True)
     return rows
 
 

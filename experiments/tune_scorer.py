@@ -15,13 +15,11 @@ import argparse
 import csv
 import math
 import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from nsa_flex.ops import group_slc_scores, topn_blocks  # noqa: E402
+from nsa_flex.ops import group_slc_scores, topn_blocks
 
 # (block_m, block_n, num_warps, num_stages); round 1 (session 9), the first the old default
 CONFIGS = [(64, 128, 8, 2), (64, 256, 8, 2), (64, 256, 8, 1), (32, 256, 4, 2), (32, 256, 8, 2),

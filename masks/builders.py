@@ -7,6 +7,9 @@ for `compressed_causal`, whose kv index is a compressed block i covering tokens
 
 import torch
 from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
+
+from nsa_flex.rules import cmp_visible, is_forced
 
 from .core import MaskSpec, captured, or_masks, transpose_lists
 
@@ -34,13 +37,13 @@ def sliding_window(window: int) -> MaskSpec:
 
 
 def compressed_causal(l: int, d: int) -> MaskSpec:
-    """Query t sees compressed block i only when the block ends at or before t: i*d + l - 1 <= t."""
+    """Query t sees compressed block i only when the block has ended (`rules.cmp_visible`)."""
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return kv_idx * d + l - 1 <= q_idx
+        return cmp_visible(kv_idx, q_idx, l, d)
 
     def interval(q):
-        # largest i with i*d + l - 1 <= t is floor((t - l + 1) / d); negative: none
+        # the last visible block is floor((t - l + 1) / d) (cmp_visible solved for i); negative: none
         hi = torch.div(q - l + 1, d, rounding_mode="floor")
         return torch.zeros_like(q).unsqueeze(0), hi.unsqueeze(0)
 
@@ -175,8 +178,6 @@ def drop_forced(sel_idx: Tensor, l_sel: int, n_init: int, n_local: int,
     """sel_idx [B, H, T, n] with the blocks `forced_blocks` covers set to -1: the scored part of
     the selection. Every picked block is valid, so a picked block is forced exactly when it is
     the document's first block or one of the n_local most recent (nsa_flex.rules.is_forced)."""
-    from nsa_flex.rules import is_forced  # the rule, written once (masks imports no nsa_flex)
-
     T = sel_idx.shape[2]
     t = torch.arange(T, device=sel_idx.device).view(1, 1, T, 1)
     start = 0 if starts is None else starts.long()[:, None, :, None]
@@ -216,8 +217,6 @@ def selection_block_mask_compact(sel_idx, l_sel, Q_LEN, KV_LEN, block_size, q_pa
     """BlockMask of the selection mask in the packed layout with one position per q block
     (q block = q_pack rows): kv lists straight from sel_idx (width n * l'/KB), kv-major lists by
     a sort. Never builds the dense [NQB, NKB] table that from_kv_blocks would."""
-    from torch.nn.attention.flex_attention import BlockMask
-
     QB, KB = block_size
     if QB != q_pack or l_sel % KB:
         raise ValueError("compact selection masks need q block = q_pack and KB | l_sel")

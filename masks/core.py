@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 from torch import Tensor
-from torch.nn.attention.flex_attention import BlockMask
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
@@ -33,8 +33,11 @@ def captured(x: Tensor) -> Tensor:
     tensor is a realized buffer when flex_attention's template inlines the mask_mod. Without it
     Inductor may inline the pointwise chain that computes the tensor into the attention kernel;
     with a masked op in that chain (slice assignment, cat, pad) the template failed to lower
-    (torch 2.11, selection mask at T=64k: "'function' object has no attribute 'graph'"). Costs one
-    copy of the captured tensor ([B, H, T, n] int64 for the selection)."""
+    (torch 2.11, selection mask at T=64k: "'function' object has no attribute 'graph'": triton
+    codegen of the inlined `ops.masked` expects a LoopBody). Costs one copy of the captured
+    tensor ([B, H, T, n] int64 for the selection). No upstream issue is filed; whether a later
+    torch still needs it is checked on a GPU only (compile the 64k layer with one builder's
+    `captured` removed; experiments/NOTES.md 12 has the traceback)."""
     return x.clone()
 
 
@@ -121,8 +124,6 @@ class MaskSpec:
         bs = (block_size, block_size) if isinstance(block_size, int) else tuple(block_size)
         mod = self.mask_mod
         if self.interval is None and self.kv_blocks is None and self.bands is None:
-            from torch.nn.attention.flex_attention import create_block_mask
-
             return create_block_mask(packed_mask_mod(mod, q_pack), B, self.heads, Q_LEN * q_pack,
                                      KV_LEN, device=device, BLOCK_SIZE=bs)
         if self.compact is not None and bs[0] == q_pack and device is not None \

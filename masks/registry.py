@@ -13,11 +13,15 @@ for the selection branch, give every head of a GQA group the same mask (heads = 
 """
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
+
+from nsa_flex.rules import forced_and_valid, local_topn, num_cmp, pick_blocks, random_topn
 
 from .builders import (causal, compressed_causal, doc_start, document, drop_forced, forced_parts,
                        selection, sliding_window)
@@ -26,7 +30,7 @@ from .core import MaskSpec, and_masks
 
 @dataclass
 class MaskContext:
-    cfg: object  # NSAConfig
+    cfg: object  # NSAConfig, or any object with the fields a builder reads (CheckConfig)
     batch: int
     seq_len: int
     device: torch.device
@@ -82,8 +86,6 @@ def _register_builtin(name: str, kind: str, fn) -> None:
 
 
 def _random_topn(cfg, B: int, T: int, starts: Tensor, gen: torch.Generator) -> Tensor:
-    from nsa_flex.rules import forced_and_valid, pick_blocks
-
     valid, forced = forced_and_valid(cfg, T, starts, "cpu")
     scores = torch.rand(B, cfg.n_kv_heads, T, valid.shape[-1], generator=gen)
     return pick_blocks(scores, valid.unsqueeze(1), forced.unsqueeze(1), cfg.n_sel)
@@ -100,6 +102,28 @@ def _first_leak(allowed: Tensor, q_tok: Tensor, key_end: Tensor) -> tuple[int, i
     return int(q_tok[r[i]]), int(k[i])
 
 
+@dataclass(frozen=True)
+class CheckConfig:
+    """The small layer `check_causal` runs a builder on: the `NSAConfig` fields a builder reads
+    from `ctx.cfg` (masks takes the config by its fields, never imports it)."""
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    l: int = 4
+    d: int = 2
+    l_sel: int = 4
+    n_sel: int = 3
+    n_init: int = 1
+    n_local: int = 1
+    window: int = 5
+
+    @property
+    def group_size(self) -> int:
+        return self.n_heads // self.n_kv_heads
+
+    def num_cmp(self, seq_len: int) -> int:
+        return num_cmp(seq_len, self.l, self.d)
+
+
 def check_causal(name: str, kind: str, fn, T: int = 19, seed: int = 0) -> None:
     """Run builder ``fn`` on a small random case (B=2, T tokens, with and without documents, random
     top-n blocks) and check both backends' forms of its mask: the dense mask of the reference
@@ -107,10 +131,7 @@ def check_causal(name: str, kind: str, fn, T: int = 19, seed: int = 0) -> None:
     layout of per-group masks). Key index = token for token masks, compressed block j (its last
     token j*d + l - 1) for compressed masks. Raises MaskBuilderError naming the builder and the
     first leaking (query, key) pair."""
-    from nsa_flex.config import NSAConfig
-
-    cfg = NSAConfig(dim=8, n_heads=4, n_kv_heads=2, d_qk=4, d_v=4, l=4, d=2, l_sel=4, n_sel=3, n_init=1,
-                    n_local=1, window=5)
+    cfg = CheckConfig()
     gen = torch.Generator().manual_seed(seed)
     B = 2
     docs = torch.sort(torch.randint(0, 3, (B, T), generator=gen), dim=-1).values
@@ -148,11 +169,10 @@ def check_causal(name: str, kind: str, fn, T: int = 19, seed: int = 0) -> None:
 
 def _first_leak_flex(spec, cfg, B, T, S, key_end):
     """First (query, key) that flex's BlockMask of `spec` lets through after its key's time."""
-    from nsa_flex.kernel_options import packed_block_size
-    from torch.nn.attention.flex_attention import BlockMask
-
     G = cfg.group_size if spec.per_group else 1
-    bs = packed_block_size(G, spec) if spec.per_group else (16, 16)
+    # the packed layout: q blocks of whole positions (lcm(G, 16) rows), kv blocks of the mask's
+    # block length (flex's tiles are checked by the layer, the lists and mask_mod here)
+    bs = (math.lcm(G, 16), spec.kv_block or 16) if spec.per_group else (16, 16)
     bm = spec.block_mask(B, T, S, device="cpu", block_size=bs, q_pack=G)
     QB, KB = bm.BLOCK_SIZE
     rows = T * G
@@ -259,15 +279,11 @@ def selection_parts(ctx, idx: Tensor) -> MaskSpec:
 
 
 def _random(ctx):
-    from nsa_flex.rules import random_topn
-
     idx = random_topn(ctx.cfg, ctx.batch, ctx.seq_len, ctx.doc_start(), ctx.step, ctx.device)
     return selection_parts(ctx, idx)
 
 
 def _local(ctx):
-    from nsa_flex.rules import local_topn
-
     idx = local_topn(ctx.cfg, ctx.batch, ctx.seq_len, ctx.doc_start(), ctx.device)
     return selection_parts(ctx, idx)
 

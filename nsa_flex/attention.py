@@ -159,10 +159,10 @@ def use_selected_op(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, sel_kernel:
     template: only for a per-position block selection (`spec.selection`)."""
     if spec.selection is None or sel_kernel == "flex":
         return False
-    why = ("triton is not importable" if not HAS_TRITON else
-           f"it needs CUDA tensors (got {q.device.type}; on CPU only under TRITON_INTERPRET=1)"
-           if not (q.is_cuda or triton_interpreted()) else
-           selected_unsupported(q, k, v, spec.selection[1]))
+    why = "triton is not importable" if not HAS_TRITON else \
+        selected_unsupported(q, k, v, spec.selection[1])
+    if why is None and not (q.is_cuda or triton_interpreted()):
+        why = f"it needs CUDA tensors (got {q.device.type}; on CPU only under TRITON_INTERPRET=1)"
     if why is None:
         return True
     if sel_kernel == "triton":

@@ -5,9 +5,12 @@ n=16 selected blocks (1 initial + 2 local always included), window w=512, 64 que
 groups, d_k=192, d_v=128, hidden size 2560.
 """
 
+import logging
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
+
+from masks import PRESETS, import_builder_modules, list_mask_builders
 
 from .rules import num_cmp
 
@@ -46,8 +49,6 @@ def resolve_backend(backend: str, device, training: bool = False) -> str:
         return "flex" if dev == "cuda" else "reference"
     if backend == "flex" and training and dev != "cuda":
         if not _warned_flex_cpu:
-            import logging
-
             logging.getLogger().warning(
                 "nsa backend 'flex' has no backward on the CPU (compiled CPU flex): no CUDA device "
                 "here, switching to backend 'reference' (backend 'auto' does this silently)")
@@ -170,10 +171,8 @@ class NSAConfig:
             errs.append(f"sel_kernel={self.sel_kernel!r}: allowed values are {SEL_KERNEL_CHOICES}")
         if not isinstance(self.rope_theta, (int, float)) or self.rope_theta <= 0:
             errs.append(f"rope_theta={self.rope_theta!r}: must be a positive number")
-        # mask names are checked against the registry (imported lazily: masks imports nothing here),
-        # after the user's builder modules have registered theirs
-        from masks import PRESETS, import_builder_modules, list_mask_builders
-
+        # mask names are checked against the registry, after the user's builder modules have
+        # registered theirs
         if isinstance(self.builder_modules, str):
             self.builder_modules = (self.builder_modules,)
         self.builder_modules = tuple(self.builder_modules or ())
@@ -181,7 +180,6 @@ class NSAConfig:
             import_builder_modules(self.builder_modules)
         except ImportError as e:
             errs.append(f"builder_modules={list(self.builder_modules)!r}: {e}")
-
         if self.masks not in PRESETS:
             errs.append(f"masks={self.masks!r}: allowed presets are {sorted(PRESETS)}")
         kinds = {"cmp_mask": "compressed", "sel_mask": "selection", "win_mask": "token"}
@@ -202,8 +200,6 @@ class NSAConfig:
 
     def branch_masks(self) -> dict[str, str]:
         """The mask builder name of each branch: preset, then per-branch overrides."""
-        from masks import PRESETS
-
         cmp, sel, win = PRESETS[self.masks]
         return {"cmp": self.cmp_mask or cmp, "sel": self.sel_mask or sel, "win": self.win_mask or win}
 

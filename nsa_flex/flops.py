@@ -2,14 +2,15 @@
 torchtitan-style MFU: 2 FLOPs per multiply-add, QK^T and PV per (query, visible key) pair."""
 
 from .config import NSAConfig
+from .rules import num_cmp
 
 
 def visible_keys(cfg: NSAConfig, seq_len: int) -> dict[str, int]:
     """Sum over queries t < seq_len of the keys each branch reads (per head)."""
     T = seq_len
     names = cfg.branch_masks()
-    # compressed: blocks i with i*d + l - 1 <= t  ->  floor((t - l + 1) / d) + 1 for t >= l - 1
-    cmp = sum((t - cfg.l + 1) // cfg.d + 1 for t in range(cfg.l - 1, T))
+    # compressed: token t sees the blocks ended by t, num_cmp(t + 1) of them
+    cmp = sum(num_cmp(t + 1, cfg.l, cfg.d) for t in range(T))
     tokens = {
         "causal": T * (T + 1) // 2,
         "sliding_window": sum(min(t + 1, cfg.window) for t in range(T)),

@@ -22,6 +22,14 @@ import time
 import warnings
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torchtitan.config import ConfigManager
+
+from nsa_flex.inference.model import generate
+from nsa_flex.titan.args import nsa_flex_args
+from nsa_flex.titan.model import NSATransformer
+from nsa_flex.titan.tokenizer import build_tokenizer
 
 
 def resolve_checkpoint(path: str) -> str:
@@ -40,17 +48,11 @@ def resolve_checkpoint(path: str) -> str:
 
 
 def load_job_config(config_file: str, overrides: list[str] | None = None):
-    from torchtitan.config import ConfigManager
-
     return ConfigManager().parse_args(["--job.config_file", config_file, *(overrides or [])])
 
 
 def build_model(job_config, device="cpu", dtype=torch.float32):
     """NSATransformer + tokenizer per the job config (flavor, [nsa] section, tokenizer)."""
-    from nsa_flex.titan.args import nsa_flex_args
-    from nsa_flex.titan.model import NSATransformer
-    from nsa_flex.titan.tokenizer import build_tokenizer
-
     if torch.device(device).type != "cuda":  # inference on the CPU: the reference backend, quietly
         job_config.nsa.backend = "reference"
     args = nsa_flex_args[job_config.model.flavor]
@@ -65,9 +67,6 @@ def build_model(job_config, device="cpu", dtype=torch.float32):
 
 def load_checkpoint(model: torch.nn.Module, checkpoint: str) -> str:
     """Load the model weights of a DCP checkpoint (flattened or nested under "model")."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-
     path = resolve_checkpoint(checkpoint)
     keys = set(FileSystemReader(path).read_metadata().state_dict_metadata)
     sd = model.state_dict()
@@ -104,8 +103,6 @@ def main(argv: list[str] | None = None) -> dict:
     a = p.parse_args(argv)
     if a.cuda_graphs and torch.device(a.device).type != "cuda":
         p.error(f"--cuda-graphs needs a CUDA --device, got {a.device}")
-
-    from nsa_flex.inference.model import generate
 
     job_config = load_job_config(a.config, a.override)
     model, tok = build_model(job_config, a.device, getattr(torch, a.dtype))

@@ -15,11 +15,9 @@ from .compression import PHI
 from .config import NSAConfig
 from .kernel_options import install_flex_patches
 from .rope import apply_rope, rope_cos_sin
-from .rules import random_draw_step
+from .rules import BRANCHES, random_draw_step
 from .selection import select_topn
 from .telemetry import STATS_SIZE, layer_stats
-
-BRANCHES = ("cmp", "sel", "win")
 
 
 def check_inputs(x: Tensor, doc_ids: Tensor | None, dim: int) -> None:

@@ -1,12 +1,14 @@
 """The paper's block rules, each written once (NSA, arXiv 2502.11089); training, decode and the
-Triton wrappers call these. Pure torch: this module imports nothing from nsa_flex or masks, so
-`masks` may import it lazily without a cycle.
+Triton wrappers call these. Pure torch, a leaf: this module imports nothing from nsa_flex or
+masks, so `masks` imports it at its top (nsa_flex -> masks -> nsa_flex.rules).
 
 Indices are 0-based: token t, compressed block i covers tokens [i d, i d + l), selection block j
 covers tokens [j l', (j+1) l').
 
+Branches (Eq. 5): compressed, selected, window, in the gates' order (`BRANCHES`).
 Compression (§3.3.1, Eq. 7): one compressed key per block of l tokens, stride d, over the tokens
-  seen so far: `num_cmp(S) = floor((S - l) / d) + 1` blocks for S >= l tokens, 0 below.
+  seen so far: `num_cmp(S) = floor((S - l) / d) + 1` blocks for S >= l tokens, 0 below; token t
+  sees block i once the block has ended, i d + l - 1 <= t (`cmp_visible`).
 Scores (Eq. 8-10): p_cmp = softmax(q K_cmp^T) (`masked_softmax`, the one softmax of both
   reference paths); Eq. 9 maps it to selection blocks by overlap, p_slc[j] = sum_i w[i, j]
   p_cmp[i] with w[i, j] the overlap of compressed block i and selection block j in strides of d
@@ -24,7 +26,16 @@ import torch
 from torch import Tensor
 
 
+BRANCHES = ("cmp", "sel", "win")  # Eq. 5's three branches, in the order of the gate columns
+
+
 # ---------------------------------------------------------------------- compression (Eq. 7)
+def cmp_visible(i, t, l: int, d: int):
+    """Whether token t sees compressed block i (tokens [i d, i d + l)): the block has ended,
+    i d + l - 1 <= t. Elementwise on broadcastable i, t (ints or tensors)."""
+    return i * d + l - 1 <= t
+
+
 def num_cmp(S, l: int, d: int):
     """Compressed blocks over S tokens (an int, or an integer tensor elementwise): blocks end at
     i d + l - 1 <= S - 1, so floor((S - l) / d) + 1 of them, 0 when S < l."""

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from .ops import HAS_TRITON, group_slc_scores, topn_blocks, triton_interpreted
-from .rules import forced_and_valid, map_to_selection_blocks, pick_blocks
+from .rules import cmp_visible, forced_and_valid, map_to_selection_blocks, pick_blocks
 
 
 def use_triton_scorer(cfg, q: Tensor, lse: Tensor | None) -> bool:
@@ -67,7 +67,7 @@ def block_scores(q: Tensor, k_cmp: Tensor, lse: Tensor | None, cfg, doc_starts: 
     s = torch.einsum("bhgtd,bhnd->bhgtn", qc, k_cmp.to(q.dtype)).float() * (Dk ** -0.5)
     t = torch.arange(t0, t1, device=q.device).view(C, 1)
     i = torch.arange(Nc, device=q.device).view(1, Nc)
-    vis = (i * cfg.d + cfg.l - 1 <= t)  # compressed causal
+    vis = cmp_visible(i, t, cfg.l, cfg.d)  # compressed causal
     if doc_starts is not None:
         vis = vis.unsqueeze(0) & (i * cfg.d >= doc_starts[:, t0:t1].unsqueeze(-1))  # [B, C, Nc]
         vis = vis.view(-1, 1, 1, C, Nc)
@@ -92,7 +92,7 @@ def select_topn(q: Tensor, k_cmp: Tensor, lse: Tensor | None, cfg, doc_starts: T
     chunk = chunk or cfg.score_chunk
     fused = use_triton_scorer(cfg, q, lse) and Nc > 0
     if fused:
-        # the fused kernel keeps only [B, Hkv, chunk, Ns] fp32: at most MAX_CHUNKS chunks
+        # the fused kernel keeps only [B, Hkv, chunk, Ns] fp32: a few large chunks
         chunk = max(chunk, -(-T // MAX_CHUNKS))
     out = []
     for t0 in range(0, T, chunk):
@@ -104,18 +104,7 @@ def select_topn(q: Tensor, k_cmp: Tensor, lse: Tensor | None, cfg, doc_starts: T
             continue
         valid, forced = forced_and_valid(cfg, T, starts, q.device, t0, t1)
         out.append(pick_blocks(p, valid.unsqueeze(1), forced.unsqueeze(1), cfg.n_sel))
-    return cat_tree(out, dim=2)
+    return torch.cat(out, dim=2)
 
 
-# Inductor lowers a cat of more than `max_pointwise_cat_inputs` (8) tensors to a ConcatKernel;
-# the selection indices made that way and captured by the selection mask_mod failed to lower
-# (torch 2.11, T=64k: "'function' object has no attribute 'graph'"). Cats of <= 8 stay pointwise.
-MAX_CHUNKS = 8
-
-
-def cat_tree(xs: list[Tensor], dim: int) -> Tensor:
-    """torch.cat as a tree of cats of at most MAX_CHUNKS tensors each (same result)."""
-    while len(xs) > MAX_CHUNKS:
-        xs = [torch.cat(xs[i:i + MAX_CHUNKS], dim=dim) if len(xs[i:i + MAX_CHUNKS]) > 1
-              else xs[i] for i in range(0, len(xs), MAX_CHUNKS)]
-    return torch.cat(xs, dim=dim) if len(xs) > 1 else xs[0]
+MAX_CHUNKS = 8  # score chunks of the Triton scorer per call at most (its buffer is one chunk)

@@ -43,7 +43,7 @@ import math
 import torch
 from torch import Tensor
 
-BRANCHES = ("cmp", "sel", "win")
+from .rules import BRANCHES
 N_BINS = 12  # distance bins: 0, 1, 2-3, 4-7, ..., 512-1023, >= 1024 blocks
 N_QUERIES = 64  # query positions at which the masks are evaluated
 

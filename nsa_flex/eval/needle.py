@@ -1,7 +1,7 @@
 """Passkey retrieval and multi-key needle-in-a-haystack evaluation of an nsa_flex checkpoint.
 
     # a torchtitan checkpoint (DCP step folder, or the checkpoint folder: its latest step-N)
-    python -m nsa_flex.eval --config titan_configs/ablation_nsa.toml \\
+    python -m nsa_flex.eval --config titan_configs/ablation.toml \\
         --checkpoint outputs/ablation_nsa/checkpoint --lengths 2048,4096,8192 --out outputs/needle_nsa
     # CPU smoke test: the tiny debug model, random weights (or --checkpoint DIR of a debug run)
     python -m nsa_flex.eval --quick --out /tmp/needle_quick

@@ -84,7 +84,7 @@ def decode_attention(cfg, modes: dict[str, str], q: Tensor, kv: dict, g: Tensor,
     backend: "auto" | "torch" | "triton" (default: cache.decode_backend). attend_fn: a
     replacement of `attend_cached` (e.g. a compiled copy); it implies the torch path.
     triton_opts: launch options of the Triton kernels (`nsa_decode_attention`: num_programs,
-    block_n, num_warps, num_stages, fused, score_chunk)."""
+    block_n, num_warps, num_stages)."""
     name = backend or cache.decode_backend
     use = "torch" if attend_fn is not None else resolve_decode_backend(name, q.device)
     if use == "triton":

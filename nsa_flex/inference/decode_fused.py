@@ -1,16 +1,15 @@
 """The decode step by the fused Triton kernels (`nsa_flex.ops.decode_triton`), and the choice of
-backend. Same inputs, outputs and counters as `decode_reference`: by default five launches (write,
-compressed + window, scorer, selected, combine); `triton_opts={"fused": True}` gives three (the
-write inside the compressed + window split-K, the chunked top-n scorer with the branch merges, the
-selected split-K that finishes the step), slower on the H100 (experiments/NOTES.md 24). No host
-sync: CUDA-graph capturable.
+backend. Same inputs, outputs and counters as `decode_reference`: five launches (write, compressed
++ window, scorer, selected, combine). No host sync: CUDA-graph capturable.
 """
 
 import torch
 from torch import Tensor
 
+from ..compression import AvgCompress
 from .cache import NSACache, check_decode_backend
-from .decode_reference import BRANCHES, emit_compressed
+from ..rules import BRANCHES
+from .decode_reference import emit_compressed
 
 
 def _triton_module():
@@ -46,7 +45,6 @@ def write_token_triton(cfg, modes: dict[str, str], kv: dict, cache: NSACache, ph
                        ) -> None:
     """`write_token` by the fused write kernel (one launch; with a learned phi the compressed
     block is emitted by `emit_compressed` after it)."""
-    from ..compression import AvgCompress
     from ..ops.decode_triton import nsa_decode_write
 
     new = {b: kv[b] for b in ("cmp",) if b in kv}
@@ -61,22 +59,10 @@ def write_token_triton(cfg, modes: dict[str, str], kv: dict, cache: NSACache, ph
 
 def step_triton(cfg, modes: dict[str, str], q: Tensor, kv: dict, g: Tensor, cache: NSACache,
                 phi_k, phi_v, **kw) -> tuple[Tensor, dict, Tensor | None]:
-    """`write_token` + `attend_cached` by the fused kernels: same results as the torch path. With
-    phi = mean (or no compressed stream) the write is part of the attention's first launch; a
-    learned phi emits its block between a separate write and the reads."""
-    from ..compression import AvgCompress
-
-    avg = isinstance(phi_k, AvgCompress) and isinstance(phi_v, AvgCompress)
+    """`write_token` + `attend_cached` by the fused kernels: same results as the torch path."""
+    write_token_triton(cfg, modes, kv, cache, phi_k, phi_v)
     caches = {k: v for k, v in cache.tensors().items() if k not in ("k_raw", "v_raw")}
-    if "cmp" in kv and not avg and cache.n_cmp_slots > 0:
-        write_token_triton(cfg, modes, kv, cache, phi_k, phi_v)
-        return attend_triton(cfg, modes, q, g, caches, cache.lengths, cache.doc_start, **kw)
-    new = {b: kv[b] for b in ("cmp",) if b in kv}
-    for b in ("sel", "win"):
-        if modes[b] != "none":
-            new[b] = kv[b]
-    return attend_triton(cfg, modes, q, g, caches, cache.lengths, cache.doc_start, new=new,
-                         k_raw=cache.k_raw, v_raw=cache.v_raw, emit_avg=avg, **kw)
+    return attend_triton(cfg, modes, q, g, caches, cache.lengths, cache.doc_start, **kw)
 
 
 def attend_triton(cfg, modes: dict[str, str], q: Tensor, g: Tensor, caches: dict, pos: Tensor,

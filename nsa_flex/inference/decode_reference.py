@@ -18,11 +18,9 @@ import math
 import torch
 from torch import Tensor
 
-from ..rules import (block_rules, map_to_selection_blocks, masked_softmax, num_cmp,
+from ..rules import (BRANCHES, block_rules, map_to_selection_blocks, masked_softmax, num_cmp,
                      overlap_kernel_cached, pick_blocks)
 from .cache import NSACache
-
-BRANCHES = ("cmp", "sel", "win")
 
 
 def _attend(s: Tensor, mask: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:

@@ -1,8 +1,8 @@
 """Model-level prefill / decode / generation for nsa_flex.titan.model.NSATransformer.
 
-Uses the model's documented layout (tok_embeddings, layers[i].{attention_norm, attention,
-ffn_norm, feed_forward}, norm, output) and replays its block forward:
-    h = x + attention(attention_norm(x)); out = h + feed_forward(ffn_norm(h))
+Uses the model's documented layout (tok_embeddings, layers[i] with .attention, norm, output)
+and runs each block's own forward with its attention call swapped for one on the layer's cache:
+    h = block(h, attend=lambda y: decode_step(block.attention, y, cache))
 Batch layout: right padding with per-row lengths; all layers share one `lengths` tensor.
 Document masking (model_args.doc_masking): a document ends at (and includes) an EOS token, as in
 `doc_ids_from_tokens`; the decode keeps each row's document start.
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..data.documents import doc_ids_from_tokens
 from .cache import NSACache
 from .decode import decode_step, new_cache
 from .graphs import GraphedDecodeStep, restore_state, snapshot_state  # noqa: F401 (re-exported)
@@ -72,13 +73,10 @@ def model_prefill(model, tokens: Tensor, cache: ModelCache, lengths=None) -> Ten
                               device=dev)
     doc_ids = None
     if cache.doc_masking:
-        from nsa_flex.data.documents import doc_ids_from_tokens
-
         doc_ids = doc_ids_from_tokens(tokens, cache.eos_id)
     h = model.tok_embeddings(tokens)
     for blk, c in zip(_blocks(model), cache.layers):
-        h = h + layer_prefill(blk.attention, blk.attention_norm(h), c, lengths, doc_ids)
-        h = h + blk.feed_forward(blk.ffn_norm(h))
+        h = blk(h, attend=lambda y, blk=blk, c=c: layer_prefill(blk.attention, y, c, lengths, doc_ids))
     if cache.doc_masking:
         # the next token starts a new document when the last prompt token is EOS
         last = tokens.gather(1, (lengths - 1).clamp_min(0).view(B, 1)).view(B)
@@ -95,8 +93,7 @@ def model_decode_step(model, tokens: Tensor, cache: ModelCache) -> Tensor:
     B = tokens.shape[0]
     h = model.tok_embeddings(tokens.view(B, 1))
     for blk, c in zip(_blocks(model), cache.layers):
-        h = h + decode_step(blk.attention, blk.attention_norm(h), c, commit=False)
-        h = h + blk.feed_forward(blk.ffn_norm(h))
+        h = blk(h, attend=lambda y, blk=blk, c=c: decode_step(blk.attention, y, c, commit=False))
     logits = model.output(model.norm(h))[:, 0]
     # advance the shared lengths once, and every layer's host bound
     cache.lengths.add_(1)

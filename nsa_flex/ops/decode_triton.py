@@ -2,9 +2,7 @@
 
 The torch decode path (`nsa_flex.inference.decode_reference.attend_cached`) is the reference; this
 module computes the same function without any host sync (static shapes: CUDA-graph capturable),
-by two launch paths of `nsa_decode_attention`.
-
-fused=False, five dependent launches:
+in five dependent launches (`nsa_decode_write`, then `nsa_decode_attention`):
   1. `_write_kernel`    the new token into the selection cache, the window ring and the raw
                         compression ring; with phi = "avg" also the compressed block the token
                         completes (mean of the ring; only rows that emit store: branch-free).
@@ -26,22 +24,6 @@ fused=False, five dependent launches:
                         the compressed lse, the sigmoid-gate mix (Eq. 5, in the torch path's
                         order), the compressed / window read counters.
 
-fused=True, three launches (not the default: slower on the H100, 65.9 vs 49.9 us per step at 64k
-batch 1, its selection launch alone 35 us; experiments/NOTES.md 24). At batch 1 the five above are
-bound by launch latency and
-by the scorer's serial work (one program per (b, h) over every compressed score and n
-max-reductions), not by their ~14 MB of K/V at 64k:
-  1. `_attn_kernel`     2. above, with the new token's write (`new=`) done by the programs that
-     (SEL=False)        read what they write (window slot, emitted compressed block).
-  2. `_slc_kernel`      per (b, h, chunk of selection blocks): Eq. 8-10 for the chunk straight
-                        from the stored scores, the rules and keys of 3., the chunk's n best keys
-                        by rank counting (candidates); per (b, h, head chunk): the compressed and
-                        window splits merged (branch outputs, lse, counters).
-  3. `_sel_kernel`      per (b, h, split): the row's top-n from the candidates (rank counting),
-                        split-K over the split's selected blocks; the last program of (b, h) to
-                        arrive (an acq_rel counter, reset by it) merges the selection splits and
-                        writes the gated output.
-
 d_k need not be a power of two: the q.K product is split into two power-of-two dots
 (192 = 128 + 64); other head dims are padded with masks. Layout: every cache is a contiguous
 [B, Hkv, N, D] tensor (as `NSACache` allocates them); q [B, H, 1, Dk]; per-row positions `pos` [B]
@@ -61,14 +43,11 @@ import triton.language as tl
 from torch import Tensor
 
 from ..rules import overlap_kernel_cached, valid_blocks
-from .topn_triton import _block_keys
+from .rules_triton import block_keys, key_block
 
 SEL_MODES = ("topn", "local_selection", "causal", "none")
 PROGRAMS_PER_SM = 4  # default size of the split-K launches: about this many programs per SM
 MAX_SPLITS = 64  # splits per (row, KV group) and branch (the combine holds them in registers)
-# `_attn_kernel` launch constants of a launch that writes nothing
-NO_WRITE = dict(WRITE=False, W_CMP=False, W_SEL=False, W_WIN=False, EMIT_AVG=False, DK_PAD=16,
-                L_PAD=16)
 
 
 def interpreter_active() -> bool:
@@ -132,25 +111,29 @@ def _write_kernel(pos_ptr, Hkv,
     mv = dv < DV
     bh = pid.to(tl.int64)
     if HAS_SEL:
-        k = tl.load(ks_ptr + b * sks_b + h * sks_h + dk, mask=mk)
-        v = tl.load(vs_ptr + b * svs_b + h * svs_h + dv, mask=mv)
-        tl.store(k_sel + (bh * CAP + pos) * DK + dk, k, mask=mk)
-        tl.store(v_sel + (bh * CAP + pos) * DV + dv, v, mask=mv)
+        _copy_token(ks_ptr + b * sks_b + h * sks_h, vs_ptr + b * svs_b + h * svs_h, k_sel, v_sel,
+                    bh * CAP + pos, dk, dv, mk, mv, DK, DV)
     if HAS_WIN:
-        k = tl.load(kw_ptr + b * skw_b + h * skw_h + dk, mask=mk)
-        v = tl.load(vw_ptr + b * svw_b + h * svw_h + dv, mask=mv)
-        slot = pos % W
-        tl.store(k_win + (bh * W + slot) * DK + dk, k, mask=mk)
-        tl.store(v_win + (bh * W + slot) * DV + dv, v, mask=mv)
+        _copy_token(kw_ptr + b * skw_b + h * skw_h, vw_ptr + b * svw_b + h * svw_h, k_win, v_win,
+                    bh * W + pos % W, dk, dv, mk, mv, DK, DV)
     if HAS_CMP:
-        k = tl.load(kc_ptr + b * skc_b + h * skc_h + dk, mask=mk)
-        v = tl.load(vc_ptr + b * svc_b + h * svc_h + dv, mask=mv)
         slot = pos % L
-        tl.store(k_raw + (bh * L + slot) * DK + dk, k, mask=mk)
-        tl.store(v_raw + (bh * L + slot) * DV + dv, v, mask=mv)
+        k, v = _copy_token(kc_ptr + b * skc_b + h * skc_h, vc_ptr + b * svc_b + h * svc_h, k_raw,
+                           v_raw, bh * L + slot, dk, dv, mk, mv, DK, DV)
         if EMIT_AVG:
             _emit_avg(bh, pos, slot, k, v, k_raw, v_raw, k_cmp, v_cmp, NC, dk, dv, mk, mv,
                       DK, DV, L, L_PAD, D)
+
+
+@triton.jit
+def _copy_token(k_src, v_src, k_dst, v_dst, row, dk, dv, mk, mv, DK: tl.constexpr,
+                DV: tl.constexpr):
+    """The new token's (k, v) (its rows at k_src / v_src) into cache row `row`; returns them."""
+    k = tl.load(k_src + dk, mask=mk)
+    v = tl.load(v_src + dv, mask=mv)
+    tl.store(k_dst + row * DK + dk, k, mask=mk)
+    tl.store(v_dst + row * DV + dv, v, mask=mv)
+    return k, v
 
 
 @triton.jit
@@ -240,11 +223,11 @@ def _score_kernel(pm_ptr, pl_ptr, NSPLIT, NSC, sc_ptr, pc_ptr, NC, c_ptr, idx_pt
             score += tl.load(pc_ptr + bh * NC + i, mask=ok, other=0.0) * ck
     else:
         score = jj.to(tl.float32)
-    key = _block_keys(jj, score, pos, start, NS, LS, N_LOCAL, N_INIT)
+    key = block_keys(jj, score, pos, start, NS, LS, N_LOCAL, N_INIT)
     cnt = pos * 0
     for t in range(N_SEL):
         top = tl.max(key, 0)
-        blk = tl.where(top < 0, -1, NS - 1 - top % 4294967296)
+        blk = key_block(top, NS)
         tl.store(idx_ptr + bh * N_SEL + t, blk)
         key = tl.where(key == top, -4611686018427387904, key)  # taken: padding's key
         lo = tl.maximum(blk * LS, start)
@@ -313,18 +296,11 @@ def _store_split(pm_ptr, pl_ptr, po_ptr, slot, offs_g, gm, dv, m_i, l_i, acc, G:
 def _attn_kernel(q_ptr, sqb, sqh, pos_ptr, start_ptr, Hkv,
                  k_a, v_a, NA, k_w, v_w, W, NSC, WPER, idx_ptr, N_IDX, BPS, SPLIT0,
                  sc_ptr, po_ptr, pm_ptr, pl_ptr, NSPLIT,
-                 kc_ptr, vc_ptr, skc_b, skc_h, svc_b, svc_h,
-                 ks_ptr, vs_ptr, sks_b, sks_h, svs_b, svs_h,
-                 kw_ptr, vw_ptr, skw_b, skw_h, svw_b, svw_h,
-                 k_raw, v_raw, k_s, v_s, CAP,
                  G: tl.constexpr, G_PAD: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                  DK1: tl.constexpr, DK2: tl.constexpr, DV_PAD: tl.constexpr,
                  L: tl.constexpr, D: tl.constexpr, LS: tl.constexpr, BLOCK_N: tl.constexpr,
                  SEL: tl.constexpr, STORE_S: tl.constexpr,
-                 SCALE: tl.constexpr,  # constexpr: under torch.compile a float arg would be fp64
-                 WRITE: tl.constexpr, W_CMP: tl.constexpr, W_SEL: tl.constexpr,
-                 W_WIN: tl.constexpr, EMIT_AVG: tl.constexpr, DK_PAD: tl.constexpr,
-                 L_PAD: tl.constexpr):
+                 SCALE: tl.constexpr):  # constexpr: under torch.compile a float arg would be fp64
     """Split-K attention of one (row b, KV group h) over one split of keys, the group's G query
     heads as one [G_PAD, d_k] tile; writes the split's (acc, m, l).
 
@@ -332,13 +308,7 @@ def _attn_kernel(q_ptr, sqb, sqh, pos_ptr, start_ptr, Hkv,
     visible when i d + L <= S and i d >= start; the row's visible blocks are shared evenly at run
     time), splits [NSC, ..) window ring slots (slot j holds the latest p <= pos with p = j mod W).
     SEL=True: split sid takes selected blocks [sid BPS, (sid + 1) BPS) of the index list, read in
-    place from the selection cache (cache a; block j = tokens [j LS, (j + 1) LS)).
-
-    W_CMP / W_SEL / W_WIN (SEL=False, the fused path): the new token's write (`_write_kernel`'s)
-    done here by the one program that reads what it writes, before its reads: the window slot by
-    the window split holding it, the raw ring (+ the emitted block, EMIT_AVG) by the compressed
-    split holding block (S - L) / D (split 0 when that block is hidden or not emitted), the
-    selection slot by split 0 (read only by a later launch)."""
+    place from the selection cache (cache a; block j = tokens [j LS, (j + 1) LS))."""
     pid = tl.program_id(0)
     sid = tl.program_id(1)
     b = pid // Hkv
@@ -386,43 +356,6 @@ def _attn_kernel(q_ptr, sqb, sqh, pos_ptr, start_ptr, Hkv,
             sc_hi = lo * 0  # window splits store no scores
             k_base = k_w + bh * W * DK
             v_base = v_w + bh * W * DV
-    if WRITE:  # any of W_CMP, W_SEL, W_WIN
-        dkw = tl.arange(0, DK_PAD)
-        dvw = tl.arange(0, DV_PAD)
-        mk = dkw < DK
-        mv = dvw < DV
-        if W_SEL:
-            if sid == 0:
-                k = tl.load(ks_ptr + b * sks_b + h * sks_h + dkw, mask=mk)
-                v = tl.load(vs_ptr + b * svs_b + h * svs_h + dvw, mask=mv)
-                tl.store(k_s + (bh * CAP + pos) * DK + dkw, k, mask=mk)
-                tl.store(v_s + (bh * CAP + pos) * DV + dvw, v, mask=mv)
-        if W_WIN:
-            if (sid >= NSC) & (p0 >= lo) & (p0 < hi):
-                k = tl.load(kw_ptr + b * skw_b + h * skw_h + dkw, mask=mk)
-                v = tl.load(vw_ptr + b * svw_b + h * svw_h + dvw, mask=mv)
-                tl.store(k_w + (bh * W + p0) * DK + dkw, k, mask=mk)
-                tl.store(v_w + (bh * W + p0) * DV + dvw, v, mask=mv)
-        if W_CMP:
-            Sw = pos + 1
-            nc_w = tl.where(Sw >= L, tl.maximum(Sw - L, 0) // D + 1, 0)
-            lo0_w = (start + D - 1) // D
-            nsc1 = tl.maximum(NSC, 1)
-            per_w = (((tl.maximum(nc_w - lo0_w, 0) + nsc1 - 1) // nsc1 + BLOCK_N - 1)
-                     // BLOCK_N * BLOCK_N)  # the compressed splits' share, as below
-            dst = nc_w - 1  # the block this token completes, when it emits
-            emits = (Sw >= L) & ((Sw - L) % D == 0) & (dst >= lo0_w) & (per_w > 0)
-            owner = tl.where(emits, (dst - lo0_w) // tl.maximum(per_w, 1), 0)
-            if sid == owner:
-                k = tl.load(kc_ptr + b * skc_b + h * skc_h + dkw, mask=mk)
-                v = tl.load(vc_ptr + b * svc_b + h * svc_h + dvw, mask=mv)
-                slot_r = pos % L
-                tl.store(k_raw + (bh * L + slot_r) * DK + dkw, k, mask=mk)
-                tl.store(v_raw + (bh * L + slot_r) * DV + dvw, v, mask=mv)
-                if EMIT_AVG:
-                    _emit_avg(bh, pos, slot_r, k, v, k_raw, v_raw, k_a, v_a, NA, dkw, dvw, mk,
-                              mv, DK, DV, L, L_PAD, D)
-        tl.debug_barrier()  # this program's writes visible to all its threads before the reads
     sc_row = sc_ptr + bh * G * NA + offs_g[:, None] * NA
     for r0 in range(lo, hi, BLOCK_N):
         rr = r0 + offs_n
@@ -518,263 +451,6 @@ def _combine_kernel(po_ptr, pm_ptr, pl_ptr, NSPLIT, NSC, NSW, NSS, H, Hkv, BH,
                 if (h == 0) & (gc == 0):
                     tl.store(rwin_ptr + b, tl.minimum(W, pos + 1 - start))
     tl.store(o_ptr + row[:, None] * DV + dv[None, :], o.to(o_ptr.dtype.element_ty), mask=om)
-
-
-# ------------------------------------------------ fused path (fused=True): 3 and 4 below
-@triton.jit
-def _merge_splits(po_ptr, pm_ptr, pl_ptr, first, n, g, gm, dv,
-                  G: tl.constexpr, DV: tl.constexpr, P_PAD: tl.constexpr, CG: tl.constexpr):
-    """Splits [first, first + n) of one (row, KV group) merged for heads g (mask gm): (out
-    [GB, DV_PAD] normalised, 0 for a head without any key; den; max). CG: loads bypass L1
-    (the splits were written by other programs of the same launch)."""
-    sp = tl.arange(0, P_PAD)
-    ok = (sp < n)[:, None] & gm[None, :]  # [P_PAD, GB]
-    slot = (first + sp)[:, None] * G + g[None, :]
-    aptr = po_ptr + slot[:, :, None] * DV + dv[None, None, :]
-    amask = ok[:, :, None] & (dv < DV)[None, None, :]
-    if CG:
-        m = tl.load(pm_ptr + slot, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        lsum = tl.load(pl_ptr + slot, mask=ok, other=0.0, cache_modifier=".cg")
-        a = tl.load(aptr, mask=amask, other=0.0, cache_modifier=".cg")
-    else:
-        m = tl.load(pm_ptr + slot, mask=ok, other=float("-inf"))
-        lsum = tl.load(pl_ptr + slot, mask=ok, other=0.0)
-        a = tl.load(aptr, mask=amask, other=0.0)
-    mx = tl.max(m, 0)
-    mx = tl.where(mx == float("-inf"), 0.0, mx)
-    w = tl.exp(m - mx[None, :])
-    den = tl.sum(lsum * w, 0)  # [GB]
-    safe = tl.where(den > 0, den, 1.0)
-    ob = tl.sum(a * w[:, :, None], 0) / safe[:, None]
-    ob = tl.where((den > 0)[:, None], ob, 0.0)
-    return ob, den, mx
-
-
-@triton.jit
-def _slc_kernel(pm_ptr, pl_ptr, po_ptr, NSPLIT, NSC, NSW, sc_ptr, NC, c_ptr, cand_ptr, NCH,
-                br_ptr, BH, H, lse_ptr, rcmp_ptr, rwin_ptr, pos_ptr, start_ptr, Hkv, NS, W, NGC,
-                G: tl.constexpr, G_PAD: tl.constexpr, NSC_PAD: tl.constexpr,
-                L: tl.constexpr, D: tl.constexpr, LS: tl.constexpr, R: tl.constexpr,
-                QN: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr,
-                NSEL_PAD: tl.constexpr, CH: tl.constexpr, GB: tl.constexpr, DV: tl.constexpr,
-                DV_PAD: tl.constexpr, P_PAD: tl.constexpr, PICK: tl.constexpr,
-                TOPN: tl.constexpr, HAS_CMP: tl.constexpr, HAS_WIN: tl.constexpr):
-    """Program (row b, KV group h, c), one of two independent jobs (separate programs: the
-    launch takes as long as the longer of the two, not their sum):
-    c < NCH (PICK): selection blocks [c CH, (c + 1) CH): their scores p_slc (Eq. 8-10 from the
-      compressed scores and the compressed splits' (m, l); Eq. 9 straight from the scores, so no
-      p_cmp round trip), forced / valid rules and keys as `_score_kernel`, then the chunk's
-      N_SEL best keys (rank by counting: no serial max-reductions) -> candidates [NSEL_PAD].
-      TOPN=False: the local_selection ablation (score = block index).
-    c >= NCH: heads [(c - NCH) GB, (c - NCH + 1) GB): the compressed and window splits merged
-      into the branch outputs (fp32, br[0] and br[2]), the compressed lse, the compressed /
-      window counters."""
-    pid = tl.program_id(0)
-    c = tl.program_id(1)
-    b = pid // Hkv
-    h = pid % Hkv
-    bh = pid.to(tl.int64)
-    pos = tl.load(pos_ptr + b)
-    start = tl.load(start_ptr + b)
-    if PICK:
-        if c < NCH:
-            jj = c * CH + tl.arange(0, CH)
-            if TOPN:
-                offs_g = tl.arange(0, G_PAD)
-                lse, ncmp, lo0 = _cmp_lse(pm_ptr, pl_ptr, bh, NSPLIT, NSC, offs_g, pos, start, G,
-                                          NSC_PAD, L, D)
-                # Eq. 9 over Eq. 8 + 10: p_slc[j] = sum_m c[m] sum_g exp(s_g,jr+m - lse_g)
-                score = tl.zeros([CH], tl.float32)
-                for k in tl.static_range(R + QN - 1):
-                    ck = tl.load(c_ptr + k)
-                    i = jj * R + (k - (QN - 1))
-                    ok = (jj < NS) & (i >= lo0) & (i < ncmp) & (i >= 0)
-                    s = tl.load(sc_ptr + bh * G * NC + offs_g[:, None] * NC + i[None, :],
-                                mask=(offs_g < G)[:, None] & ok[None, :], other=float("-inf"))
-                    score += tl.sum(tl.exp(s - lse[:, None]), 0) * ck
-            else:
-                score = jj.to(tl.float32)
-            key = _block_keys(jj, score, pos, start, NS, LS, N_LOCAL, N_INIT)
-            # keys are unique within a row (the block index is in the low bits; padding ties at
-            # -(1 << 62), which never wins a slot over a real key): slot t = the key of rank t
-            rank = tl.sum((key[None, :] > key[:, None]).to(tl.int32), 1)
-            tt = tl.arange(0, NSEL_PAD)
-            best = tl.max(tl.where(rank[None, :] == tt[:, None], key[None, :],
-                                   -4611686018427387904), 1)
-            tl.store(cand_ptr + (bh * NCH + c) * NSEL_PAD + tt, best)
-    if c >= NCH:  # programs [NCH, NCH + NGC) merge (NCH = 0 without PICK)
-        g = (c - NCH) * GB + tl.arange(0, GB)
-        gm = g < G
-        row = b.to(tl.int64) * H + h * G + g
-        dv = tl.arange(0, DV_PAD)
-        om = gm[:, None] & (dv < DV)[None, :]
-        base = bh * NSPLIT
-        if HAS_CMP:
-            ob, den, mx = _merge_splits(po_ptr, pm_ptr, pl_ptr, base, NSC, g, gm, dv, G, DV,
-                                        P_PAD, False)
-            tl.store(br_ptr + row[:, None] * DV + dv[None, :], ob, mask=om)
-            lse = tl.where(den > 0, tl.log(tl.where(den > 0, den, 1.0)) + mx, float("-inf"))
-            tl.store(lse_ptr + row, lse, mask=gm)
-            if (h == 0) & (c == NCH):
-                S = pos + 1
-                ncmp = tl.where(S >= L, tl.maximum(S - L, 0) // D + 1, 0)
-                tl.store(rcmp_ptr + b, tl.maximum(ncmp - (start + D - 1) // D, 0))
-        if HAS_WIN:
-            ob, den, mx = _merge_splits(po_ptr, pm_ptr, pl_ptr, base + NSC, NSW, g, gm, dv, G, DV,
-                                        P_PAD, False)
-            tl.store(br_ptr + (2 * BH + row)[:, None] * DV + dv[None, :], ob, mask=om)
-            if (h == 0) & (c == NCH):
-                tl.store(rwin_ptr + b, tl.minimum(W, pos + 1 - start))
-
-
-@triton.jit
-def _rank_rows(cand, NCAND, call, top, tt, r0, RB: tl.constexpr):
-    """Candidates [r0, r0 + RB) ranked against all (call, in registers; keys are unique, ties
-    only among the -(1 << 62) padding): top[t] = max(top[t], the key of rank t among them)."""
-    rr = r0 + tl.arange(0, RB)
-    ck = tl.load(cand + rr, mask=rr < NCAND, other=-4611686018427387904)
-    rank = tl.sum((call[None, :] > ck[:, None]).to(tl.int32), 1)  # [RB]
-    return tl.maximum(top, tl.max(tl.where(rank[None, :] == tt[:, None], ck[None, :],
-                                           -4611686018427387904), 1))
-
-
-@triton.jit
-def _sel_kernel(q_ptr, sqb, sqh, pos_ptr, start_ptr, Hkv, k_a, v_a, NA, NS,
-                cand_ptr, NCAND, gidx_ptr, idx_ptr, rsel_ptr, N_IDX, BPS, SPLIT0,
-                po_ptr, pm_ptr, pl_ptr, NSPLIT, NSS, cnt_ptr, br_ptr, BH, H,
-                g_ptr, sgb, sgh, o_ptr,
-                G: tl.constexpr, G_PAD: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                DK1: tl.constexpr, DK2: tl.constexpr, DV_PAD: tl.constexpr, LS: tl.constexpr,
-                BLOCK_N: tl.constexpr, NIDX_PAD: tl.constexpr, NCAND_PAD: tl.constexpr,
-                RB: tl.constexpr, PICK: tl.constexpr, P_PAD: tl.constexpr, SG: tl.constexpr,
-                HAS_CMP: tl.constexpr, HAS_WIN: tl.constexpr,
-                USE_CMP: tl.constexpr, USE_SEL: tl.constexpr, USE_WIN: tl.constexpr,
-                GATED: tl.constexpr, STORE_BR: tl.constexpr, SCALE: tl.constexpr):
-    """Split sid of the selected blocks of (row b, KV group h), and the end of the step.
-
-    PICK: the row's top-n from the chunks' candidates (`_slc_kernel`), by rank counting, in
-    every program (a few hundred keys from L2: cheaper than a launch); program 0 stores the
-    indices and the selection read counter. Else the indices come from gidx (causal mode).
-    Then split-K attention over selected blocks [sid BPS, (sid + 1) BPS), read in place, as
-    `_attn_kernel` (SEL=True), partial (acc, m, l) stored. The last program of (b, h) to arrive
-    (an acq_rel counter per (b, h), reset by that program for the next launch) merges the
-    selection splits and writes the gated output (Eq. 5, the torch path's order) for all G
-    heads, with the compressed / window outputs of `_slc_kernel`."""
-    pid = tl.program_id(0)
-    sid = tl.program_id(1)
-    b = pid // Hkv
-    h = pid % Hkv
-    bh = pid.to(tl.int64)
-    pos = tl.load(pos_ptr + b).to(tl.int32)
-    start = tl.load(start_ptr + b).to(tl.int32)
-    b0 = sid * BPS
-    b1 = tl.minimum(b0 + BPS, N_IDX)
-    tt = tl.arange(0, NIDX_PAD)
-    if PICK:
-        cc = tl.arange(0, NCAND_PAD)
-        call = tl.load(cand_ptr + bh * NCAND + cc, mask=cc < NCAND, other=-4611686018427387904)
-        top = tl.full([NIDX_PAD], -4611686018427387904, tl.int64)
-        if NCAND_PAD // RB <= 8:  # unrolled: the row chunks' loads all in flight at once
-            for r0 in tl.static_range(0, NCAND_PAD, RB):
-                top = _rank_rows(cand_ptr + bh * NCAND, NCAND, call, top, tt, r0, RB)
-        else:
-            for r0 in range(0, NCAND, RB):
-                top = _rank_rows(cand_ptr + bh * NCAND, NCAND, call, top, tt, r0, RB)
-        blks = tl.where(top < 0, -1, NS - 1 - top % 4294967296)
-        blks = tl.where(tt < N_IDX, blks, -1).to(tl.int32)
-        if sid == 0:
-            tl.store(idx_ptr + bh * N_IDX + tt, blks.to(tl.int64), mask=tt < N_IDX)
-            lo = tl.maximum(blks * LS, start)
-            hi = tl.minimum(blks * LS + LS - 1, pos)
-            n_tok = tl.sum(tl.where(blks >= 0, tl.maximum(hi - lo + 1, 0), 0), 0)
-            tl.store(rsel_ptr + bh, n_tok.to(tl.int64))
-    offs_g = tl.arange(0, G_PAD)
-    offs_n = tl.arange(0, BLOCK_N)
-    gm = offs_g < G
-    d1 = tl.arange(0, DK1)
-    dv = tl.arange(0, DV_PAD)
-    q1, q2, d2 = _load_q_group(q_ptr, b, h, sqb, sqh, offs_g, gm, d1, G, DK, DK1, DK2)
-    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, DV_PAD], tl.float32)
-    k_base = k_a + bh * NA * DK
-    v_base = v_a + bh * NA * DV
-    hi_r = (b1 - b0) * LS
-    for r0 in range(0, hi_r, BLOCK_N):
-        rr = r0 + offs_n
-        slot = b0 + rr // LS
-        inb = rr < hi_r
-        if PICK:  # the slot's block from registers
-            blk = tl.sum(tl.where(slot[:, None] == tt[None, :], blks[None, :], 0), 1)
-            blk = tl.where(inb, blk, -1)
-        else:
-            blk = tl.load(gidx_ptr + bh * N_IDX + slot, mask=inb, other=-1).to(tl.int32)
-        rows = blk * LS + rr % LS
-        valid = inb & (blk >= 0) & (rows <= pos) & (rows >= start)
-        m_i, l_i, acc = _attend_tile(q1, q2, d1, d2, dv, k_base, v_base, rows, valid, m_i,
-                                     l_i, acc, q_ptr, 0, gm, DK, DV, DK2, SCALE, False)
-    first = bh * NSPLIT + SPLIT0
-    _store_split(pm_ptr, pl_ptr, po_ptr, first + sid, offs_g, gm, dv, m_i, l_i, acc, G, DV)
-    # "finish the step yourself": every thread's stores above happen before the barrier, the
-    # release half of the counter update publishes them; the last arrival's acquire (and the
-    # L1-bypassing loads in the merge) sees every split of (b, h)
-    tl.debug_barrier()
-    arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
-    if arrived == NSS - 1:
-        tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")  # ready for the next launch
-        tl.debug_barrier()
-        # all G heads at once: the splits' (m, l) as one [P_PAD, G_PAD] tile, then their [G, DV]
-        # outputs SG splits per step (a tile of <= 8k elements at 4 warps: more costs occupancy;
-        # L1-bypassing loads: written by other programs of this launch)
-        sp = tl.arange(0, P_PAD)
-        okm = (sp < NSS)[:, None] & gm[None, :]
-        mslot = (first + sp)[:, None] * G + offs_g[None, :]
-        m = tl.load(pm_ptr + mslot, mask=okm, other=float("-inf"), cache_modifier=".cg")
-        lsum = tl.load(pl_ptr + mslot, mask=okm, other=0.0, cache_modifier=".cg")
-        mx = tl.max(m, 0)
-        mx = tl.where(mx == float("-inf"), 0.0, mx)
-        den = tl.sum(lsum * tl.exp(m - mx[None, :]), 0)  # [G_PAD]
-        om = gm[:, None] & (dv < DV)[None, :]
-        acc = tl.zeros([G_PAD, DV_PAD], tl.float32)
-        sg = tl.arange(0, SG)
-        for s0 in range(0, NSS, SG):  # SG splits per step: a [SG, G_PAD, DV_PAD] tile
-            ok = ((s0 + sg) < NSS)[:, None] & gm[None, :]
-            ms = tl.load(pm_ptr + (first + s0 + sg)[:, None] * G + offs_g[None, :], mask=ok,
-                         other=float("-inf"), cache_modifier=".cg")
-            a = tl.load(po_ptr + ((first + s0 + sg)[:, None, None] * G + offs_g[None, :, None])
-                        * DV + dv[None, None, :],
-                        mask=ok[:, :, None] & (dv < DV)[None, None, :], other=0.0,
-                        cache_modifier=".cg")
-            acc += tl.sum(tl.exp(ms - mx[None, :])[:, :, None] * a, 0)
-        safe = tl.where(den > 0, den, 1.0)
-        ob = tl.where((den > 0)[:, None], acc / safe[:, None], 0.0)  # no key at all: 0
-        hq = h * G + offs_g
-        row = b.to(tl.int64) * H + hq
-        gbase = g_ptr + b.to(tl.int64) * sgb + hq * sgh
-        o = tl.zeros([G_PAD, DV_PAD], tl.float32)
-        if HAS_CMP:
-            if USE_CMP:
-                oc = tl.load(br_ptr + row[:, None] * DV + dv[None, :], mask=om, other=0.0)
-                if GATED:
-                    o = o + tl.load(gbase, mask=gm, other=0.0).to(tl.float32)[:, None] * oc
-                else:
-                    o = o + oc
-        if STORE_BR:
-            tl.store(br_ptr + (BH + row)[:, None] * DV + dv[None, :], ob, mask=om)
-        if USE_SEL:
-            if GATED:
-                o = o + tl.load(gbase + 1, mask=gm, other=0.0).to(tl.float32)[:, None] * ob
-            else:
-                o = o + ob
-        if HAS_WIN:
-            if USE_WIN:
-                ow = tl.load(br_ptr + (2 * BH + row)[:, None] * DV + dv[None, :], mask=om,
-                             other=0.0)
-                if GATED:
-                    o = o + tl.load(gbase + 2, mask=gm, other=0.0).to(tl.float32)[:, None] * ow
-                else:
-                    o = o + ow
-        tl.store(o_ptr + row[:, None] * DV + dv[None, :], o.to(o_ptr.dtype.element_ty), mask=om)
 
 
 # ============================================================================ host wrappers
@@ -885,9 +561,7 @@ def nsa_decode_attention(q: Tensor, pos: Tensor, start: Tensor, *, l: int, d: in
                          use: tuple = ("cmp", "sel", "win"), g: Tensor | None = None,
                          scale: float | None = None, return_branches: bool = False,
                          num_programs: int | None = None, block_n: int = 32, num_warps: int = 4,
-                         num_stages: int = 2, fused: bool = False,
-                         score_chunk: int | None = None, new: dict | None = None, k_raw=None,
-                         v_raw=None, emit_avg: bool = False) -> DecodeResult:
+                         num_stages: int = 2) -> DecodeResult:
     """The attention reads of one NSA decode step (the caches already hold the new token).
 
     q [B, H, Dk] or [B, H, 1, Dk] (after RoPE); pos [B] the new token's position (S = pos + 1
@@ -901,21 +575,7 @@ def nsa_decode_attention(q: Tensor, pos: Tensor, start: Tensor, *, l: int, d: in
 
     Launch options: num_programs (about how many programs per attention launch; default
     PROGRAMS_PER_SM per SM), block_n (keys per tile, >= 16), num_warps / num_stages of the
-    attention kernels.
-    fused=True (default False: slower on the H100, module docstring): after the compressed + window split-K, `_slc_kernel` (block scores and
-    per-chunk top-n candidates over (b, h, chunk) programs; the compressed / window merge) and
-    `_sel_kernel` (top-n from the candidates, selected split-K, the combine by the last program
-    of each (b, h) to arrive): three launches, or four with a separate write. score_chunk:
-    selection blocks per scoring program (a power of two >= 16; default min(128, ...)).
-    sel_mode "none" (or no selection slot) takes the fused=False path: the five launches of the
-    module docstring.
-    new (+ k_raw, v_raw, emit_avg): the new token, written first as `nsa_decode_write` does (the
-    caches then hold the step's other tokens only); the fused path writes it inside its first
-    launch (a learned phi must emit its block between the write and the reads: call
-    `nsa_decode_write` + emit first instead, and pass no `new`).
-    Both paths compute the same function; the fused path keeps per-device arrival counters
-    (`_arrival_counters`) between calls, so steps on the same device must not
-    run concurrently on different streams."""
+    attention kernels."""
     if sel_mode not in SEL_MODES:
         raise ValueError(f"sel_mode={sel_mode!r}: allowed values are {SEL_MODES}")
     if block_n < 16 or block_n & (block_n - 1):
@@ -966,41 +626,15 @@ def nsa_decode_attention(q: Tensor, pos: Tensor, start: Tensor, *, l: int, d: in
     kw, vw = (k_win, v_win) if W > 0 else (kref, vref)
     common = dict(G=G, G_PAD=G_PAD, DK=Dk, DV=Dv, DK1=DK1, DK2=DK2, DV_PAD=DV_PAD, L=l, D=d,
                   LS=l_sel, BLOCK_N=block_n, SCALE=float(scale), num_warps=num_warps, num_stages=num_stages)
-    fused = fused and sel_mode != "none" and nss > 0
-    no_write = _new_token_args({}, kref, vref) + [kref, vref, kref, vref, 1]
-    write_opts = NO_WRITE
-    if new:
-        caches = dict(k_raw=k_raw, v_raw=v_raw, k_cmp=k_cmp, v_cmp=v_cmp, k_sel=k_sel,
-                      v_sel=v_sel, k_win=k_win, v_win=v_win)
-        for b, (kn, vn) in (("cmp", ("k_raw", "v_raw")), ("sel", ("k_sel", "v_sel")),
-                            ("win", ("k_win", "v_win"))):
-            if b in new and (caches[kn] is None or caches[vn] is None):
-                raise ValueError(f"new token for branch {b!r} but no {b} cache")
-        emit = bool(emit_avg and "cmp" in new and Nc > 0)
-        if fused and nsc + nsw > 0 and ("win" not in new or nsw > 0):
-            # the write inside the compressed + window launch (see `_attn_kernel`)
-            ks_, vs_ = (k_sel, v_sel) if "sel" in new else (kref, vref)
-            kr_, vr_ = (k_raw, v_raw) if "cmp" in new else (kref, vref)
-            no_write = _new_token_args(new, kref, vref) + [kr_, vr_, ks_, vs_, ks_.shape[2]]
-            write_opts = dict(WRITE=True, W_CMP="cmp" in new, W_SEL="sel" in new,
-                              W_WIN="win" in new, EMIT_AVG=emit, DK_PAD=_np2(Dk), L_PAD=_np2(l))
-        else:
-            nsa_decode_write(pos, new, l=l, d=d, emit_avg=emit_avg, **caches)
     if nsc + nsw > 0:  # compressed + window splits, one launch
         wper = _cdiv(_cdiv(W, nsw), block_n) * block_n if nsw else 0
         _attn_kernel[(B * Hkv, nsc + nsw)](
             q, sqb, sqh, pos, start, Hkv, kc, vc, max(Nc, 1), kw, vw, max(W, 1), nsc,
-            wper, pos, 1, 1, 0, scores, part_o, part_m, part_l, nsplit, *no_write, SEL=False,
-            STORE_S=topn, **common, **write_opts)
+            wper, pos, 1, 1, 0, scores, part_o, part_m, part_l, nsplit, SEL=False,
+            STORE_S=topn, **common)
 
     reads = {}
     idx = None
-    if fused:
-        return _finish_fused(
-            q, sqb, sqh, pos, start, B, H, Hkv, G, Dk, Dv, l, d, l_sel, n_sel, n_init, n_local,
-            sel_mode, use, present, g, return_branches, k_sel, v_sel, kref, vref, Nc, W, ns,
-            n_idx, nsc, nsw, nss, bps, nsplit, scores, part_o, part_m, part_l, common,
-            score_chunk)
     if sel_mode in ("topn", "local_selection"):
         idx = torch.empty(B, Hkv, n_sel, device=dev, dtype=torch.long)
         reads["sel"] = torch.empty(B, Hkv, device=dev, dtype=torch.long)
@@ -1020,9 +654,8 @@ def nsa_decode_attention(q: Tensor, pos: Tensor, start: Tensor, *, l: int, d: in
     if nss > 0:  # selected blocks, read in place by index
         _attn_kernel[(B * Hkv, nss)](
             q, sqb, sqh, pos, start, Hkv, k_sel, v_sel, k_sel.shape[2], kref, vref, 1, 0, 0,
-            sel_idx, n_idx, bps, nsc + nsw, scores, part_o, part_m, part_l, nsplit,
-            *_new_token_args({}, kref, vref), kref, vref, kref, vref, 1, SEL=True, STORE_S=False,
-            **common, **NO_WRITE)
+            sel_idx, n_idx, bps, nsc + nsw, scores, part_o, part_m, part_l, nsplit, SEL=True,
+            STORE_S=False, **common)
 
     o = torch.empty(B, H, Dv, device=dev, dtype=vref.dtype)
     lse = torch.empty(B, H, **f32) if present["cmp"] else None
@@ -1049,108 +682,6 @@ def nsa_decode_attention(q: Tensor, pos: Tensor, start: Tensor, *, l: int, d: in
         HAS_CMP=present["cmp"], HAS_SEL=present["sel"], HAS_WIN=present["win"],
         USE_CMP="cmp" in use, USE_SEL="sel" in use, USE_WIN="win" in use,
         GATED=g is not None, STORE_BR=return_branches, num_warps=8)
-    if rcmp is not None:
-        reads["cmp"] = rcmp
-    if rwin is not None:
-        reads["win"] = rwin
-    branches = {}
-    if return_branches:
-        branches = {b: br[i] for i, b in enumerate(("cmp", "sel", "win")) if present[b]}
-    return DecodeResult(o, lse, idx, reads, branches, (nsc, nsw, nss))
-
-
-_COUNTERS: dict = {}
-
-
-def _arrival_counters(device, n: int) -> Tensor:
-    """n zeroed int32 arrival counters on `device` for `_sel_kernel` (one per (row, KV group));
-    every launch leaves them at zero. Kept for the life of the process (a captured CUDA graph
-    holds their address), one tensor per (device, n)."""
-    key = (device.type, device.index, n)
-    t = _COUNTERS.get(key)
-    if t is None:
-        t = _COUNTERS[key] = torch.zeros(max(n, 1), dtype=torch.int32, device=device)
-    return t
-
-
-def _heads_per_program(G: int, p_pad: int, dv_pad: int) -> int:
-    """Query heads merged per pass: a [P_PAD, GB, DV_PAD] fp32 tile of at most 4k elements (more
-    spills registers on sm_90)."""
-    return min(_np2(G), 1 << max(0, (4096 // (p_pad * dv_pad)).bit_length() - 1))
-
-
-def _finish_fused(q, sqb, sqh, pos, start, B, H, Hkv, G, Dk, Dv, l, d, l_sel, n_sel, n_init,
-                  n_local, sel_mode, use, present, g, return_branches, k_sel, v_sel, kref, vref,
-                  Nc, W, ns, n_idx, nsc, nsw, nss, bps, nsplit, scores, part_o, part_m, part_l,
-                  common, score_chunk) -> DecodeResult:
-    """The fused path after the compressed + window split-K launch: `_slc_kernel`, then
-    `_sel_kernel` (see nsa_decode_attention)."""
-    dev = q.device
-    f32 = dict(device=dev, dtype=torch.float32)
-    pick = sel_mode in ("topn", "local_selection")
-    topn = sel_mode == "topn"
-    DV_PAD = common["DV_PAD"]
-    br = torch.empty(3, B, H, Dv, **f32)  # fp32 branch outputs: cmp / win from 3, sel from 4
-    lse = torch.empty(B, H, **f32) if present["cmp"] else None
-    rcmp = torch.empty(B, device=dev, dtype=torch.long) if present["cmp"] else None
-    rwin = torch.empty(B, device=dev, dtype=torch.long) if present["win"] else None
-    reads, idx = {}, None
-    nidx_pad = _np2(max(n_idx, 1))
-    ch = score_chunk or min(128, max(16, _np2(max(ns, 1))))
-    if ch < 16 or ch & (ch - 1):
-        raise ValueError(f"score_chunk={ch}: must be a power of two >= 16")
-    nch = max(1, _cdiv(ns, ch)) if pick else 0
-    cand = torch.empty(B * Hkv * max(nch, 1) * nidx_pad if pick else 1, device=dev,
-                       dtype=torch.long)
-    p3 = _np2(max(nsc, nsw, 1))
-    gb3 = _heads_per_program(G, p3, DV_PAD)
-    ngc3 = _cdiv(G, gb3) if (present["cmp"] or present["win"]) else 0
-    if pick:
-        idx = torch.empty(B, Hkv, n_sel, device=dev, dtype=torch.long)
-        reads["sel"] = torch.empty(B, Hkv, device=dev, dtype=torch.long)
-    if nch + ngc3 > 0:
-        c = overlap_kernel_cached(l, d, l_sel, dev) if topn else part_m
-        _slc_kernel[(B * Hkv, nch + ngc3)](
-            part_m, part_l, part_o, nsplit, nsc, nsw, scores, max(Nc, 1), c, cand, nch,
-            br, B * H, H, lse if lse is not None else part_m,
-            rcmp if rcmp is not None else pos, rwin if rwin is not None else pos, pos, start,
-            Hkv, ns, max(W, 1), ngc3, G=G, G_PAD=common["G_PAD"], NSC_PAD=_np2(max(nsc, 1)),
-            L=l, D=d, LS=l_sel, R=l_sel // d, QN=l // d, N_INIT=n_init, N_LOCAL=n_local,
-            NSEL_PAD=nidx_pad, CH=ch, GB=gb3, DV=Dv, DV_PAD=DV_PAD, P_PAD=p3, PICK=pick,
-            TOPN=topn, HAS_CMP=present["cmp"], HAS_WIN=present["win"], num_warps=8)
-    if sel_mode == "causal":  # every block that holds a visible token
-        j = torch.arange(ns, device=dev)
-        ok = valid_blocks(pos.view(B, 1), start.view(B, 1), ns, l_sel)
-        gidx = torch.where(ok, j, -1).view(B, 1, ns).expand(B, Hkv, ns).contiguous()
-        reads["sel"] = (pos - start + 1).view(B, 1).expand(B, Hkv)
-    else:
-        gidx = cand
-    o = torch.empty(B, H, Dv, device=dev, dtype=vref.dtype)
-    if g is not None:
-        if g.dim() == 4:
-            g = g[:, :, 0]
-        if g.shape != (B, H, 3):
-            raise ValueError(f"g: expected [B, H, 3] gates, got {tuple(g.shape)}")
-        g, sgb, sgh = _rows(g)
-    else:
-        sgb = sgh = 0
-    ncand = max(nch, 1) * nidx_pad
-    p4 = _np2(max(nss, 1))
-    _sel_kernel[(B * Hkv, nss)](
-        q, sqb, sqh, pos, start, Hkv, k_sel, v_sel, k_sel.shape[2], ns, cand, ncand, gidx,
-        idx if idx is not None else cand, reads["sel"] if pick else cand, n_idx, bps, nsc + nsw,
-        part_o, part_m, part_l, nsplit, nss, _arrival_counters(dev, B * Hkv), br, B * H, H,
-        g if g is not None else part_m, sgb, sgh, o,
-        G=G, G_PAD=common["G_PAD"], DK=Dk, DV=Dv, DK1=common["DK1"], DK2=common["DK2"],
-        DV_PAD=DV_PAD, LS=l_sel, BLOCK_N=common["BLOCK_N"], NIDX_PAD=nidx_pad,
-        NCAND_PAD=_np2(ncand), RB=min(_np2(ncand), max(32, min(64, _np2(ncand) // 8))),
-        PICK=pick,
-        P_PAD=p4,
-        SG=max(1, 2048 * common["num_warps"] // (common["G_PAD"] * DV_PAD)),
-        HAS_CMP=present["cmp"], HAS_WIN=present["win"], USE_CMP="cmp" in use,
-        USE_SEL="sel" in use, USE_WIN="win" in use, GATED=g is not None,
-        STORE_BR=return_branches, SCALE=common["SCALE"], num_warps=common["num_warps"],
-        num_stages=common["num_stages"])
     if rcmp is not None:
         reads["cmp"] = rcmp
     if rwin is not None:

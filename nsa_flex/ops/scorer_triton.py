@@ -41,6 +41,8 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
+from .rules_triton import cmp_visible, overlap_weight
+
 LOG2E = 1.4426950408889634
 
 
@@ -78,7 +80,7 @@ def _group_slc_scores_kernel(
 
     # can any query of this program see a compressed block that feeds these selection blocks?
     t_max = t0 + tl.minimum(pid_m * BLOCK_M + BLOCK_M, C) - 1
-    has_work = tl.maximum(i_lo, 0) * STRIDE + L - 1 <= t_max
+    has_work = cmp_visible(tl.maximum(i_lo, 0), t_max, L, STRIDE)
     if HAS_DOCS:
         ds = tl.load(DS + b * sd_b + t64 * sd_t, mask=row_ok, other=0)
         ds_min = tl.min(tl.where(row_ok, ds, 2147483647), axis=0)
@@ -86,7 +88,7 @@ def _group_slc_scores_kernel(
 
     if has_work:
         i_ok = (offs_i >= 0) & (offs_i < Nc)
-        vis = (offs_i[None, :] * STRIDE + L - 1 <= t[:, None]) & (offs_i[None, :] >= 0)
+        vis = cmp_visible(offs_i[None, :], t[:, None], L, STRIDE) & (offs_i[None, :] >= 0)
         vis = vis & row_ok[:, None]
         if HAS_DOCS:
             vis = vis & (offs_i[None, :] * STRIDE >= ds[:, None])
@@ -124,7 +126,7 @@ def _group_slc_scores_kernel(
         # Eq. 9: out[:, jj] = sum_a acc[:, a] * c[a - (QN - 1) - jj*R], c[m] = |[m, m+QN) ∩ [0, R)|
         a = tl.arange(0, BLOCK_N)
         m = a[:, None] - (QN - 1) - jj[None, :] * R
-        w = tl.minimum(m + QN, R) - tl.maximum(m, 0)
+        w = overlap_weight(m, R, QN)
         w = tl.where((w > 0) & (jj[None, :] < BJ), w, 0).to(tl.float32)
         # acc == hi + mid + lo exactly, each part exact in tf32 (<= 11 significant bits): the
         # tensor-core products are exact and only the fp32 accumulation rounds

@@ -20,29 +20,7 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
-
-@triton.jit
-def _block_keys(jj, score, pos, start, NS, LS: tl.constexpr, N_LOCAL: tl.constexpr,
-                N_INIT: tl.constexpr):
-    """One int64 top-n key per selection block jj, the keys of `nsa_flex.rules.pick_blocks` (here
-    and in the decode scorer, `decode_triton`; pos / start broadcast against jj):
-    score bits << 32 | reversed block index (ties to the lower block); forced blocks (the
-    document's first block when N_INIT, the N_LOCAL most recent) get +inf score bits, blocks
-    without a visible token -1, padding (jj >= NS) -(1 << 62), below every real key."""
-    valid = (jj < NS) & (jj * LS <= pos) & ((jj + 1) * LS - 1 >= start)
-    cur = pos // LS
-    if N_LOCAL > 0:
-        forced = (jj > cur - N_LOCAL) & (jj <= cur)
-    else:
-        forced = jj < 0
-    if N_INIT > 0:
-        forced = forced | (jj == start // LS)
-    forced = forced & valid
-    bits = tl.maximum(score, 0.0).to(tl.int32, bitcast=True).to(tl.int64)
-    bits = tl.where(forced, 2139095040, bits)  # 0x7F800000 (+inf): forced blocks first
-    bits = tl.where(valid, bits, -1)
-    key = bits * 4294967296 + (NS - 1 - jj).to(tl.int64)
-    return tl.where(jj < NS, key, -4611686018427387904)
+from .rules_triton import block_keys, key_block
 
 
 @triton.jit
@@ -66,12 +44,12 @@ def _topn_kernel(P, DS, OUT,
     jj = tl.arange(0, NS_PAD).to(tl.int64)
     score = tl.load(P + b * sp_b + h * sp_h + rows[:, None].to(tl.int64) * sp_t + jj[None, :],
                     mask=row_ok[:, None] & (jj < NS)[None, :], other=0.0)
-    key = _block_keys(jj[None, :], score, t[:, None], start[:, None], NS, LS, N_LOCAL, N_INIT)
+    key = block_keys(jj[None, :], score, t[:, None], start[:, None], NS, LS, N_LOCAL, N_INIT)
     lowest = -4611686018427387904  # -(1 << 62): padding columns (and picked keys)
     o_ptr = OUT + b * so_b + h * so_h + rows.to(tl.int64) * so_t
     for i in range(N_SEL):
         top = tl.max(key, 1)
-        blk = tl.where(top < 0, -1, NS - 1 - (top & 4294967295))
+        blk = key_block(top, NS)
         tl.store(o_ptr + i, blk, mask=row_ok)
         key = tl.where(key == top[:, None], lowest, key)
 

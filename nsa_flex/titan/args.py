@@ -12,6 +12,9 @@ from torchtitan.protocols.model import BaseModelArgs
 from torchtitan.tools.logging import logger
 
 from nsa_flex.config import MODEL_DIMS, NSAConfig, NSAConfigError, UserError, resolve_backend
+from nsa_flex.flops import nsa_attention_flops
+
+from .tokenizer import build_tokenizer
 
 # NSAConfig's fields besides the decoder's own dims (MODEL_DIMS): the attention knobs
 _KNOBS = tuple(f for f in dataclasses.fields(NSAConfig) if f.name not in MODEL_DIMS)
@@ -60,8 +63,6 @@ class NSAModelArgs(BaseModelArgs, _NSAFields):
 
     def update_from_config(self, job_config, **kwargs) -> None:
         """Vocab size (and EOS) from the tokenizer, seq len from [training], NSA knobs from [nsa]."""
-        from .tokenizer import build_tokenizer
-
         training = job_config.training
         self.max_seq_len = training.seq_len
         tok = build_tokenizer(job_config)
@@ -99,8 +100,6 @@ class NSAModelArgs(BaseModelArgs, _NSAFields):
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
         """(parameters, training FLOPs per token): 6 x non-embedding params for the matmuls, plus
         3 x NSA's real forward attention-core FLOPs (forward + 2x backward), not full attention's."""
-        from nsa_flex.flops import nsa_attention_flops  # TODO(core): provided by nsa_flex/flops.py
-
         nparams = sum(p.numel() for p in model.parameters())
         nparams_embedding = sum(
             sum(p.numel() for p in m.parameters()) for m in model.children() if isinstance(m, nn.Embedding)
@@ -149,31 +148,26 @@ nsa_flex_args = Flavors(
             dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=32, d_qk=16, d_v=16,
             l=8, d=4, l_sel=16, n_sel=4, window=32, max_seq_len=256,
         ),
-        # ablation size (titan_configs/ablation_*.toml): 29M with gpt2's vocab (3.7M without the
-        # embedding/output); the paper's GQA group (16 query heads per KV head) and block sizes,
-        # n=8 selected blocks and a 256-token window for 2k-8k contexts
+        # ablation size (titan_configs/ablation.toml): 29M with gpt2's vocab (3.7M without the
+        # embedding/output); the paper's GQA group (16 query heads per KV head) and block sizes
+        # (NSAConfig's defaults, as in every flavor below), n=8 selected blocks and a 256-token
+        # window for 2k-8k contexts
         "30M": NSAModelArgs(
-            dim=256, n_layers=4, n_heads=16, n_kv_heads=1, d_qk=32, d_v=32,
-            l=32, d=16, l_sel=64, n_sel=8, window=256, max_seq_len=2048,
+            dim=256, n_layers=4, n_heads=16, n_kv_heads=1, d_qk=32, d_v=32, n_sel=8, window=256,
+            max_seq_len=2048,
         ),
         # the same with 4 KV heads (groups of 4 query heads): small enough to train on one GPU,
         # and it learns to copy where one KV head does not within a few thousand steps
         "30M_kv4": NSAModelArgs(
-            dim=256, n_layers=4, n_heads=16, n_kv_heads=4, d_qk=32, d_v=32,
-            l=32, d=16, l_sel=64, n_sel=8, window=256, max_seq_len=2048,
+            dim=256, n_layers=4, n_heads=16, n_kv_heads=4, d_qk=32, d_v=32, n_sel=8, window=256,
+            max_seq_len=2048,
         ),
         # GPT-3-small sized: 160M with gpt2's vocab (83M without the untied embedding/output)
-        "125M": NSAModelArgs(
-            dim=768, n_layers=12, n_heads=16, n_kv_heads=2, d_qk=64, d_v=64,
-            l=32, d=16, l_sel=64, n_sel=16, window=512, max_seq_len=8192,
-        ),
-        "350M": NSAModelArgs(
-            dim=1024, n_layers=24, n_heads=16, n_kv_heads=2, d_qk=64, d_v=64,
-            l=32, d=16, l_sel=64, n_sel=16, window=512, max_seq_len=32768,
-        ),
-        "1B": NSAModelArgs(
-            dim=2048, n_layers=16, n_heads=32, n_kv_heads=2, d_qk=64, d_v=64, ffn_dim_multiplier=1.5,
-            multiple_of=256, l=32, d=16, l_sel=64, n_sel=16, window=512, max_seq_len=32768,
-        ),
+        "125M": NSAModelArgs(dim=768, n_layers=12, n_heads=16, n_kv_heads=2, d_qk=64, d_v=64,
+                             max_seq_len=8192),
+        "350M": NSAModelArgs(dim=1024, n_layers=24, n_heads=16, n_kv_heads=2, d_qk=64, d_v=64,
+                             max_seq_len=32768),
+        "1B": NSAModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=2, d_qk=64, d_v=64,
+                           ffn_dim_multiplier=1.5, multiple_of=256, max_seq_len=32768),
     }
 )

@@ -13,6 +13,8 @@ Multi-process CPU runs work with DDP (``data_parallel_replicate_degree``), not F
 PREMUL_SUM).
 """
 
+import contextlib
+import importlib
 import os
 import platform
 import resource
@@ -20,6 +22,7 @@ import sys
 from types import SimpleNamespace
 
 import torch
+from torchtitan.tools.logging import logger
 
 _PATCHED_MODULES = (
     "torchtitan.tools.utils",
@@ -89,8 +92,6 @@ def _no_peak_flops(device_name: str) -> float:
 def _amp_unless_float32(maybe_enable_amp):
     def wrapped(parallel_dims, mixed_precision_param: str, device_type: str):
         if mixed_precision_param == "float32":
-            import contextlib
-
             return contextlib.nullcontext()
         return maybe_enable_amp(parallel_dims, mixed_precision_param, device_type)
 
@@ -101,8 +102,6 @@ def _amp_unless_float32(maybe_enable_amp):
 def apply() -> None:
     """Point torchtitan at the CPU (idempotent)."""
     global _applied
-    import importlib
-
     for name in _PATCHED_MODULES:
         mod = importlib.import_module(name)
         if hasattr(mod, "device_type"):
@@ -118,8 +117,6 @@ def apply() -> None:
     if not getattr(dist_utils.maybe_enable_amp, "_nsa_cpu", False):
         dist_utils.maybe_enable_amp = _amp_unless_float32(dist_utils.maybe_enable_amp)
     if not _applied:
-        from torchtitan.tools.logging import logger
-
         logger.info("nsa_flex: no CUDA device; running torchtitan on the CPU (nsa_flex.titan.cpu shim)")
     _applied = True
 

@@ -6,6 +6,8 @@ so torchtitan's ``apply_ac`` / ``apply_compile`` / ``apply_fsdp`` work on it unc
 inside ``NSAAttention`` (positions 0..T-1); NSA's masks are rebuilt inside each layer every step.
 """
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -37,8 +39,13 @@ class NSATransformerBlock(nn.Module):
         else:
             self.weight_init_std = 0.02 / (2 * model_args.n_layers) ** 0.5
 
-    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), doc_ids)
+    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                attend: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """x + attention(attention_norm(x)), then + feed_forward(ffn_norm(.)). attend: the
+        attention call on the normed input, in place of ``self.attention(., doc_ids)`` (prefill
+        and decode pass one that reads and fills the layer's cache)."""
+        y = self.attention_norm(x)
+        h = x + (self.attention(y, doc_ids) if attend is None else attend(y))
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self) -> None:

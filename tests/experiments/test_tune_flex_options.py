@@ -21,7 +21,7 @@ def run(tmp_path, sets, *extra):
                            "--T", "128", *extra], capture_output=True, text=True, timeout=600, cwd=ROOT)
 
 
-@pytest.mark.slow  # times several option sets
+@pytest.mark.slow
 def test_sets_side_by_side(tmp_path):
     sets = [{"name": "a", "only": "attn_compressed", "modes": "fwd", "band": {}},
             {"name": "b", "only": "attn_window", "modes": "fwd", "packed": {"bwd_num_stages": 3}}]
@@ -36,6 +36,7 @@ def test_sets_side_by_side(tmp_path):
     assert "packed {192: {'bwd_num_stages': 3}}" in log  # reached bench_attention's kernel_options
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("names", [["a", "a"], ["a/b"]])
 def test_bad_set_names(tmp_path, names):
     p = run(tmp_path, [{"name": n, "only": "attn_window"} for n in names])

@@ -5,9 +5,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.slow
 def test_samples_the_running_script(tmp_path):
     script = tmp_path / "slow.py"
     script.write_text("import sys, time\n\ndef waiting_here():\n    time.sleep(2.6)\n\n"

@@ -42,6 +42,7 @@ def test_block_sizes_read_from_the_lowering_frame():
     assert nested() is None
 
 
+@pytest.mark.slow
 def test_import_installs_nothing_and_only_old_torch_needs_the_wrapper():
     """`import nsa_flex` leaves inductor as it is; building a flex layer installs the wrapper,
     on the torch versions that filter before kernel_options (#176025) only."""
@@ -72,7 +73,12 @@ def test_hook_installed_on_inductor_choices():
     assert any(_fits(c, 16, 64) for c in small)
 
 
-def test_kernel_options_tiles_divide_packed_blocks():
+@pytest.mark.parametrize("wide", [False, True])
+def test_kernel_options_tiles_divide_packed_blocks(wide, monkeypatch):
+    import nsa_flex.kernel_options as ko
+
+    monkeypatch.setattr(ko, "_wide_dq_installed", wide)
+
     class Spec:
         kv_block = 64
     qb, kb = packed_block_size(16, Spec)
@@ -83,16 +89,16 @@ def test_kernel_options_tiles_divide_packed_blocks():
         device = torch.device("cuda", 0)
         shape = (1, 64, 4096, 192)
     opts = flex_kernel_options(CudaQ, (qb, kb))
-    _check_tiles(opts, qb, kb)
+    _check_tiles(opts, qb, kb, wide)
 
 
-def _check_tiles(opts, qb, kb):
-    """What inductor's flex templates need of explicit tiles for (q block, kv block) sizes."""
+def _check_tiles(opts, qb, kb, wide: bool):
+    """What inductor's flex templates need of explicit tiles for (q block, kv block) sizes; wide:
+    whether the template allows N2 > M2 (`install_wide_dq_tiles`)."""
     assert qb % opts.get("fwd_BLOCK_M", 16) == 0 and kb % opts.get("fwd_BLOCK_N", 16) == 0
     assert kb % opts["bwd_BLOCK_N1"] == 0 and opts["bwd_BLOCK_N1"] % opts["bwd_BLOCK_M1"] == 0
     assert qb % opts["bwd_BLOCK_M2"] == 0 and kb % opts["bwd_BLOCK_N2"] == 0
-    import nsa_flex.kernel_options as ko  # N2 > M2 only where the template allows it
-    assert ko._wide_dq_installed or opts["bwd_BLOCK_M2"] % opts["bwd_BLOCK_N2"] == 0
+    assert wide or opts["bwd_BLOCK_M2"] % opts["bwd_BLOCK_N2"] == 0
 
 
 def test_packed_options_override_by_head_dim(monkeypatch):
@@ -113,7 +119,7 @@ def test_band_options_fit_the_128_blocks():
     from nsa_flex.kernel_options import BAND_OPTIONS
 
     for opts in BAND_OPTIONS.values():
-        _check_tiles(opts, 128, 128)
+        _check_tiles(opts, 128, 128, wide=False)
 
 
 def test_band_kernel_options_by_head_dim(monkeypatch):
@@ -134,8 +140,13 @@ def test_band_kernel_options_by_head_dim(monkeypatch):
                                            (16, 64, (64, 64)), (8, 16, (16, 64)),
                                            (8, 64, (64, 64)), (4, 16, (16, 64)),
                                            (32, 16, (32, 64))])
-def test_pack_rows_sets_positions_per_q_block(G, rows, expect):
+@pytest.mark.parametrize("wide", [False, True])
+def test_pack_rows_sets_positions_per_q_block(G, rows, expect, wide, monkeypatch):
     """q block = lcm(G, rows) rows; the tiles the options give divide both blocks."""
+    import nsa_flex.kernel_options as ko
+
+    monkeypatch.setattr(ko, "_wide_dq_installed", wide)
+
     class Spec:
         kv_block = 64
 
@@ -145,9 +156,8 @@ def test_pack_rows_sets_positions_per_q_block(G, rows, expect):
     bs = packed_block_size(G, Spec, rows=rows)
     assert bs == expect
     opts = flex_kernel_options(CudaQ, bs)
-    _check_tiles(opts, *bs)
-    import nsa_flex.kernel_options as ko  # wide dQ steps only once the template allows them
-    n2 = min(bs[1], 64) if ko._wide_dq_installed else min(bs[0], bs[1], 64)
+    _check_tiles(opts, *bs, wide)
+    n2 = min(bs[1], 64) if wide else min(bs[0], bs[1], 64)  # wide dQ steps once allowed
     assert opts["bwd_BLOCK_M2"] == min(bs[0], 64) and opts["bwd_BLOCK_N2"] == n2
 
 
@@ -175,6 +185,7 @@ def _dq_template_hash():
     return fa.flex_attention_backward_template._hash
 
 
+@pytest.mark.slow
 def test_wide_dq_not_installed_at_import():
     import subprocess
     import sys
@@ -214,7 +225,7 @@ def test_wide_dq_drops_only_the_assert(monkeypatch):
     assert _dq_template_hash() == hashlib.sha256(patched.encode()).hexdigest()
     opts = ko.flex_kernel_options(CudaQ, (16, 64))
     assert opts["bwd_BLOCK_M2"] == 16 and opts["bwd_BLOCK_N2"] == 64
-    _check_tiles(opts, 16, 64)
+    _check_tiles(opts, 16, 64, wide=True)
 
 
 def test_wide_dq_leaves_other_templates_alone(monkeypatch):

@@ -290,7 +290,7 @@ NSAAttention.init_weights = init_weights
 '''
 
 
-@pytest.mark.slow  # a training run
+@pytest.mark.slow
 def test_training_logs_telemetry_and_warns_on_collapse(tmp_path):
     (tmp_path / "collapse_hook.py").write_text(HOOK)
     dump = tmp_path / "run"

@@ -39,4 +39,5 @@ def test_compact_equals_flags(with_docs, T, G, l_sel, n):
     assert torch.equal(_dense(bm.full_kv_num_blocks, bm.full_kv_indices, nkb), full)
     assert torch.equal(_dense(bm.q_num_blocks, bm.q_indices, nqb), (any_ & ~full).transpose(-1, -2))
     assert torch.equal(_dense(bm.full_q_num_blocks, bm.full_q_indices, nqb), full.transpose(-1, -2))
-    assert bm.kv_indices.shape[-1] == n * (l_sel // kb)  # compact width, fixed per config
+    # compact width, fixed per config: n slots, capped at the sequence's block count
+    assert bm.kv_indices.shape[-1] == min(n, ns) * (l_sel // kb)

@@ -6,8 +6,8 @@ set before the kernel is decorated): random small configs (l != 2d, l' != 4d, G 
 head dims that are not powers of two, T not a multiple of anything, documents, rows that see no
 compressed block, several query / key tiles per launch) agree with the torch path to 1e-5 in
 fp32 and give the same top-n. The interpreter cannot check bf16 dots (triton 3.9's interpreter
-multiplies the raw bf16 bits); bf16 and torch.compile are checked by the CUDA tests here and by
-experiments/scorer_check.py. Also: the `scorer` config field, the dispatch, the tile arithmetic.
+multiplies the raw bf16 bits); bf16 and torch.compile are checked by the CUDA tests here (marked
+gpu); experiments/tune_scorer.py times the kernel. Also: the `scorer` config field, the dispatch, the tile arithmetic.
 """
 
 import os
@@ -214,6 +214,7 @@ def _interpreter_main():
     print(f"OK {len(cases)} cases")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable")
 def test_kernel_matches_torch_under_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1",
@@ -236,6 +237,7 @@ def test_cuda_fp32_matches_torch(i):
     check_case(random_cases(6, 99)[i], device="cuda")
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA and triton")
 def test_cuda_bf16_close_and_compiled():
     """bf16 q/k (tensor-core dot, fp32 accumulation) vs the fp32 torch scorer of the same bf16

@@ -303,18 +303,3 @@ def test_custom_selection_builder_gets_the_scorer(cmp):
     RECORDED.clear()
     torch.testing.assert_close(a(x, doc_ids), b(x, doc_ids), atol=1e-6, rtol=1e-6)
     assert len(RECORDED) == 1 and RECORDED[0].shape == (2, 2, 29, 3)
-
-
-def test_cat_tree_equals_cat_and_keeps_fan_in_small(monkeypatch):
-    """select_topn joins its chunks with cat_tree: torch.cat's result, built from cats of at most
-    MAX_CHUNKS inputs (a wider cat lowers to an Inductor ConcatKernel, which broke the compiled
-    layer at T=64k)."""
-    import nsa_flex.selection as S
-
-    widths = []
-    real_cat = torch.cat
-    monkeypatch.setattr(torch, "cat", lambda xs, dim: widths.append(len(xs)) or real_cat(xs, dim))
-    for n in (1, 2, 8, 9, 64, 65, 100):
-        xs = [torch.randn(2, 3, i + 1, 4) for i in range(n)]
-        assert torch.equal(S.cat_tree(xs, 2), real_cat(xs, 2)), n
-    assert widths and max(widths) <= S.MAX_CHUNKS

@@ -48,7 +48,7 @@ def _losses(path: Path) -> dict[int, float]:
     return {r["step"]: r["loss_metrics/global_avg_loss"] for r in map(json.loads, path.read_text().splitlines())}
 
 
-@pytest.mark.slow  # two training runs, one under torchrun
+@pytest.mark.slow
 def test_two_rank_ddp_matches_one_rank(tmp_path):
     env = {k: v for k, v in os.environ.items()
            if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}

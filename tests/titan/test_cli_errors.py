@@ -44,6 +44,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_user_errors_are_one_message_exit_2(tmp_path, case):
     args, expected = CASES[case]

@@ -220,6 +220,7 @@ def test_truncated_parquet_is_named(tmp_path):
     assert str(cut) in str(e.value)
 
 
+@pytest.mark.slow
 def test_trainer_reports_unknown_dataset():
     """Through the stock trainer (nsa-train): a bad dataset name fails with the list of choices."""
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT")}
@@ -302,6 +303,7 @@ def test_small_source_warns_once_with_tokens_per_pass(tmp_path, caplog):
     assert "one pass gives 6 tokens" in msgs[0] and str(path) in msgs[0]
 
 
+@pytest.mark.slow
 def test_nsa_train_empty_file_exits_with_one_message(tmp_path):
     """Through nsa-train: an empty data file stops within seconds, one line, exit code 2."""
     import time

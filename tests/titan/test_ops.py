@@ -133,7 +133,7 @@ def test_nonfinite_gradients_stop_before_the_save(tmp_path):
 
 
 # ----------------------------------------------------------------------------- stall watchdog
-@pytest.mark.slow  # waits for the stall watchdog
+@pytest.mark.slow
 def test_blocked_data_source_triggers_watchdog(tmp_path):
     timeout, code = 6.0, 75  # well above a CPU debug step (<1.5 s on a busy 2-core box)
     cmd = [sys.executable, "-m", "nsa_flex.titan.cli", "--job.config_file", str(CONFIG),
@@ -152,8 +152,9 @@ def test_blocked_data_source_triggers_watchdog(tmp_path):
     assert "--- Python thread stacks" in text and "--- memory (cpu) ---" in text
     assert "last completed: 2" in text
     idle = float(text.split("seconds since the last completed step (or start): ")[1].split()[0])
-    # fired soon after the limit (the poll interval is < 1 s; slack for a loaded 2-core CI box)
-    assert timeout < idle < timeout + 10.0, idle
+    # fired soon after the limit (the poll interval is < 1 s; slack for a loaded 2-core CI box);
+    # the dump rounds to 0.1 s, so a fire just past the limit reads back as the limit itself
+    assert timeout <= idle < timeout + 10.0, idle
     line = [l for l in out.splitlines() if "ops: STALL on rank 0" in l]
     assert len(line) == 1 and str(dump) in line[0] and "wait_for_data_forever" in line[0], out[-3000:]
 
@@ -164,6 +165,7 @@ def _preflight(*extra: str, timeout=240):
     return subprocess.run(cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_preflight_passes_on_debug_config(tmp_path):
     t0 = time.time()
     p = _preflight("--job.dump_folder", str(tmp_path / "dump"))
@@ -178,6 +180,7 @@ def test_preflight_passes_on_debug_config(tmp_path):
     assert not (tmp_path / "dump" / "metrics.jsonl").exists()  # it checked, it did not train
 
 
+@pytest.mark.slow
 def test_preflight_lists_every_problem(tmp_path):
     blocker = tmp_path / "not_a_folder"
     blocker.write_text("x")  # a file where the dump folder should be: not writable as a folder
@@ -195,6 +198,7 @@ def test_preflight_lists_every_problem(tmp_path):
     assert out.splitlines()[-1].startswith("preflight: ") and "-> FAIL" in out.splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_preflight_reports_resume_point_and_halt_file(tmp_path):
     ck = tmp_path / "checkpoint" / "step-20"
     ck.mkdir(parents=True)

@@ -73,6 +73,7 @@ def uninterrupted(tmp_path_factory):
     return d, text, _records(d / "metrics.jsonl")
 
 
+@pytest.mark.slow
 def test_debug_training_loss_falls(uninterrupted):
     d, text, recs = uninterrupted
     assert sorted(recs) == list(range(1, STEPS + 1))
@@ -96,6 +97,7 @@ def test_debug_training_loss_falls(uninterrupted):
     assert "tps:" in text and "loss:" in text
 
 
+@pytest.mark.slow
 def test_checkpoint_kill_resume_is_exact(uninterrupted, tmp_path):
     _, _, ref = uninterrupted
     d = tmp_path / "resumed"
@@ -139,6 +141,7 @@ def _short(dump: Path, steps: int) -> list[str]:
             "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "3"]
 
 
+@pytest.mark.slow
 def test_damaged_checkpoint_is_set_aside_and_resume_is_marked(tmp_path):
     """A truncated latest .distcp is detected before loading, set aside with a
     message naming it, and the run resumes from the previous checkpoint; metrics.jsonl marks the
@@ -212,6 +215,7 @@ def halted(tmp_path_factory):
     return d, log.read_text(), p.returncode, cmd
 
 
+@pytest.mark.slow
 def test_sigusr1_dumps_while_training_continues(halted):
     d, text, rc, _ = halted
     dumps = sorted((d / "stalls").iterdir())
@@ -227,6 +231,7 @@ def test_sigusr1_dumps_while_training_continues(halted):
     assert rc == 0, text[-3000:]
 
 
+@pytest.mark.slow
 def test_loader_wait_in_metrics_and_warning(halted):
     d, text, _, _ = halted
     recs = _records(d / "metrics.jsonl")
@@ -238,6 +243,7 @@ def test_loader_wait_in_metrics_and_warning(halted):
     assert "ops: data loader stall" in text
 
 
+@pytest.mark.slow
 def test_halt_file_then_resume_is_exact(uninterrupted, halted):
     _, _, ref = uninterrupted
     d, text, rc, cmd = halted

@@ -1,0 +1,119 @@
+"""The flex fast paths on a CUDA device (marked `gpu`: skipped without one), bf16 against the fp32
+reference backend at the paper's heads (64 query heads, 4 KV groups, d_k 192, d_v 128), T=4096:
+each attention call built inside one `torch.compile(fullgraph=True)` function as the layer does
+(output and the gradients of a random linear loss), the Triton top-n against `pick_blocks`, and
+the whole layer forward + backward."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from masks import MaskContext, get_mask_builder
+from nsa_flex import NSAAttention, NSAConfig
+from nsa_flex.attention import attend_flex, attend_reference
+from nsa_flex.kernel_options import install_flex_patches
+from nsa_flex.ops import topn_blocks
+from nsa_flex.rules import forced_and_valid, pick_blocks
+from nsa_flex.selection import select_topn
+
+pytestmark = pytest.mark.gpu
+
+PAPER = dict(n_heads=64, n_kv_heads=4, d_qk=192, d_v=128, dim=2560)
+T = 4096
+TOL = 2e-2  # bf16 operands against fp32
+DEV = torch.device("cuda")
+
+
+def rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    """bf16 q, k, v, compressed k, v at T tokens, and the selection of the real scorer on them."""
+    install_flex_patches()  # the calls compile flex on their own, before any layer
+    cfg = NSAConfig(**PAPER, backend="flex")
+    B, H, Hkv, dk, dv = 1, cfg.n_heads, cfg.n_kv_heads, cfg.d_qk, cfg.d_v
+    torch.manual_seed(0)
+    R = lambda *s: torch.randn(*s, device=DEV, dtype=torch.bfloat16)  # noqa: E731
+    q, k, v = R(B, H, T, dk), R(B, Hkv, T, dk), R(B, Hkv, T, dv)
+    nc = cfg.num_cmp(T)
+    kc, vc = R(B, Hkv, nc, dk), R(B, Hkv, nc, dv)
+    ctx = MaskContext(cfg, B, T, DEV)
+    with torch.no_grad():
+        lse = attend_flex(q, kc, vc, get_mask_builder("compressed_causal")(ctx))[1]
+        idx = select_topn(q, kc, lse, cfg)
+    sctx = MaskContext(cfg, B, T, DEV, topn=lambda: idx)
+    specs = {"selected": lambda: get_mask_builder("topn")(sctx),
+             "packed": lambda: replace(get_mask_builder("topn")(sctx), parts=None),
+             "compressed": lambda: get_mask_builder("compressed_causal")(ctx),
+             "causal": lambda: get_mask_builder("causal")(ctx)}
+    return cfg, (q, k, v), (q, kc, vc), specs
+
+
+@pytest.mark.parametrize("case", ["selected", "packed", "compressed", "causal"])
+def test_compiled_flex_call_matches_reference(inputs, case):
+    """selected: forced + scored parts merged by lse; packed: the same selection in one call;
+    compressed: one K/V copy per query head; causal: the full_causal preset (SDPA)."""
+    cfg, tok, cmp, specs = inputs
+    q, k, v = cmp if case == "compressed" else tok
+    spec_fn = specs[case]
+    fast = torch.compile(lambda q_, k_, v_: attend_flex(q_, k_, v_, spec_fn()), fullgraph=True,
+                         dynamic=False)
+    w = torch.randn(q.shape[0], q.shape[1], q.shape[2], v.shape[-1], device=DEV)
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    out, _ = fast(*leaves)
+    g_fast = torch.autograd.grad((out.float() * w).sum(), leaves)
+    ref_leaves = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
+    ref, _ = attend_reference(*ref_leaves, spec_fn())
+    g_ref = torch.autograd.grad((ref * w).sum(), ref_leaves)
+    errs = {"out": rel(out, ref), **{n: rel(a, b) for n, a, b in zip(("dq", "dk", "dv"), g_fast, g_ref)}}
+    assert all(e < TOL for e in errs.values()), errs  # NaN fails too
+
+
+def test_triton_topn_equals_pick_blocks(inputs):
+    """On integer scores (many ties): the same blocks in the same order."""
+    cfg = inputs[0]
+    ns = -(-T // cfg.l_sel)
+    p = torch.randint(0, 5, (1, cfg.n_kv_heads, T, ns), device=DEV).float()
+    valid, forced = forced_and_valid(cfg, T, torch.zeros(1, T, dtype=torch.long, device=DEV), DEV)
+    want = pick_blocks(p, valid.unsqueeze(1), forced.unsqueeze(1), cfg.n_sel)
+    got = topn_blocks(p, None, 0, cfg.l_sel, cfg.n_sel, cfg.n_init, cfg.n_local)
+    assert torch.equal(got, want)
+
+
+def test_layer_flex_bf16_matches_reference():
+    """The whole layer, paper config: flex in bf16 against the reference in fp32 (same weights,
+    non-trivial gates), output and every gradient. Both use the fp32 run's selection (random
+    weights give near-uniform scores, whose near-ties bf16 breaks differently)."""
+    torch.manual_seed(0)
+    cfg = NSAConfig(backend="flex")
+    fast = NSAAttention(cfg).to(DEV)
+    fast.init_weights(0.02)
+    with torch.no_grad():
+        fast.gate.weight.normal_(0, 0.02)
+        fast.gate.bias.normal_(0, 0.5)
+    ref = NSAAttention(replace(cfg, backend="reference")).to(DEV)
+    ref.load_state_dict(fast.state_dict())
+    fast = fast.to(torch.bfloat16)
+    x = torch.randn(1, T, cfg.dim, device=DEV)
+    gy = torch.randn(1, T, cfg.dim, device=DEV)
+    x_ref, x_bf = x.clone().requires_grad_(True), x.to(torch.bfloat16).requires_grad_(True)
+    recorded = {}
+
+    def record(*a, **k):
+        recorded["idx"] = select_topn(*a, **k)
+        return recorded["idx"]
+
+    ref.select_topn = record
+    y_ref = ref(x_ref)
+    (y_ref * gy).sum().backward()
+    fast.select_topn = lambda *a, **k: recorded["idx"]
+    y_bf = fast(x_bf)
+    (y_bf.float() * gy).sum().backward()
+    errs = {"output": rel(y_bf, y_ref), "grad_x": rel(x_bf.grad, x_ref.grad)}
+    for (n, p), (_, pr) in zip(fast.named_parameters(), ref.named_parameters()):
+        if pr.grad is not None:
+            errs[f"grad_{n}"] = rel(p.grad, pr.grad)
+    assert max(errs.values()) < 1e-2, errs
