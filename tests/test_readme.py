@@ -11,7 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,7 +50,6 @@ def _shell(line: str) -> list[str]:
     return [sys.executable, *argv[1:]]
 
 
-@pytest.mark.slow
 def test_quick_start_then_generate_run_as_written(tmp_path):
     quick = _block("## Quick start", "bash").strip().split(" && ")[-1]
     assert quick == "nsa-train --job.config_file titan_configs/debug_nsa.toml"
