@@ -545,7 +545,8 @@ def run_config(cname, T, dev, dtype, rows, stages, baselines, compile_=True, onl
                modes=MODES, limit=0):
     """Stages (if `stages`), then baselines (if `baselines`), then the layer; `only`: a set of
     item names to keep."""
-    meta = dict(config=cname, T=T, device=torch.cuda.get_device_name() if dev == "cuda" else "cpu")
+    meta = dict(config=cname, T=T, device=torch.cuda.get_device_name() if dev == "cuda" else "cpu",
+                sel_kernel=SEL_KERNEL, selection="random")
     log(f"config {cname} T={T} on {meta['device']}")
     for name, has_bwd, make in build_items(cname, T, dev, dtype, compile_):
         if (only is not None and name not in only) or (name in STAGES and not stages) or (

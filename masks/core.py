@@ -134,45 +134,6 @@ class MaskSpec:
                                      (Q_LEN * q_pack, KV_LEN))
 
 
-def fold_block_mask(bm: BlockMask, chunks: int, batch: int) -> BlockMask:
-    """The same mask for queries folded into the batch: query row r of chunk c (of `chunks`
-    equal chunks of the q rows) of batch b becomes row r of batch b * chunks + c; keys stay
-    whole. FlexAttention's backward computes dK/dV with one program per (kv block, batch, kv
-    head) that walks every q block listed for it, so a kv block many queries read (selection's
-    forced block 0, every compressed key) is one long serial loop; folding cuts it `chunks`
-    times and multiplies the programs. kv lists are a view-reshape; q lists come from
-    `transpose_lists` (no dense [NQB, NKB] table)."""
-    Q_LEN, KV_LEN = bm.seq_lengths
-    QB, KB = bm.BLOCK_SIZE
-    nqb = bm.kv_num_blocks.shape[-1]
-    if Q_LEN % chunks or (Q_LEN // chunks) % QB or nqb * QB != Q_LEN:
-        raise ValueError(f"cannot fold {Q_LEN} query rows into {chunks} chunks of whole "
-                         f"{QB}-row blocks")
-    nkb = -(-KV_LEN // KB)
-
-    def fold(num, idx):
-        if num is None:
-            return None, None, None, None
-        B, H, _, W = idx.shape
-        num = num.expand(batch, H, nqb).reshape(batch, H, chunks, nqb // chunks)
-        idx = idx.expand(batch, H, nqb, W).reshape(batch, H, chunks, nqb // chunks, W)
-        num = num.transpose(1, 2).reshape(batch * chunks, H, nqb // chunks).contiguous()
-        idx = idx.transpose(1, 2).reshape(batch * chunks, H, nqb // chunks, W).contiguous()
-        return (num, idx) + transpose_lists(num, idx, nkb)
-
-    kv_num, kv_idx, q_num, q_idx = fold(bm.kv_num_blocks, bm.kv_indices)
-    f_num, f_idx, fq_num, fq_idx = fold(bm.full_kv_num_blocks, bm.full_kv_indices)
-    rows, mod = Q_LEN // chunks, bm.mask_mod
-
-    def folded(b, h, q_idx_, kv_idx_):
-        return mod(b // chunks, h, (b % chunks) * rows + q_idx_, kv_idx_)
-
-    return BlockMask(seq_lengths=(rows, KV_LEN), kv_num_blocks=kv_num, kv_indices=kv_idx,
-                     full_kv_num_blocks=f_num, full_kv_indices=f_idx, q_num_blocks=q_num,
-                     q_indices=q_idx, full_q_num_blocks=fq_num, full_q_indices=fq_idx,
-                     BLOCK_SIZE=(QB, KB), mask_mod=folded)
-
-
 def transpose_lists(num, idx, nkb):
     """kv-major lists from q-major lists, without a dense [NQB, NKB] table.
 

@@ -26,13 +26,12 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import flex_attention
 
 from masks import MaskSpec
-from masks.core import captured, fold_block_mask
+from masks.core import captured
 
 from .config import resolve_backend
 from .ops import HAS_TRITON, selected_attention, selected_unsupported, tile_positions, triton_interpreted
-from .kernel_options import (band_kernel_options, flex_kernel_options,
-                             install_flex_patches, packed_block_size,
-                             query_chunks)
+from .kernel_options import (band_kernel_options, flex_kernel_options, install_flex_patches,
+                             packed_block_size)
 from .rules import masked_softmax
 
 _compiled_flex = None
@@ -106,37 +105,6 @@ def attend_reference(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec,
     return out.reshape(B, Hq, T, -1), lse.reshape(B, Hq, T)
 
 
-def _fold_q(x: Tensor, C: int) -> Tensor:  # [B, H, R, D] -> [B*C, H, R/C, D]
-    B, H, R, D = x.shape
-    return x.view(B, H, C, R // C, D).transpose(1, 2).reshape(B * C, H, R // C, D)
-
-
-def _unfold_q(x: Tensor, C: int) -> Tensor:  # [B*C, H, R/C, ...] -> [B, H, R, ...]
-    BC, H, Rc = x.shape[:3]
-    rest = x.shape[3:]
-    x = x.view(BC // C, C, H, Rc, *rest).transpose(1, 2)
-    return x.reshape(BC // C, H, C * Rc, *rest)
-
-
-def _fold_kv(x: Tensor, C: int) -> Tensor:
-    """[B, H, S, D] -> [B*C, H, S, D], a real copy per chunk. With B = 1 the reshape of the
-    expanded view is itself a view with batch stride 0; flex's backward allocates dK/dV with the
-    key's strides, so all chunks wrote one buffer (H100: cudaErrorInvalidAddressSpace)."""
-    B = x.shape[0]
-    return x.unsqueeze(1).expand(B, C, *x.shape[1:]).reshape(B * C, *x.shape[1:]).contiguous()
-
-
-def _flex_folded(q, k, v, bm, scale, enable_gqa, kernel_options, C):
-    """flex with the queries folded into C batch chunks (see masks.core.fold_block_mask): the
-    same function, C times the programs for the dK/dV pass."""
-    if C == 1:
-        return _flex_lse(q, k, v, bm, scale, enable_gqa, kernel_options)
-    bm = fold_block_mask(bm, C, q.shape[0])
-    out, lse = _flex_lse(_fold_q(q, C), _fold_kv(k, C), _fold_kv(v, C), bm, scale, enable_gqa,
-                         kernel_options)
-    return _unfold_q(out, C), (None if lse is None else _unfold_q(lse.unsqueeze(-1), C)[..., 0])
-
-
 def merge_parts(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
     """Attention over a union of disjoint key sets from the attention over each set:
     out = sum_i exp(lse_i - lse) out_i with lse = log sum_i exp(lse_i). Exact (no key is counted
@@ -192,16 +160,14 @@ def attend_selected(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, scale: floa
 
 
 def attend_flex(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, scale: float | None = None,
-                q_chunks: int | None = None, sel_kernel: str = "auto") -> tuple[Tensor, Tensor]:
-    """q_chunks: fold the queries into this many batch chunks (None: `query_chunks` picks it
-    from the shapes; 1: no folding). sel_kernel: see `use_selected_op`."""
+                sel_kernel: str = "auto") -> tuple[Tensor, Tensor]:
+    """sel_kernel: see `use_selected_op`."""
     if k.shape[2] == 0:
         return empty_attention(q, v)
     if use_selected_op(q, k, v, spec, sel_kernel):
         return attend_selected(q, k, v, spec, scale)
     if spec.parts is not None and q.is_cuda:  # CPU flex returns no lse: one call on the whole
-        return merge_parts([attend_flex(q, k, v, p, scale, q_chunks, sel_kernel)
-                            for p in spec.parts])
+        return merge_parts([attend_flex(q, k, v, p, scale, sel_kernel) for p in spec.parts])
     if spec.kv_len is not None and spec.kv_len < k.shape[2]:  # keys past kv_len are never seen
         k, v = k[:, :, :spec.kv_len], v[:, :, :spec.kv_len]
     B, Hq, T, Dk, Hkv, S, G, scale = _dims(q, k, scale)
@@ -214,15 +180,13 @@ def attend_flex(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, scale: float | 
     if spec.per_group:
         # group-centric packing: [B, Hkv, G, T, D] -> [B, Hkv, T*G, D], row = t*G + g
         bs = packed_block_size(G, spec)
-        C = query_chunks(T * G, bs[0], q.device, per_group=True) if q_chunks is None else q_chunks
         qp = q.view(B, Hkv, G, T, Dk).transpose(2, 3).reshape(B, Hkv, T * G, Dk).contiguous()
         bm = spec.block_mask(B, T, S, device=q.device, block_size=bs, q_pack=G)
-        out, lse = _flex_folded(qp, k, v, bm, scale, False, flex_kernel_options(q, bs), C)
+        out, lse = _flex_lse(qp, k, v, bm, scale, False, flex_kernel_options(q, bs))
         out = out.view(B, Hkv, T, G, -1).transpose(2, 3).reshape(B, Hq, T, -1)
         if lse is not None:
             lse = lse.view(B, Hkv, T, G).transpose(2, 3).reshape(B, Hq, T)
         return out, lse
-    C = query_chunks(T, 128, q.device, kv_len=S) if q_chunks is None else q_chunks
     bm = spec.block_mask(B, T, S, device=q.device, block_size=128)
     if expand_kv_heads(T, S, G, q.device):
         # few keys for many queries (the compressed branch, S ~ T/d): one K/V copy per query
@@ -230,8 +194,8 @@ def attend_flex(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, scale: float | 
         # loops over the group's G heads; per query head there are G times the programs, each G
         # times shorter. The copies are small (S keys) and autograd sums their gradients.
         k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
-        return _flex_folded(q, k, v, bm, scale, False, band_kernel_options(q), C)
-    return _flex_folded(q, k, v, bm, scale, Hq != Hkv, band_kernel_options(q), C)
+        return _flex_lse(q, k, v, bm, scale, False, band_kernel_options(q))
+    return _flex_lse(q, k, v, bm, scale, Hq != Hkv, band_kernel_options(q))
 
 
 def expand_kv_heads(T: int, S: int, G: int, device) -> bool:

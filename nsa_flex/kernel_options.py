@@ -1,10 +1,11 @@
 """Block sizes and Triton tile options for FlexAttention's NSA masks.
 
-Group-centric packing makes the selection branch's q block small (one position's G heads, e.g.
-16 rows) and its kv block the selection block (64). Default Triton tiles (fwd 128x64, bwd
-64x64 and up) do not divide a 16-row block, so we pass explicit tiles through `kernel_options`
-(fwd BLOCK_M/BLOCK_N, bwd BLOCK_M1/N1/M2/N2 with N1 % M1 == 0 and M2 % N2 == 0, the latter
-lifted by `install_wide_dq_tiles` below).
+The selection runs on our own op (`nsa_flex.ops.selected_triton`) by default; on flex's template
+(`sel_kernel = "flex"`, or where the op does not run) group-centric packing makes the selection
+branch's q block small (one position's G heads, e.g. 16 rows) and its kv block the selection
+block (64). Default Triton tiles (fwd 128x64, bwd 64x64 and up) do not divide a 16-row block, so
+we pass explicit tiles through `kernel_options` (fwd BLOCK_M/BLOCK_N, bwd BLOCK_M1/N1/M2/N2 with
+N1 % M1 == 0 and M2 % N2 == 0).
 
 Workaround for pytorch #176025 (fixed upstream by PR #184797): torch <= 2.13 filters the
 backward configs by the sparse block size *before* applying kernel_options, so a 16-row block
@@ -23,7 +24,6 @@ NSAAttention constructor for a flex / auto backend, and `attention._flex` before
 It must be installed outside any traced region (dynamo cannot trace the patching).
 """
 
-import hashlib
 import math
 
 import torch
@@ -55,11 +55,17 @@ def flex_kernel_options(q: torch.Tensor, block_size: tuple[int, int]) -> dict | 
         return None
     QB, KB = block_size
     bm, bn = _largest_tile(QB), _largest_tile(KB)
-    # dK/dV pass: 16 q rows per step; dQ pass: the q block against N2 keys per step, N2 <= M2
-    # unless the template allows wider steps (install_wide_dq_tiles)
-    n2 = bn if _wide_dq_installed else min(bm, bn)
+    # dK/dV pass: 16 q rows per step; dQ pass: the q block against N2 keys per step (the
+    # template asserts M2 % N2 == 0)
+    n2 = min(bm, bn)
     opts = {"fwd_BLOCK_M": bm, "fwd_BLOCK_N": bn,
             "bwd_BLOCK_M1": 16, "bwd_BLOCK_N1": bn, "bwd_BLOCK_M2": bm, "bwd_BLOCK_N2": n2}
+    if q.dtype.itemsize > 2:
+        # 4/8-byte elements: the tiles take 2-4x the shared memory of the measured 2-byte ones
+        # (fp32 at d_k 192 needed 262656 bytes of 232448): narrower kv steps, no pipelining
+        opts.update(fwd_BLOCK_N=min(bn, 32), bwd_BLOCK_N1=min(bn, 32), bwd_BLOCK_N2=min(n2, 16),
+                    fwd_num_stages=1, bwd_num_stages=1)
+        return opts
     opts.update(PACKED_OPTIONS.get(q.shape[-1], {}))
     return opts
 
@@ -87,41 +93,12 @@ BAND_OPTIONS: dict[int, dict] = {
 
 
 def band_kernel_options(q: torch.Tensor) -> dict | None:
-    """kernel_options of a non-packed flex call for queries q (None: inductor's own choice)."""
-    if q.device.type != "cuda":
+    """kernel_options of a non-packed flex call for queries q (None: inductor's own choice).
+    BAND_OPTIONS were measured for 2-byte elements; other dtypes take inductor's own,
+    dtype-aware configs (the bf16 tiles do not fit shared memory in fp32 at d_k 192)."""
+    if q.device.type != "cuda" or q.dtype.itemsize != 2:
         return None
     return dict(BAND_OPTIONS[q.shape[-1]]) if q.shape[-1] in BAND_OPTIONS else None
-
-
-FOLD_MIN_ROWS = 4096  # query rows per chunk, at least
-# Off (1): with folding, the 64k compressed branch's fwd+bwd fails on the H100
-# (cudaErrorInvalidAddressSpace) while the forward runs; 16 once that is fixed.
-FOLD_MAX_CHUNKS = 1
-
-
-def query_chunks(rows: int, q_block: int, device, per_group: bool = False,
-                 kv_len: int | None = None, max_chunks: int | None = None) -> int:
-    """How many batch chunks to fold the queries into (masks.core.fold_block_mask) on GPU.
-
-    FlexAttention's dK/dV pass runs one program per (kv block, batch, kv head) over every q block
-    that lists the kv block. Two NSA masks make that loop long and the grid small: the selection
-    (block 0 and popular blocks are read by most queries; packed q blocks are only 16 rows) and
-    the compressed branch (T/d keys: 64 kv blocks x 4 heads = 256 programs at 64k, each walking
-    16 heads x 1024 q blocks). Folding into C chunks cuts every loop C times and multiplies the
-    programs by C, at the price of C copies of K/V (cheap for the compressed keys; for the
-    selection C <= 16 copies of [Hkv, T, d_k + d_v]). Chunks hold >= FOLD_MIN_ROWS rows (per
-    group: positions x G rows) and whole q blocks. Band masks with as many keys as queries
-    (window, causal) are not folded: their dK/dV loops are short or already well spread."""
-    if torch.device(device).type != "cuda":
-        return 1
-    if not per_group and (kv_len is None or kv_len * 4 > rows):
-        return 1
-    max_chunks = FOLD_MAX_CHUNKS if max_chunks is None else max_chunks
-    C = 1
-    while (C * 2 <= max_chunks and rows % (C * 2) == 0
-           and rows // (C * 2) >= FOLD_MIN_ROWS and (rows // (C * 2)) % q_block == 0):
-        C *= 2
-    return C
 
 
 _installed = False
@@ -192,42 +169,6 @@ def install_small_block_bwd_configs() -> bool:
     return True
 
 
-# --------------------------------------------------------------------------- wide dQ steps
-# flex's backward template asserts BLOCK_M2 % BLOCK_N2 == 0 in its dQ loop ("otherwise the code
-# wouldn't work"), though nothing in that loop depends on it: each step loads N2 keys of the q
-# block's current sparse kv block, and the kv offsets advance by N2 within a sparse block and jump
-# between blocks by SPARSE_KV_BLOCK_SIZE // N2 steps, for any N2 dividing the kv block. For the
-# packed selection (16-row q blocks) the assert forces 16 x 16 dQ steps, 4 per selected 64-key
-# block. The wrapper below drops only that assert from the template's source (nothing else
-# changes; a torch whose template differs is left alone). Checked: the packed call's gradients
-# equal the reference (experiments/check_flex_gpu.py, case packed, on the H100).
-_DQ_ASSERT = "tl.static_assert(BLOCK_M2 % BLOCK_N2 == 0)"
-_wide_dq_installed = False
-
-
-def install_wide_dq_tiles() -> bool:
-    """Let flex's dQ pass take N2 > M2 (see above). Returns whether it is installed."""
-    global _wide_dq_installed
-    if _wide_dq_installed:
-        return True
-    try:
-        from torch._inductor.kernel.flex import flex_attention as fa
-        from torch._inductor.kernel.flex.common import load_flex_template
-        tmpl = fa.flex_attention_backward_template
-        source = load_flex_template("flex_backwards") + load_flex_template("utilities")
-    except (ImportError, AttributeError):
-        return False
-    if source.count(_DQ_ASSERT) != 1:
-        return False
-    source = source.replace(_DQ_ASSERT, "pass  # N2 > M2 allowed (nsa_flex.kernel_options)")
-    tmpl.template = tmpl._template_from_string(source)
-    if hasattr(tmpl, "_hash"):
-        tmpl._hash = hashlib.sha256(source.encode("utf-8")).hexdigest()
-    _wide_dq_installed = True
-    return True
-
-
 def install_flex_patches() -> None:
-    """Both of this module's patches of inductor's flex backward, where they apply (once)."""
+    """This module's patch of inductor's flex backward, where this torch needs it (once)."""
     install_small_block_bwd_configs()
-    install_wide_dq_tiles()

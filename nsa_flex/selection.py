@@ -28,12 +28,15 @@ from .ops import HAS_TRITON, group_slc_scores, topn_blocks, triton_interpreted
 from .rules import cmp_visible, forced_and_valid, map_to_selection_blocks, pick_blocks
 
 
+SCORER_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
 def use_triton_scorer(cfg, q: Tensor, lse: Tensor | None) -> bool:
     """Whether `block_scores` runs the fused Triton kernel (cfg.scorer: auto | torch | triton)."""
     if cfg.scorer == "torch":
         return False
-    if cfg.scorer == "auto":
-        return HAS_TRITON and lse is not None and q.is_cuda
+    if cfg.scorer == "auto":  # the kernel accumulates in fp32: not for fp64 inputs
+        return HAS_TRITON and lse is not None and q.is_cuda and q.dtype in SCORER_DTYPES
     if not HAS_TRITON or lse is None or not (q.is_cuda or triton_interpreted()):
         why = ("triton is not importable" if not HAS_TRITON else
                "it needs the compressed branch's lse (none given: e.g. the compressed branch is "

@@ -135,17 +135,54 @@ def _row_state(SEL, LO, HI, bh, b, t, row_ok, T, s_lb, NSEL: tl.constexpr, NP: t
     return sel, lo, hi
 
 
-# ---------------------------------------------------------------------- forward
 @triton.jit
-def _fwd_step(acc, m_i, l_i, q1, q2, K, V, koff, voff, j, t, lo, hi, sel, row_ok, T, qk_scale,
-              MASKED: tl.constexpr, BLOCK: tl.constexpr, DK: tl.constexpr, DK1: tl.constexpr,
-              DK2: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr):
+def _kv_block(K, V, koff, voff, j, T, BLOCK: tl.constexpr, DK: tl.constexpr, DK1: tl.constexpr,
+              DK2: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr):
+    """Keys kk of selection block j and their K ([BLOCK, DK1], [BLOCK, DK2]) and V rows."""
     kk = j.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     k_ok = kk < T
     k1, k2 = _load_q(K + koff, kk * DK, k_ok, DK, DK1, DK2)
     dv = tl.arange(0, DVP)
     v = tl.load(V + voff + kk[:, None] * DV + dv[None, :], mask=k_ok[:, None] & (dv < DV)[None, :],
                 other=0.0)
+    return kk, k_ok, k1, k2, v
+
+
+@triton.jit
+def _q_block(Q, SEL, LO, HI, T, HKV, s_lb, G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr,
+             BM: tl.constexpr, NSEL: tl.constexpr, NP: tl.constexpr, DK: tl.constexpr,
+             DK1: tl.constexpr, DK2: tl.constexpr, DV: tl.constexpr, HAS_BAND: tl.constexpr):
+    """This program's q block (grid: q block, batch x KV head): its rows, their q, selections and
+    key bands, and the offsets of its K/V head."""
+    tile = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // HKV
+    h = bh % HKV
+    t, g, row_ok = _rows(tile, BT, G, GP, BM, T)
+    qrow = ((b * HKV + h) * G + g) * T + t  # row of q [B, Hq, T, *]
+    q1, q2 = _load_q(Q, qrow * DK, row_ok, DK, DK1, DK2)
+    sel, lo, hi = _row_state(SEL, LO, HI, bh, b, t, row_ok, T, s_lb, NSEL, NP, HAS_BAND)
+    return tile, bh, t, row_ok, qrow, q1, q2, sel, lo, hi, bh * T * DK, bh * T * DV
+
+
+@triton.jit
+def _grad_rows(DO, LSE, DELTA, qrow, row_ok, DV: tl.constexpr, DVP: tl.constexpr):
+    """dO, lse (log2 units; +inf for a row that sees nothing, so its p is 0) and delta of rows."""
+    dv = tl.arange(0, DVP)
+    do = tl.load(DO + (qrow * DV)[:, None] + dv[None, :], mask=row_ok[:, None] & (dv < DV)[None, :],
+                 other=0.0)
+    lse = tl.load(LSE + qrow, mask=row_ok, other=float("-inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    delta = tl.load(DELTA + qrow, mask=row_ok, other=0.0)
+    return do, lse2, delta
+
+
+# ---------------------------------------------------------------------- forward
+@triton.jit
+def _fwd_step(acc, m_i, l_i, q1, q2, K, V, koff, voff, j, t, lo, hi, sel, row_ok, T, qk_scale,
+              MASKED: tl.constexpr, BLOCK: tl.constexpr, DK: tl.constexpr, DK1: tl.constexpr,
+              DK2: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr):
+    kk, k_ok, k1, k2, v = _kv_block(K, V, koff, voff, j, T, BLOCK, DK, DK1, DK2, DV, DVP)
     s = _dot2(q1, q2, k1, k2, DK2, PREC) * qk_scale
     if MASKED:
         s = tl.where(_visible(kk, t, lo, hi, sel, j, row_ok), s, float("-inf"))
@@ -165,16 +202,8 @@ def _sel_fwd_kernel(Q, K, V, SEL, LO, HI, KVN, KVI, FKVN, FKVI, O, LSE,
                     NP: tl.constexpr, BLOCK: tl.constexpr, DK: tl.constexpr, DK1: tl.constexpr,
                     DK2: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
                     HAS_BAND: tl.constexpr, PREC: tl.constexpr):
-    tile = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    b = bh // HKV
-    h = bh % HKV
-    t, g, row_ok = _rows(tile, BT, G, GP, BM, T)
-    qrow = ((b * HKV + h) * G + g) * T + t  # row of q [B, Hq, T, *]
-    q1, q2 = _load_q(Q, qrow * DK, row_ok, DK, DK1, DK2)
-    sel, lo, hi = _row_state(SEL, LO, HI, bh, b, t, row_ok, T, s_lb, NSEL, NP, HAS_BAND)
-    koff = bh * T * DK
-    voff = bh * T * DV
+    tile, bh, t, row_ok, qrow, q1, q2, sel, lo, hi, koff, voff = _q_block(
+        Q, SEL, LO, HI, T, HKV, s_lb, G, GP, BT, BM, NSEL, NP, DK, DK1, DK2, DV, HAS_BAND)
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, DVP], tl.float32)
@@ -205,12 +234,7 @@ def _dq_step(dq1, dq2, q1, q2, do, lse2, delta, K, V, koff, voff, j, t, lo, hi, 
              qk_scale, MASKED: tl.constexpr, BLOCK: tl.constexpr, DK: tl.constexpr,
              DK1: tl.constexpr, DK2: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
              PREC: tl.constexpr):
-    kk = j.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    k_ok = kk < T
-    k1, k2 = _load_q(K + koff, kk * DK, k_ok, DK, DK1, DK2)
-    dv = tl.arange(0, DVP)
-    v = tl.load(V + voff + kk[:, None] * DV + dv[None, :], mask=k_ok[:, None] & (dv < DV)[None, :],
-                other=0.0)
+    kk, k_ok, k1, k2, v = _kv_block(K, V, koff, voff, j, T, BLOCK, DK, DK1, DK2, DV, DVP)
     s = _dot2(q1, q2, k1, k2, DK2, PREC) * qk_scale
     p = tl.math.exp2(s - lse2[:, None])
     if MASKED:
@@ -230,22 +254,9 @@ def _sel_dq_kernel(Q, K, V, DO, LSE, DELTA, SEL, LO, HI, KVN, KVI, FKVN, FKVI, D
                    NP: tl.constexpr, BLOCK: tl.constexpr, DK: tl.constexpr, DK1: tl.constexpr,
                    DK2: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
                    HAS_BAND: tl.constexpr, PREC: tl.constexpr):
-    tile = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    b = bh // HKV
-    h = bh % HKV
-    t, g, row_ok = _rows(tile, BT, G, GP, BM, T)
-    qrow = ((b * HKV + h) * G + g) * T + t
-    q1, q2 = _load_q(Q, qrow * DK, row_ok, DK, DK1, DK2)
-    dv = tl.arange(0, DVP)
-    do = tl.load(DO + (qrow * DV)[:, None] + dv[None, :], mask=row_ok[:, None] & (dv < DV)[None, :],
-                 other=0.0)
-    lse = tl.load(LSE + qrow, mask=row_ok, other=float("-inf"))
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    delta = tl.load(DELTA + qrow, mask=row_ok, other=0.0)
-    sel, lo, hi = _row_state(SEL, LO, HI, bh, b, t, row_ok, T, s_lb, NSEL, NP, HAS_BAND)
-    koff = bh * T * DK
-    voff = bh * T * DV
+    tile, bh, t, row_ok, qrow, q1, q2, sel, lo, hi, koff, voff = _q_block(
+        Q, SEL, LO, HI, T, HKV, s_lb, G, GP, BT, BM, NSEL, NP, DK, DK1, DK2, DV, HAS_BAND)
+    do, lse2, delta = _grad_rows(DO, LSE, DELTA, qrow, row_ok, DV, DVP)
     dq1 = tl.zeros([BM, DK1], tl.float32)
     dq2 = tl.zeros([BM, DK2 if DK2 > 0 else DK1], tl.float32)
     lst = bh * NQB + tile
@@ -288,12 +299,7 @@ def _dkv_step(dk1, dk2, dv_acc, k1, k2, v, kk, j, e, e_end, n_part, lst, WQ, QI,
     row_ok = ok & (t < T) & (g < G)
     qrow = ((b * HKV + h) * G + g) * T + t
     q1, q2 = _load_q(Q, qrow * DK, row_ok, DK, DK1, DK2)
-    dv = tl.arange(0, DVP)
-    do = tl.load(DO + (qrow * DV)[:, None] + dv[None, :], mask=row_ok[:, None] & (dv < DV)[None, :],
-                 other=0.0)
-    lse = tl.load(LSE + qrow, mask=row_ok, other=float("-inf"))
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    delta = tl.load(DELTA + qrow, mask=row_ok, other=0.0)
+    do, lse2, delta = _grad_rows(DO, LSE, DELTA, qrow, row_ok, DV, DVP)
     s = _dot2(q1, q2, k1, k2, DK2, PREC) * qk_scale  # [NG*BM, BLOCK]
     p = tl.math.exp2(s - lse2[:, None])
     sel, lo, hi = _row_state(SEL, LO, HI, bh, b, t, row_ok, T, s_lb, NSEL, NP, HAS_BAND)
@@ -340,14 +346,10 @@ def _sel_dkv_kernel(Q, K, V, DO, LSE, DELTA, SEL, LO, HI, QN, QI, FQN, FQI, HSLO
         per = tl.cdiv(tl.cdiv(n_all, NSPLIT), NG) * NG  # whole gathers per share
         e0 = tl.minimum(share * per, n_all)
         e1 = tl.minimum(e0 + per, n_all)
-    kk = j.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    k_ok = kk < T
     koff = bh * T * DK
     voff = bh * T * DV
-    k1, k2 = _load_q(K + koff, kk * DK, k_ok, DK, DK1, DK2)
+    kk, k_ok, k1, k2, v = _kv_block(K, V, koff, voff, j, T, BLOCK, DK, DK1, DK2, DV, DVP)
     dv = tl.arange(0, DVP)
-    v = tl.load(V + voff + kk[:, None] * DV + dv[None, :], mask=k_ok[:, None] & (dv < DV)[None, :],
-                other=0.0)
     dk1 = tl.zeros([BLOCK, DK1], tl.float32)
     dk2 = tl.zeros([BLOCK, DK2 if DK2 > 0 else DK1], tl.float32)
     dv_acc = tl.zeros([BLOCK, DVP], tl.float32)

@@ -52,15 +52,18 @@ def inputs():
     return cfg, (q, k, v), (q, kc, vc), specs
 
 
-@pytest.mark.parametrize("case", ["selected", "packed", "compressed", "causal"])
+@pytest.mark.parametrize("case", ["selected", "selected_flex", "packed_flex", "compressed",
+                                  "causal"])
 def test_compiled_flex_call_matches_reference(inputs, case):
-    """selected: forced + scored parts merged by lse; packed: the same selection in one call;
-    compressed: one K/V copy per query head; causal: the full_causal preset (SDPA)."""
+    """selected: the selected-attention op (the default); selected_flex: flex's template, forced +
+    scored parts merged by lse; packed_flex: the same selection in one flex call; compressed: one
+    K/V copy per query head; causal: the full_causal preset (SDPA)."""
     cfg, tok, cmp, specs = inputs
     q, k, v = cmp if case == "compressed" else tok
-    spec_fn = specs[case]
-    fast = torch.compile(lambda q_, k_, v_: attend_flex(q_, k_, v_, spec_fn()), fullgraph=True,
-                         dynamic=False)
+    spec_fn = specs[case.replace("_flex", "")]
+    kern = "flex" if case.endswith("_flex") else "auto"
+    fast = torch.compile(lambda q_, k_, v_: attend_flex(q_, k_, v_, spec_fn(), sel_kernel=kern),
+                         fullgraph=True, dynamic=False)
     w = torch.randn(q.shape[0], q.shape[1], q.shape[2], v.shape[-1], device=DEV)
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
     out, _ = fast(*leaves)
@@ -117,3 +120,38 @@ def test_layer_flex_bf16_matches_reference():
         if pr.grad is not None:
             errs[f"grad_{n}"] = rel(p.grad, pr.grad)
     assert max(errs.values()) < 1e-2, errs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("dims", [(16, 2, 64, 64), (64, 4, 192, 128)])
+def test_layer_compiles_and_matches_reference_in_every_dtype(dtype, dims):
+    """The compiled layer (flex backend, default kernels: the selected op, the Triton scorer
+    where the dtype allows) runs forward + backward in bf16, fp16 and fp32 at d_k 64 and 192
+    (fp32 tiles must fit shared memory) and matches the fp32 reference on the same selection."""
+    H, Hkv, dk, dv = dims
+    cfg = NSAConfig(n_heads=H, n_kv_heads=Hkv, d_qk=dk, d_v=dv, dim=256, backend="flex")
+    torch.manual_seed(0)
+    fast = NSAAttention(cfg).to(DEV)
+    fast.init_weights(0.02)
+    ref = NSAAttention(replace(cfg, backend="reference")).to(DEV)
+    ref.load_state_dict(fast.state_dict())
+    fast = fast.to(dtype)
+    Tn = 1024
+    x = torch.randn(1, Tn, cfg.dim, device=DEV)
+    recorded = {}
+
+    def record(*a, **k):
+        recorded["idx"] = select_topn(*a, **k)
+        return recorded["idx"]
+
+    ref.select_topn = record
+    xr = x.clone().requires_grad_(True)
+    y_ref = ref(xr)
+    y_ref.sum().backward()
+    fast.select_topn = lambda *a, **k: recorded["idx"]
+    xf = x.to(dtype).requires_grad_(True)
+    y = torch.compile(fast, fullgraph=True, dynamic=False)(xf)
+    y.float().sum().backward()
+    tol = 1e-3 if dtype == torch.float32 else 3e-2
+    errs = {"out": rel(y, y_ref), "grad_x": rel(xf.grad, xr.grad)}
+    assert all(e < tol for e in errs.values()), errs

@@ -73,12 +73,7 @@ def test_hook_installed_on_inductor_choices():
     assert any(_fits(c, 16, 64) for c in small)
 
 
-@pytest.mark.parametrize("wide", [False, True])
-def test_kernel_options_tiles_divide_packed_blocks(wide, monkeypatch):
-    import nsa_flex.kernel_options as ko
-
-    monkeypatch.setattr(ko, "_wide_dq_installed", wide)
-
+def test_kernel_options_tiles_divide_packed_blocks():
     class Spec:
         kv_block = 64
     qb, kb = packed_block_size(16, Spec)
@@ -87,18 +82,18 @@ def test_kernel_options_tiles_divide_packed_blocks(wide, monkeypatch):
 
     class CudaQ:
         device = torch.device("cuda", 0)
+        dtype = torch.bfloat16
         shape = (1, 64, 4096, 192)
     opts = flex_kernel_options(CudaQ, (qb, kb))
-    _check_tiles(opts, qb, kb, wide)
+    _check_tiles(opts, qb, kb)
 
 
-def _check_tiles(opts, qb, kb, wide: bool):
-    """What inductor's flex templates need of explicit tiles for (q block, kv block) sizes; wide:
-    whether the template allows N2 > M2 (`install_wide_dq_tiles`)."""
+def _check_tiles(opts, qb, kb):
+    """What inductor's flex templates need of explicit tiles for (q block, kv block) sizes."""
     assert qb % opts.get("fwd_BLOCK_M", 16) == 0 and kb % opts.get("fwd_BLOCK_N", 16) == 0
     assert kb % opts["bwd_BLOCK_N1"] == 0 and opts["bwd_BLOCK_N1"] % opts["bwd_BLOCK_M1"] == 0
     assert qb % opts["bwd_BLOCK_M2"] == 0 and kb % opts["bwd_BLOCK_N2"] == 0
-    assert wide or opts["bwd_BLOCK_M2"] % opts["bwd_BLOCK_N2"] == 0
+    assert opts["bwd_BLOCK_M2"] % opts["bwd_BLOCK_N2"] == 0
 
 
 def test_packed_options_override_by_head_dim(monkeypatch):
@@ -106,6 +101,7 @@ def test_packed_options_override_by_head_dim(monkeypatch):
 
     class CudaQ:
         device = torch.device("cuda", 0)
+        dtype = torch.bfloat16
         shape = (1, 64, 4096, 192)
     monkeypatch.setattr(ko, "PACKED_OPTIONS", {192: {"bwd_num_stages": 3}})
     got = ko.flex_kernel_options(CudaQ, (16, 64))
@@ -119,7 +115,7 @@ def test_band_options_fit_the_128_blocks():
     from nsa_flex.kernel_options import BAND_OPTIONS
 
     for opts in BAND_OPTIONS.values():
-        _check_tiles(opts, 128, 128, wide=False)
+        _check_tiles(opts, 128, 128)
 
 
 def test_band_kernel_options_by_head_dim(monkeypatch):
@@ -129,7 +125,8 @@ def test_band_kernel_options_by_head_dim(monkeypatch):
     from nsa_flex import kernel_options as ko
 
     monkeypatch.setattr(ko, "BAND_OPTIONS", {192: {"bwd_num_warps": 8}})
-    cuda_q = lambda d: SimpleNamespace(device=SimpleNamespace(type="cuda"), shape=(1, 4, 8, d))
+    cuda_q = lambda d: SimpleNamespace(device=SimpleNamespace(type="cuda"), dtype=torch.bfloat16,
+                                       shape=(1, 4, 8, d))
     got = ko.band_kernel_options(cuda_q(192))
     assert got == {"bwd_num_warps": 8} and got is not ko.BAND_OPTIONS[192]
     assert ko.band_kernel_options(cuda_q(128)) is None
@@ -140,25 +137,20 @@ def test_band_kernel_options_by_head_dim(monkeypatch):
                                            (16, 64, (64, 64)), (8, 16, (16, 64)),
                                            (8, 64, (64, 64)), (4, 16, (16, 64)),
                                            (32, 16, (32, 64))])
-@pytest.mark.parametrize("wide", [False, True])
-def test_pack_rows_sets_positions_per_q_block(G, rows, expect, wide, monkeypatch):
+def test_pack_rows_sets_positions_per_q_block(G, rows, expect):
     """q block = lcm(G, rows) rows; the tiles the options give divide both blocks."""
-    import nsa_flex.kernel_options as ko
-
-    monkeypatch.setattr(ko, "_wide_dq_installed", wide)
-
     class Spec:
         kv_block = 64
 
     class CudaQ:
         device = torch.device("cuda", 0)
+        dtype = torch.bfloat16
         shape = (1, 64, 4096, 128)  # a head dim without PACKED_OPTIONS overrides
     bs = packed_block_size(G, Spec, rows=rows)
     assert bs == expect
     opts = flex_kernel_options(CudaQ, bs)
-    _check_tiles(opts, *bs, wide)
-    n2 = min(bs[1], 64) if wide else min(bs[0], bs[1], 64)  # wide dQ steps once allowed
-    assert opts["bwd_BLOCK_M2"] == min(bs[0], 64) and opts["bwd_BLOCK_N2"] == n2
+    _check_tiles(opts, *bs)
+    assert opts["bwd_BLOCK_M2"] == min(bs[0], 64) and opts["bwd_BLOCK_N2"] == min(bs[0], bs[1], 64)
 
 
 @pytest.mark.parametrize("rows", [16, 32, 64])
@@ -180,60 +172,32 @@ def test_pack_rows_same_attention(rows, monkeypatch):
     torch.testing.assert_close(attend_flex(q, k, v, spec)[0], ref, atol=1e-5, rtol=1e-5)
 
 
-def _dq_template_hash():
-    from torch._inductor.kernel.flex import flex_attention as fa
-    return fa.flex_attention_backward_template._hash
+def test_wide_dtypes_get_narrow_tiles_or_inductors_own():
+    """4-byte elements: the packed call's explicit tiles are narrowed and unpipelined, the band
+    calls take inductor's own (dtype-aware) configs; 2-byte elements keep the measured tiles."""
+    from types import SimpleNamespace
+
+    from nsa_flex import kernel_options as ko
+
+    q = lambda dt, d=192: SimpleNamespace(device=SimpleNamespace(type="cuda"), dtype=dt,  # noqa
+                                          shape=(1, 4, 8, d))
+    assert ko.band_kernel_options(q(torch.bfloat16)) == ko.BAND_OPTIONS[192]
+    assert ko.band_kernel_options(q(torch.float32)) is None
+    assert ko.band_kernel_options(q(torch.float64)) is None
+    wide = ko.flex_kernel_options(q(torch.float32), (16, 64))
+    _check_tiles(wide, 16, 64)
+    assert wide["fwd_BLOCK_N"] == 32 and wide["bwd_num_stages"] == 1 and wide["fwd_num_stages"] == 1
+    narrow = ko.flex_kernel_options(q(torch.bfloat16), (16, 64))
+    assert narrow["fwd_BLOCK_N"] == 64 and narrow["bwd_num_stages"] == 3  # PACKED_OPTIONS[192]
 
 
-@pytest.mark.slow
-def test_wide_dq_not_installed_at_import():
-    import subprocess
-    import sys
+def test_auto_scorer_only_for_kernel_dtypes():
+    from types import SimpleNamespace
 
-    code = ("import nsa_flex, nsa_flex.kernel_options as ko; print(ko._wide_dq_installed); "
-            "nsa_flex.NSAAttention(nsa_flex.NSAConfig(backend='flex')); print(ko._wide_dq_installed)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         timeout=120).stdout.split()
-    assert out == ["False", "True"]
+    from nsa_flex.selection import use_triton_scorer
 
-
-def test_wide_dq_drops_only_the_assert(monkeypatch):
-    """The patched flex backward template is torch's source without the BLOCK_M2 % BLOCK_N2
-    assert, and the packed call then asks for dQ steps as wide as its kv block."""
-    import nsa_flex.kernel_options as ko
-    from torch._inductor.kernel.flex.common import load_flex_template
-
-    source = load_flex_template("flex_backwards") + load_flex_template("utilities")
-    if source.count(ko._DQ_ASSERT) != 1:
-        pytest.skip("this torch's flex backward template has no such assert")
-    monkeypatch.setattr(ko, "_wide_dq_installed", False)
-    from torch._inductor.kernel.flex import flex_attention as fa
-    tmpl = fa.flex_attention_backward_template
-    import hashlib
-    # start from torch's own template (an earlier test may have installed the patch already)
-    monkeypatch.setattr(tmpl, "template", tmpl._template_from_string(source))
-    monkeypatch.setattr(tmpl, "_hash", hashlib.sha256(source.encode()).hexdigest())
-    before = _dq_template_hash()
-
-    class CudaQ:
-        device = torch.device("cuda", 0)
-        shape = (1, 64, 4096, 192)
-    assert ko.flex_kernel_options(CudaQ, (16, 64))["bwd_BLOCK_N2"] == 16
-    assert ko.install_wide_dq_tiles() and ko.install_wide_dq_tiles()  # idempotent
-    assert _dq_template_hash() != before
-    patched = source.replace(ko._DQ_ASSERT, "pass  # N2 > M2 allowed (nsa_flex.kernel_options)")
-    assert _dq_template_hash() == hashlib.sha256(patched.encode()).hexdigest()
-    opts = ko.flex_kernel_options(CudaQ, (16, 64))
-    assert opts["bwd_BLOCK_M2"] == 16 and opts["bwd_BLOCK_N2"] == 64
-    _check_tiles(opts, 16, 64, wide=True)
-
-
-def test_wide_dq_leaves_other_templates_alone(monkeypatch):
-    import nsa_flex.kernel_options as ko
-    import torch._inductor.kernel.flex.common as common
-
-    monkeypatch.setattr(ko, "_wide_dq_installed", False)
-    monkeypatch.setattr(common, "load_flex_template", lambda name: "no assert here")
-    before = _dq_template_hash()
-    assert not ko.install_wide_dq_tiles()
-    assert _dq_template_hash() == before and not ko._wide_dq_installed
+    cfg = SimpleNamespace(scorer="auto")
+    lse = torch.zeros(1)
+    for dt, want in ((torch.bfloat16, True), (torch.float32, True), (torch.float64, False)):
+        q = SimpleNamespace(is_cuda=True, dtype=dt)
+        assert use_triton_scorer(cfg, q, lse) == (want and __import__("nsa_flex.ops").ops.HAS_TRITON)

@@ -101,9 +101,9 @@ def check_causal(seed: int, device="cpu"):
     cfg, B, T, spec = make_case(rng, device)
     t0 = rng.randint(0, T - 2)
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, cfg.n_heads, T, cfg.d_qk, generator=gen)
-    k = torch.randn(B, cfg.n_kv_heads, T, cfg.d_qk, generator=gen, requires_grad=True)
-    v = torch.randn(B, cfg.n_kv_heads, T, cfg.d_v, generator=gen, requires_grad=True)
+    q = torch.randn(B, cfg.n_heads, T, cfg.d_qk, generator=gen).to(device)
+    k = torch.randn(B, cfg.n_kv_heads, T, cfg.d_qk, generator=gen).to(device).requires_grad_()
+    v = torch.randn(B, cfg.n_kv_heads, T, cfg.d_v, generator=gen).to(device).requires_grad_()
     o, _ = attend_flex(q, k, v, spec, sel_kernel="triton")
     o[:, :, : t0 + 1].sum().backward()
     assert k.grad[:, :, t0 + 1:].abs().max() == 0 and v.grad[:, :, t0 + 1:].abs().max() == 0
