@@ -194,6 +194,38 @@ def _first_leak_flex(spec, cfg, B, T, S, key_end):
     return _first_leak(allowed, torch.arange(rows) // G, key_end)
 
 
+def import_builder_modules(names) -> None:
+    """Import the modules ``names`` (each registering its builders on import), looking in the
+    working directory too (``nsa-train`` is a console script: its ``sys.path`` lacks it). Raises
+    ImportError naming the module and the reason."""
+    import importlib
+    import os
+    import sys
+
+    for name in names:
+        if name in sys.modules:
+            continue
+        cwd = os.getcwd()
+        added = cwd not in sys.path
+        if added:
+            sys.path.append(cwd)
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name.split(".")[0] and e.name != name:
+                raise ImportError(f"builder module {name!r} fails to import: {e}") from e
+            raise ImportError(f"no module {name!r} in the working directory {cwd} or on sys.path") from e
+        except Exception as e:  # the user's module raised: where, and what
+            import traceback
+
+            where = traceback.extract_tb(e.__traceback__)[-1]
+            raise ImportError(f"builder module {name!r} fails to import: {type(e).__name__}: {e} "
+                              f"({where.filename}:{where.lineno})") from e
+        finally:
+            if added and cwd in sys.path:
+                sys.path.remove(cwd)
+
+
 def get_mask_builder(name: str) -> Callable[[MaskContext], MaskSpec | None]:
     if name not in _REGISTRY:
         raise KeyError(f"unknown mask builder {name!r}; registered: {sorted(_REGISTRY)}")

@@ -1,7 +1,7 @@
 """nsa-flex: Native Sparse Attention (arXiv 2502.11089) on FlexAttention.
 
-Importing the package runs nothing: `NSAConfig`, `NSAConfigError` and `NSAAttention` resolve on
-first use. That keeps `nsa_flex.rules` a leaf that `masks` imports at its top (`nsa_flex` ->
+Importing the package runs nothing (no torch either: `nsa-train --help` answers without it):
+`NSAConfig`, `NSAConfigError` and `NSAAttention` resolve on first use. That keeps `nsa_flex.rules` a leaf that `masks` imports at its top (`nsa_flex` ->
 `masks` -> `nsa_flex.rules`) without importing the layer, which imports `masks`.
 """
 

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
-from masks import PRESETS, list_mask_builders
+from masks import PRESETS, import_builder_modules, list_mask_builders
 
 from .rules import num_cmp
 
@@ -98,6 +98,10 @@ class NSAConfig:
                                       '(masks.list_mask_builders(); "none" switches the branch off)')
     sel_mask: str | None = knob(None, "override of the selection-branch mask builder")
     win_mask: str | None = knob(None, "override of the sliding-window-branch mask builder")
+    builder_modules: tuple[str, ...] = knob((), "Python modules imported before the mask names are "
+                                                "checked, to register your own builders with "
+                                                "masks.register_mask_builder (found on sys.path or "
+                                                "in the working directory)")
     rope_theta: float = knob(10000.0, "RoPE base")
     score_chunk: int = knob(1024, "queries per chunk in the selection scorer (memory bound: "
                                   "B*H*chunk*num_cmp floats)")
@@ -167,7 +171,15 @@ class NSAConfig:
             errs.append(f"sel_kernel={self.sel_kernel!r}: allowed values are {SEL_KERNEL_CHOICES}")
         if not isinstance(self.rope_theta, (int, float)) or self.rope_theta <= 0:
             errs.append(f"rope_theta={self.rope_theta!r}: must be a positive number")
-        # mask names are checked against the registry
+        # mask names are checked against the registry, after the user's builder modules have
+        # registered theirs
+        if isinstance(self.builder_modules, str):
+            self.builder_modules = (self.builder_modules,)
+        self.builder_modules = tuple(self.builder_modules or ())
+        try:
+            import_builder_modules(self.builder_modules)
+        except ImportError as e:
+            errs.append(f"builder_modules={list(self.builder_modules)!r}: {e}")
         if self.masks not in PRESETS:
             errs.append(f"masks={self.masks!r}: allowed presets are {sorted(PRESETS)}")
         kinds = {"cmp_mask": "compressed", "sel_mask": "selection", "win_mask": "token"}

@@ -1,6 +1,7 @@
 """``python -m nsa_flex.eval [--task T] ...``: T = needle (default: passkey / multi-key retrieval,
 nsa_flex.eval.needle), position-loss (loss by token position, nsa_flex.eval.position_loss) or
-selection (selection statistics and traces, nsa_flex.eval.selection_stats)."""
+selection (selection statistics and traces, nsa_flex.eval.selection_stats). The needle task's
+arguments are checked before torch is imported (a missing --out fails at once)."""
 
 import sys
 
@@ -35,6 +36,10 @@ def run(argv: list[str]):
     import importlib
 
     task, rest = split_task(argv)
+    if task == "needle":
+        from .args import parse_args
+
+        parse_args(rest)  # argument errors before the task's module (and torch) is imported
     return importlib.import_module(TASKS[task][0]).main(rest)
 
 

@@ -5,9 +5,12 @@
 ``warnings`` filter:
 
 * "Building <model> <flavor>with {...}" (a 35-line JSON dump of the model args) becomes a
-  two-line summary of the model and its NSA settings;
+  three-line summary of the model, its NSA settings and the mask builder of each branch;
 * "Peak FLOPS used for computing MFU: nan" (the CPU shim has no peak FLOPS) becomes one line
   saying MFU is unavailable, and each step line shows "mfu: n/a" instead of "mfu: nan%";
+* "torchtitan version: 0.2.2 (0.0.0 means __version__ is not defined correctly)." becomes
+  "torchtitan 0.2.2"; "Sleeping 2 seconds for other ranks to complete" is dropped in a single
+  process, "Error running lspci ..., fallback to use device_name" always (the device name is right);
 * ANSI colour codes are removed when stdout is not a terminal (a log file, a pipe);
 * torchdata's "'set_vital' is deprecated" UserWarning (raised inside StatefulDataLoader, no
   action of ours can avoid it) is ignored.
@@ -15,22 +18,37 @@
 
 import json
 import logging
+import os
 import re
 import sys
 import warnings
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_VERSION = re.compile(r"torchtitan version: (\S+) \(0\.0\.0 means __version__ is not defined correctly\)\.?")
 _BUILDING = re.compile(r"Building (\S+) (\S+?)\s*with (\{.*\})\s*$", re.S)
 
 
+def branch_builders(a: dict) -> str:
+    """The mask builder of each branch (preset, then the per-branch overrides) and the user's
+    builder modules, e.g. "cmp=compressed_causal sel=topn win=half_window (preset nsa, modules
+    my_masks)"."""
+    from masks import PRESETS
+
+    preset = PRESETS.get(a["masks"], (None, None, None))
+    names = [a.get(k) or p for k, p in zip(("cmp_mask", "sel_mask", "win_mask"), preset)]
+    mods = list(a.get("builder_modules") or ())
+    return (" ".join(f"{b}={n}" for b, n in zip(("cmp", "sel", "win"), names))
+            + f" (preset {a['masks']}" + (f", modules {','.join(mods)})" if mods else ")"))
+
+
 def model_summary(name: str, flavor: str, a: dict) -> str:
-    """Two lines for the model args ``a`` of an nsa_flex model."""
+    """Three lines for the model args ``a`` of an nsa_flex model."""
     return (f"Model {name} {flavor}: dim {a['dim']}, {a['n_layers']} layers, {a['n_heads']} heads / "
             f"{a['n_kv_heads']} KV heads, d_qk {a['d_qk']}, d_v {a['d_v']}, vocab {a['vocab_size']}, "
             f"seq {a['max_seq_len']}\n  NSA: l={a['l']} d={a['d']} l'={a['l_sel']} n={a['n_sel']} "
             f"(init {a['n_init']}, local {a['n_local']}) w={a['window']} phi={a['phi']} "
-            f"masks={a['masks']} backend={a['backend']} scorer={a['scorer']} "
-            f"doc_masking={a['doc_masking']}")
+            f"backend={a['backend']} scorer={a['scorer']} doc_masking={a['doc_masking']}\n"
+            f"  masks: {branch_builders(a)}")
 
 
 class ConsoleFilter(logging.Filter):
@@ -40,7 +58,11 @@ class ConsoleFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = record.getMessage()
-        new = msg
+        if msg.startswith("Error running lspci"):
+            return False
+        if msg.startswith("Sleeping 2 seconds for other ranks") and os.environ.get("WORLD_SIZE", "1") == "1":
+            return False
+        new = _VERSION.sub(r"torchtitan \1", msg)
         m = _BUILDING.match(msg)
         if m:
             try:
@@ -50,7 +72,8 @@ class ConsoleFilter(logging.Filter):
                 pass
         elif msg.startswith("Peak FLOPS used for computing MFU: nan"):
             new = "MFU: unavailable on this device (no peak FLOPS known); shown as n/a"
-        if "mfu: nan%" in new:
+        if "mfu: nan%" in new:  # no peak FLOPS: no MFU, and the TFLOPS figure says nothing either
+            new = re.sub(r"tflops: [\d,.]+\s*(\x1b\[[0-9;]*m)?mfu: nan%", r"\1mfu: n/a", new)
             new = new.replace("mfu: nan%", "mfu: n/a")
         if not self.color:
             new = _ANSI.sub("", new)

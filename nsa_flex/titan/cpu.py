@@ -119,7 +119,7 @@ def apply() -> None:
     if not getattr(dist_utils.maybe_enable_amp, "_nsa_cpu", False):
         dist_utils.maybe_enable_amp = _amp_unless_float32(dist_utils.maybe_enable_amp)
     if not _applied:
-        logger.warning("nsa_flex: no CUDA device; running torchtitan on the CPU (nsa_flex.titan.cpu shim)")
+        logger.info("nsa_flex: no CUDA device; running torchtitan on the CPU (nsa_flex.titan.cpu shim)")
     _applied = True
 
 

@@ -22,7 +22,7 @@ Sections:
 """
 
 from dataclasses import dataclass, field, fields, make_dataclass
-from typing import Annotated
+from typing import Annotated, get_args, get_origin
 
 import tyro
 
@@ -30,8 +30,10 @@ from nsa_flex.config import MODEL_DIMS, NSAConfig
 
 
 def _section_field(f):
-    """An NSAConfig field as an [nsa] field: same name and help, optional, default None."""
-    return f.name, Annotated[f.type | None, tyro.conf.arg(help=f.metadata["help"])], field(default=None)
+    """An NSAConfig field as an [nsa] field: same name and help, optional, default None (a tuple
+    field as a list: what a TOML array gives)."""
+    typ = list[get_args(f.type)[0]] if get_origin(f.type) is tuple else f.type
+    return f.name, Annotated[typ | None, tyro.conf.arg(help=f.metadata["help"])], field(default=None)
 
 
 # the NSAConfig fields a run sets in [nsa] (the model dims come from the [model] flavor)

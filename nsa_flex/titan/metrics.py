@@ -24,8 +24,10 @@ Operating long runs (``[ops]``, :mod:`nsa_flex.titan.ops`): the trainer
 """
 
 import json
+import logging
 import math
 import os
+import re
 import time
 import weakref
 
@@ -45,6 +47,41 @@ def _plain(v):
     if isinstance(v, float) and not math.isfinite(v):
         return repr(v)
     return v
+
+
+def _duration(s: float) -> str:
+    s = int(round(s))
+    h, m = divmod(s // 60, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s % 60:02d}s" if m else f"{s}s"
+
+
+def progress(step: int, total: int, first: tuple[int, float] | None, now: float) -> tuple[str, str]:
+    """The step field ("12/50") and the ETA ("eta 1m05s"; "" until a second step is logged) of a
+    step line; ``first`` is (step, time) of this process's first logged step: the rate is measured
+    from there, so model build, compile and a checkpoint load do not count."""
+    eta = ""
+    if first is not None and step > first[0] and total > step:
+        eta = "eta " + _duration((now - first[1]) / (step - first[0]) * (total - step))
+    elif total <= step:
+        eta = "eta 0s"
+    return f"{step}/{total}", eta
+
+
+class _StepProgress(logging.Filter):
+    """Rewrites torchtitan's "step: 12" of the first step line to "step: 12/50  eta 1m05s"."""
+
+    _STEP = re.compile(r"step:\s*\d+")
+
+    def __init__(self, field: str, eta: str):
+        super().__init__()
+        self.field, self.eta, self.done = field, eta, False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self.done and isinstance(record.msg, str) and self._STEP.search(record.msg):
+            new = f"step: {self.field}" + (f"  {self.eta}" if self.eta else "")
+            record.msg = self._STEP.sub(new, record.msg, count=1)
+            self.done = True
+        return True
 
 
 _OPEN = weakref.WeakSet()  # the open JSONL loggers of this process (rank 0), for note_resume
@@ -93,6 +130,8 @@ class NSAMetricsProcessor(MetricsProcessor):
         self._pending: dict | None = None
         self.ops: OpsMonitor | None = None
         self._dl_seen = 0  # data_loading_times entries already counted by ops
+        self._first_logged: tuple[int, float] | None = None  # (step, time): the ETA's rate
+        self.total_steps = job_config.training.steps  # as configured (a halt lowers training.steps)
         super().__init__(job_config, parallel_dims, tag)
         self._base_logger = self.logger
         self.jsonl: JsonlLogger | None = None
@@ -190,6 +229,17 @@ class NSAMetricsProcessor(MetricsProcessor):
         if self._pending:
             extra_metrics = {**(extra_metrics or {}), **self._pending}
             self._pending = None
+        now = time.perf_counter()
+        shown = _StepProgress(*progress(step, self.total_steps, self._first_logged, now))
+        if self._first_logged is None:
+            self._first_logged = (step, now)
+        log.addFilter(shown)
+        try:
+            self._log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
+        finally:
+            log.removeFilter(shown)
+
+    def _log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics):
         if self.ops is None:
             super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)
             return
@@ -203,6 +253,21 @@ class NSAMetricsProcessor(MetricsProcessor):
         finally:
             log.removeFilter(line)
             self._dl_seen = 0  # super().log cleared data_loading_times
+
+    def close(self) -> None:
+        super().close()
+        _remove_if_empty(os.path.join(self.job_config.job.dump_folder,
+                                      self.job_config.comm.save_traces_folder))
+
+
+def _remove_if_empty(folder: str) -> None:
+    """torchtitan creates the flight recorder's dump folder (``[comm] save_traces_folder``) at start;
+    a run that dumped nothing leaves no empty folder behind."""
+    try:
+        os.rmdir(folder)  # only an empty folder; a missing one, or one with dumps, stays as it is
+    except OSError:
+        pass
+
 
 def build_metrics_processor(job_config, parallel_dims, model_args=None, tag: str | None = None):
     """TrainSpec.build_metrics_processor_fn."""

@@ -40,9 +40,25 @@ def check_no_cudagraphs(backend: str) -> None:
                                  "would capture NSA's per-step masks; unset it")
 
 
+def cpu_data_parallel_problem(parallelism, world_size: int, cuda: bool) -> str | None:
+    """Several processes without CUDA communicate through gloo, which lacks the PREMUL_SUM
+    reduction FSDP uses: they need DDP. The message says what to set; None when fine."""
+    if cuda or world_size <= 1 or parallelism.data_parallel_shard_degree == 1:
+        return None
+    return (f"{world_size} processes without CUDA (gloo) cannot use FSDP (parallelism.data_parallel_shard_degree="
+            f"{parallelism.data_parallel_shard_degree}; gloo lacks its PREMUL_SUM reduction): use DDP with "
+            f"--parallelism.data_parallel_replicate_degree {world_size} --parallelism.data_parallel_shard_degree 1 "
+            f"(or [parallelism] data_parallel_replicate_degree = {world_size}, data_parallel_shard_degree = 1)")
+
+
 def parallelize_nsa(model: nn.Module, parallel_dims: ParallelDims, job_config) -> nn.Module:
     if parallel_dims.tp_enabled or parallel_dims.cp_enabled:
         raise NotImplementedError("nsa_flex supports data parallelism only (no TP / CP)")
+    problem = cpu_data_parallel_problem(job_config.parallelism, parallel_dims.world_size, torch.cuda.is_available())
+    if problem:
+        from nsa_flex.config import UserError
+
+        raise UserError(problem)
 
     compile_cfg = job_config.compile
     model_compile_enabled = compile_cfg.enable and "model" in compile_cfg.components

@@ -11,9 +11,15 @@ exits 0 only when every item passes:
   checkpoint   which checkpoint a run would resume from (full or model-only), or a fresh start
   long run     runs of >= [ops] long_run_steps steps save checkpoints at an interval below steps
   device       CUDA devices (or the CPU shim) and the configured dtypes supported there
+  memory       the training step's estimated memory per rank (parameter, gradient and AdamW states,
+               activations, logits; :mod:`nsa_flex.titan.estimate`) against the memory available
+               on the device: fails before anything is allocated when it does not fit
   NSA layer    one forward+backward of one decoder block (NSA attention + SwiGLU) at the
                configured [local_batch_size, seq_len, dim], compiled when [compile] covers the
-               model: first-call seconds (compile + run), steady seconds, peak memory
+               model: first-call seconds (compile + run), steady seconds, peak memory. Its time
+               and memory are estimated first: over LAYER_CHECK_S seconds or the free memory, it
+               is skipped with the estimate (this does not fail the preflight; ``--preflight-full``
+               runs it anyway). Progress is printed per pass; Ctrl-C stops the preflight.
 
 Checks that depend on a failed one are reported as skipped (and the preflight fails).
 """
@@ -30,6 +36,9 @@ import traceback
 import torch
 
 OK, FAIL, SKIP = "ok", "FAIL", "skip"
+LAYER_CHECK_S = 60.0  # the layer check runs when its estimate is below this (and fits in memory)
+PASS_OVERHEAD_S = 0.5  # per forward+backward pass: mask building, Python, allocator (tiny shapes)
+MEMORY_SHARE = 0.9  # share of the available memory a training step may be estimated to use
 DTYPES = ("float32", "bfloat16", "float16")
 AC_MODES = ("none", "full", "selective", "memory_budget")
 
@@ -39,15 +48,17 @@ class Checklist:
         self.items: list[tuple[str, str, str, list[str]]] = []
         self.out = out or sys.stdout
 
-    def add(self, status: str, name: str, detail: str = "", problems: list[str] | None = None) -> None:
-        self.items.append((status, name, detail, list(problems or [])))
+    def add(self, status: str, name: str, detail: str = "", problems: list[str] | None = None,
+            blocking: bool = True) -> None:
+        """``blocking=False``: a skip that does not fail the preflight (a check left out by choice)."""
+        self.items.append((status, name, detail, list(problems or []), blocking))
         print(f"[{status:^4}] {name}: {detail}", file=self.out, flush=True)
         for p in problems or []:
             print(f"         - {p}", file=self.out, flush=True)
 
     @property
     def passed(self) -> bool:
-        return all(s == OK for s, *_ in self.items)
+        return all(s == OK or not blocking for s, _, _, _, blocking in self.items)
 
     def summary(self) -> str:
         n = {s: sum(1 for x in self.items if x[0] == s) for s in (OK, FAIL, SKIP)}
@@ -150,6 +161,8 @@ def check_tokenizer(cl: Checklist, jc):
     t0 = time.perf_counter()
     try:
         tok = _timed(lambda: build_tokenizer(jc), 60)
+    except KeyboardInterrupt:
+        raise
     except BaseException as e:  # noqa: BLE001
         cl.add(FAIL, "tokenizer", f"{jc.model.tokenizer!r} does not load offline", [_err(e)])
         return None
@@ -168,6 +181,8 @@ def check_dataset(cl: Checklist, jc, tok) -> None:
     t0 = time.perf_counter()
     try:
         inputs, labels = _timed(lambda: next(iter(build_dataloader(1, 0, tok, jc))), 120)
+    except KeyboardInterrupt:
+        raise
     except BaseException as e:  # noqa: BLE001
         cl.add(FAIL, "dataset", f"{t.dataset!r} ({t.dataset_path or 'no path'}) does not yield a batch", [_err(e)])
         return
@@ -279,9 +294,11 @@ def check_device(cl: Checklist, jc) -> bool:
                f"param {t.mixed_precision_param}, reduce {t.mixed_precision_reduce}", probs)
         return not probs
     par = jc.parallelism
-    if world > 1 and par.data_parallel_shard_degree not in (1,):
-        probs.append("several CPU processes need DDP (parallelism.data_parallel_replicate_degree = N, "
-                     "data_parallel_shard_degree = 1): gloo lacks FSDP's PREMUL_SUM")
+    from .parallelize import cpu_data_parallel_problem
+
+    problem = cpu_data_parallel_problem(par, world, cuda=False)
+    if problem:
+        probs.append(problem)
     if t.mixed_precision_param == "float16":
         probs.append("training.mixed_precision_param='float16' is not supported on the CPU")
     note = "; bf16 autocast is ~25x slower here, use float32" if t.mixed_precision_param == "bfloat16" else ""
@@ -295,21 +312,88 @@ def _peak_rss_gib() -> float:
     return r * (1 if sys.platform == "darwin" else 1024) / 2**30
 
 
-def check_layer(cl: Checklist, jc) -> None:
-    """One decoder block (NSA attention + SwiGLU) forward+backward at the configured shape."""
+def _model_args(jc):
     from .args import nsa_flex_args
+
+    args = nsa_flex_args[jc.model.flavor]
+    args.update_from_config(jc)  # as the trainer does: [nsa] overrides, vocab, flex -> reference on CPU
+    return args
+
+
+def _device_dtype(jc):
+    cuda = torch.cuda.is_available()
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(jc.training.mixed_precision_param,
+                                                                       torch.float32)
+    return torch.device("cuda" if cuda else "cpu"), dtype
+
+
+def check_memory(cl: Checklist, jc) -> None:
+    """The training step's estimated memory per rank against the device's available memory."""
+    from . import estimate as est
+    from .model import NSATransformer
+
+    t, par = jc.training, jc.parallelism
+    args = _model_args(jc)
+    dev, dtype = _device_dtype(jc)
+    with torch.device("meta"):
+        nparams = sum(p.numel() for p in NSATransformer(args).parameters())
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    shards = world // max(1, par.data_parallel_replicate_degree) if par.data_parallel_shard_degree == -1 \
+        else max(1, par.data_parallel_shard_degree)
+    need = est.training_bytes(args, nparams, t.local_batch_size, t.seq_len, dtype.itemsize,
+                              jc.activation_checkpoint.mode, shards)
+    have = est.available_bytes(dev)
+    parts = (f"states {est.fmt_bytes(need['states'])}, activations {est.fmt_bytes(need['activations'])}, "
+             f"logits {est.fmt_bytes(need['logits'])}")
+    what = (f"one training step estimated at {est.fmt_bytes(need['total'])} per rank ({parts}; "
+            f"{nparams / 1e6:.1f}M parameters, batch {t.local_batch_size} x {t.seq_len}, backend {args.backend}, "
+            f"activation_checkpoint {jc.activation_checkpoint.mode}); {est.fmt_bytes(have)} available on {dev.type}")
+    if need["total"] > MEMORY_SHARE * have:
+        cl.add(FAIL, "memory", what, [
+            "the run would run out of memory: lower training.local_batch_size or training.seq_len, set "
+            "activation_checkpoint.mode = \"full\"" + (", or run on a GPU (the CPU's reference backend "
+                                                       "materializes [B, H, T, T] scores)" if dev.type == "cpu" else "")])
+    else:
+        cl.add(OK, "memory", what)
+
+
+def layer_estimate(jc, args, dev, dtype) -> tuple[float, float]:
+    """(seconds, bytes) of the layer check (two forward+backward passes of one block)."""
+    from . import estimate as est
+
+    t = jc.training
+    rate = est.matmul_flops_per_s(dev, dtype)
+    flops = 2 * est.block_flops(args, t.local_batch_size, t.seq_len)
+    # the reference backend's softmax and masks are memory-bound: half the matmul rate
+    seconds = flops / (rate * (0.5 if args.backend == "reference" else 1.0)) + 2 * PASS_OVERHEAD_S
+    nbytes = est.block_activation_bytes(args, t.local_batch_size, t.seq_len, dtype.itemsize)
+    return seconds, nbytes
+
+
+def check_layer(cl: Checklist, jc, full: bool = False) -> None:
+    """One decoder block (NSA attention + SwiGLU) forward+backward at the configured shape, after
+    an estimate of its time and memory (skipped when over the limits, unless ``full``)."""
+    from . import estimate as est
     from .model import NSATransformerBlock
 
     t = jc.training
-    args = nsa_flex_args[jc.model.flavor]
-    args.update_from_config(jc)  # as the trainer does: [nsa] overrides, vocab, flex -> reference on CPU
-    cuda = torch.cuda.is_available()
-    dev = torch.device("cuda" if cuda else "cpu")
-    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(t.mixed_precision_param, torch.float32)
+    args = _model_args(jc)
+    dev, dtype = _device_dtype(jc)
+    cuda = dev.type == "cuda"
     compiled = jc.compile.enable and "model" in jc.compile.components
     shape = [t.local_batch_size, t.seq_len, args.dim]
     what = (f"1 block forward+backward at {shape} {str(dtype).replace('torch.', '')}, backend {args.backend}, "
             f"{'compiled (fullgraph)' if compiled else 'eager'}")
+    seconds, nbytes = layer_estimate(jc, args, dev, dtype)
+    have = est.available_bytes(dev)
+    guess = f"estimated ~{seconds:.0f} s{' + compile' if compiled else ''} and {est.fmt_bytes(nbytes)} " \
+            f"({est.fmt_bytes(have)} available on {dev.type})"
+    if not full and (seconds > LAYER_CHECK_S or nbytes > MEMORY_SHARE * have):
+        why = "over the memory available" if nbytes > MEMORY_SHARE * have else f"over {LAYER_CHECK_S:.0f} s"
+        cl.add(SKIP, "NSA layer", f"{what}: {guess}: {why}, not run here (--preflight-full runs it)",
+               blocking=False)
+        return
+    print(f"         NSA layer: {what}, {guess} ...", flush=True)
     try:
         torch.manual_seed(0)
         block = NSATransformerBlock(0, args).to(dev)
@@ -321,19 +405,21 @@ def check_layer(cl: Checklist, jc) -> None:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         times = []
-        for _ in range(2):
+        for i in range(2):
             x = torch.randn(shape, device=dev, dtype=dtype, requires_grad=True)
             t0 = time.perf_counter()
             y = fn(x, doc_ids)
+            print(f"         NSA layer: pass {i + 1}/2 forward {time.perf_counter() - t0:.1f} s", flush=True)
             y.float().square().mean().backward()
             if cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
+            print(f"         NSA layer: pass {i + 1}/2 forward+backward {times[-1]:.1f} s", flush=True)
             if not torch.isfinite(x.grad).all():
                 raise FloatingPointError("non-finite input gradient")
         peak = (f"peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB allocated" if cuda
                 else f"process peak RSS {_peak_rss_gib():.2f} GiB")
-    except BaseException as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - Ctrl-C (KeyboardInterrupt) is not caught: it stops the preflight
         tb = traceback.format_exc().strip().splitlines()
         cl.add(FAIL, "NSA layer", what, [_err(e)] + tb[-3:-1])
         return
@@ -342,11 +428,10 @@ def check_layer(cl: Checklist, jc) -> None:
 
 
 # ----------------------------------------------------------------------------- entry point
-def main(args: list[str]) -> int:
-    """Run every check for the config given by ``args`` (torchtitan's command line); 0 = all pass."""
-    import importlib
-
-    from torchtitan.config import ConfigManager
+def main(args: list[str], full: bool = False) -> int:
+    """Run every check for the config given by ``args`` (torchtitan's command line); 0 = all pass,
+    130 = interrupted (Ctrl-C). ``full`` (``--preflight-full``): run the layer check even when its
+    estimate exceeds the limits."""
     from torchtitan.tools.logging import init_logger
 
     init_logger()
@@ -354,15 +439,27 @@ def main(args: list[str]) -> int:
     cl = Checklist()
     t_all = time.perf_counter()
     try:
+        return _checks(cl, args, full, t_all)
+    except KeyboardInterrupt:
+        print(f"preflight: interrupted (Ctrl-C) after {time.perf_counter() - t_all:.1f} s", flush=True)
+        return 130
+
+
+def _checks(cl: Checklist, args: list[str], full: bool, t_all: float) -> int:
+    import importlib
+
+    from torchtitan.config import ConfigManager
+
+    try:
         jc = ConfigManager().parse_args(list(args))
-    except BaseException as e:  # noqa: BLE001 - tyro exits with SystemExit on a bad option
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - tyro exits with SystemExit on a bad option
         cl.add(FAIL, "config", "cannot be parsed (see the message above)", [_err(e)])
         print(cl.summary())
         return 1
     try:
         if jc.experimental.custom_import:  # registers the TrainSpec; on a machine without CUDA, the CPU shim
             importlib.import_module(jc.experimental.custom_import)
-    except BaseException as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001
         cl.add(FAIL, "config", f"experimental.custom_import={jc.experimental.custom_import!r} fails", [_err(e)])
     probs = config_problems(jc)
     cl.add(FAIL if probs else OK, "config",
@@ -376,8 +473,10 @@ def main(args: list[str]) -> int:
     check_long_run(cl, jc)
     device_ok = check_device(cl, jc)
     if probs or tok is None or not device_ok:
+        cl.add(SKIP, "memory", "needs a valid config, the tokenizer and the device")
         cl.add(SKIP, "NSA layer", "needs a valid config, the tokenizer and the device")
     else:
-        check_layer(cl, jc)
+        check_memory(cl, jc)
+        check_layer(cl, jc, full)
     print(f"{cl.summary()} ({time.perf_counter() - t_all:.1f} s)", flush=True)
     return 0 if cl.passed else 1

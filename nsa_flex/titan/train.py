@@ -17,15 +17,17 @@ import dataclasses
 import os
 import re
 import sys
-import tomllib
 
+import torch
 from torchtitan.config import ConfigManager, JobConfig
 from torchtitan.train import main as titan_main
 
 from nsa_flex.config import UserError
 
+from .cli import check_config_file
 from .job_config import JobConfig as NSAJobConfig
 from .ops import EXIT_NONFINITE, NonFiniteError
+from .parallelize import cpu_data_parallel_problem
 from .runlock import check_writable, lock_dump_folder, release_all
 from .trainer import NSATrainer
 
@@ -46,22 +48,6 @@ def config_error_message(e: Exception) -> str:
                 return f"[{f.name}] unknown field(s) {m.group(2)}; valid fields: {', '.join(names)}"
         return f"unknown field(s) {m.group(2)} in [{m.group(1).lower()}]"
     return str(e)
-
-
-def check_config_file(args: list[str]) -> None:
-    """The --job.config_file exists and is valid TOML (torchtitan would log a traceback)."""
-    path = next((a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else "")
-                 for i, a in enumerate(args) if a.split("=", 1)[0] in ("--job.config_file", "--job.config-file")),
-                None)
-    if path is None:
-        return
-    if not os.path.isfile(path):
-        raise ValueError(f"--job.config_file {path!r} does not exist")
-    try:
-        with open(path, "rb") as f:
-            tomllib.load(f)
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"config file {path!r}: TOML syntax error: {e}") from None
 
 
 def check_run(job_config) -> None:
@@ -109,6 +95,20 @@ def run(args: list[str], prog: str = "nsa-train") -> int:
         job_config = ConfigManager().parse_args(args)
     except (ValueError, TypeError, OSError) as e:
         return user_error(config_error_message(e), prog=prog)
+    problem = cpu_data_parallel_problem(job_config.parallelism, int(os.environ.get("WORLD_SIZE", "1")),
+                                        torch.cuda.is_available())
+    par = job_config.parallelism
+    if problem and par.data_parallel_shard_degree == -1 and par.data_parallel_replicate_degree == 1:
+        # the default FSDP (shard degree -1 = every rank) on CPU processes: DDP instead, said once
+        world = os.environ.get("WORLD_SIZE", "1")
+        args = args + ["--parallelism.data_parallel_replicate_degree", world,
+                       "--parallelism.data_parallel_shard_degree", "1"]
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{prog}: warning: {world} processes without CUDA: DDP instead of the default FSDP "
+                  "(gloo lacks FSDP's PREMUL_SUM); set [parallelism] data_parallel_replicate_degree = "
+                  f"{world}, data_parallel_shard_degree = 1 to say so", file=sys.stderr, flush=True)
+    elif problem:  # FSDP asked for explicitly: every rank stops, rank 0 says why
+        return user_error(problem, prog=prog) if os.environ.get("RANK", "0") == "0" else 2
     try:
         check_run(job_config)
         with titan_parses(args):

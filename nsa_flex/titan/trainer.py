@@ -30,6 +30,7 @@ weights are never saved, so the newest checkpoint is the last finite one (exit c
 entry point). How one bad input spreads is described in :mod:`nsa_flex.titan.ops`.
 """
 
+import logging
 import os
 import re
 import signal
@@ -77,6 +78,23 @@ def _dist_info() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
+class _EndOfRun(logging.Filter):
+    """torchtitan's "Training completed" after a halt (HALT file, SIGTERM, Ctrl-C) says where it
+    stopped."""
+
+    def __init__(self, trainer):
+        super().__init__()
+        self.trainer = trainer
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        t = self.trainer
+        if record.msg == "Training completed" and t.halted_at is not None:
+            record.msg = (f"Training halted after step {t.halted_at} of "
+                          f"{t.job_config.training.steps} ({t.halt_reason})")
+            record.args = None
+        return True
+
+
 class NSATrainer(Trainer):
     def __init__(self, job_config):
         check_versions()
@@ -104,6 +122,7 @@ class NSATrainer(Trainer):
         self._old_handlers: dict = {}
         self._group = None
         self._lock = None
+        self._end = None  # the "Training completed" rewrite after a halt
         ops_cfg = job_config.ops
         self.halt_path = (os.path.join(job_config.job.dump_folder, ops_cfg.halt_file)
                           if ops_cfg.halt_file else None)
@@ -132,6 +151,8 @@ class NSATrainer(Trainer):
             self._group = d.new_group(backend="gloo")
         self.ops.attach(self)
         self.ops.start()
+        self._end = _EndOfRun(self)
+        log.addFilter(self._end)
         halt = " or ".join(x for x in ((f"file {self.halt_path}" if self.halt_path else ""),
                                          ("SIGTERM/Ctrl-C" if jc.ops.halt_on_sigterm else "")) if x) or "off"
         log.info(f"ops: rank {self.rank}: halt: {halt}; non-finite guard "
@@ -142,6 +163,9 @@ class NSATrainer(Trainer):
         self.stop_run_control()
 
     def stop_run_control(self) -> None:
+        if self._end is not None:
+            log.removeFilter(self._end)
+            self._end = None
         if self.ops is not None:
             self.ops.close()
         if threading.current_thread() is threading.main_thread():

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from nsa_flex.titan.runlock import LOCK_NAME
 from tests.titan.helpers import launch_env
 
@@ -47,6 +49,7 @@ def _wait_steps(p, dump: Path, log: Path, n: int, timeout=240):
         time.sleep(0.05)
 
 
+@pytest.mark.slow  # training runs
 def test_second_run_refused_then_ctrl_c_halts_and_a_second_ctrl_c_stops_at_once(tmp_path):
     d, log = tmp_path / "run", tmp_path / "a.txt"
     with open(log, "w") as f:
@@ -95,6 +98,7 @@ def test_second_run_refused_then_ctrl_c_halts_and_a_second_ctrl_c_stops_at_once(
     assert c.returncode == -signal.SIGINT, log2.read_text()[-3000:]
 
 
+@pytest.mark.slow  # training runs
 def test_nonfinite_loss_stops_with_code_3_keeping_the_last_finite_checkpoint(tmp_path):
     from tests.titan.ops_test_data import NAN_AT
 

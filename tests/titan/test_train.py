@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 from tests.titan.helpers import launch_env
 
+pytestmark = pytest.mark.slow  # training runs (python -m pytest -m slow)
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "titan_configs" / "debug_nsa.toml"
 STEPS = 30

@@ -1,0 +1,140 @@
+"""Plot one or more runs' ``metrics.jsonl`` into one PNG.
+
+    python -m nsa_flex.plot outputs/debug_nsa [outputs/other_run ...] -o runs.png
+
+Each argument is a run's dump folder (its ``metrics.jsonl`` is read) or a ``.jsonl`` file. Panels:
+training loss (and validation loss when logged), tokens/s, peak memory, and, when the run logged
+NSA telemetry (``[nsa] telemetry_every``), the mean gate of each branch and the mean distance of
+the selected blocks (layer means). A resumed run's later records of a step replace the earlier
+ones. Needs matplotlib (a dependency of nsa-flex).
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+
+LOSS = "loss_metrics/global_avg_loss"
+VAL_LOSS = "validation_metrics/loss"
+TPS = "throughput(tps)"
+MEMORY = "memory/max_reserved(GiB)"
+BRANCHES = ("cmp", "sel", "win")
+SEL_DIST = "nsa/sel_dist_mean"
+
+
+class PlotError(Exception):
+    """A user error (no metrics file, nothing to plot, no matplotlib): printed as one line."""
+
+
+def metrics_file(path: str) -> str:
+    f = os.path.join(path, "metrics.jsonl") if os.path.isdir(path) else path
+    if not os.path.isfile(f):
+        raise PlotError(f"{path!r}: no metrics.jsonl (give a run's dump folder or a .jsonl file)")
+    return f
+
+
+def read_metrics(path: str) -> dict[int, dict]:
+    """step -> merged record of ``path`` (a dump folder or a .jsonl file). Records of one step are
+    merged (telemetry may be a record of its own); a resume record drops the later steps logged
+    before it (they are logged again)."""
+    steps: dict[int, dict] = {}
+    with open(metrics_file(path)) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise PlotError(f"{f.name}:{n}: not a JSON line ({e.msg})") from None
+            step = rec.get("step")
+            if not isinstance(step, int):
+                continue
+            if rec.get("event") == "resume":
+                steps = {s: r for s, r in steps.items() if s <= step}
+                continue
+            steps.setdefault(step, {}).update(rec)
+    return dict(sorted(steps.items()))
+
+
+def _series(run: dict[int, dict], key: str) -> tuple[list[int], list[float]]:
+    xs, ys = [], []
+    for s, r in run.items():
+        v = r.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            xs.append(s)
+            ys.append(float(v))
+    return xs, ys
+
+
+def _label(path: str) -> str:
+    p = os.path.normpath(path)
+    return os.path.basename(os.path.dirname(p)) if p.endswith(".jsonl") else os.path.basename(p)
+
+
+def plot(paths: list[str], out: str | None = None):
+    """Draw the runs ``paths`` (dump folders or .jsonl files); save to ``out`` when given. Returns
+    the matplotlib Figure (one titled axis per panel)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise PlotError("matplotlib is not installed: pip install matplotlib (or pip install -e "
+                        "'.[plot]')") from None
+    runs = [(_label(p), read_metrics(p)) for p in paths]
+    if not any(runs_ for _, runs_ in runs):
+        raise PlotError(f"no step records in {', '.join(paths)}")
+    panels: list[tuple[str, str, list[tuple[str, str]]]] = [
+        ("loss", "loss", [(LOSS, "train"), (VAL_LOSS, "validation")]),
+        ("tokens/s", "tokens/s per device", [(TPS, "")]),
+        ("memory", "peak reserved (GiB)", [(MEMORY, "")]),
+    ]
+    has = lambda key: any(_series(r, key)[0] for _, r in runs)  # noqa: E731
+    gates = [(f"nsa/gate_mean/{b}", b) for b in BRANCHES if has(f"nsa/gate_mean/{b}")]
+    if gates:
+        panels.append(("NSA gate mean", "gate mean (layer mean)", gates))
+    if has(SEL_DIST):
+        panels.append(("NSA selected-block distance", "mean distance (blocks)", [(SEL_DIST, "")]))
+    cols = 2 if len(panels) > 1 else 1
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.4 * cols, 3.6 * rows), squeeze=False)
+    for ax, (title, ylabel, keys) in zip(axes.flat, panels):
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        for name, run in runs:
+            for key, what in keys:
+                xs, ys = _series(run, key)
+                if xs:
+                    label = " ".join(x for x in (name if len(runs) > 1 or not what else "", what) if x)
+                    ax.plot(xs, ys, marker="." if len(xs) < 30 else None, label=label or name)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize="small")
+        ax.grid(alpha=0.3)
+    for ax in axes.flat[len(panels):]:
+        ax.remove()
+    fig.tight_layout()
+    if out:
+        fig.savefig(out, dpi=100)
+    return fig
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m nsa_flex.plot", description=__doc__.split("\n\n")[0])
+    p.add_argument("runs", nargs="+", metavar="RUN", help="a run's dump folder (or its metrics.jsonl)")
+    p.add_argument("-o", "--out", default="metrics.png", help="PNG to write (default: metrics.png)")
+    a = p.parse_args(argv)
+    try:
+        fig = plot(a.runs, a.out)
+    except PlotError as e:
+        print(f"nsa_flex.plot: error: {e}", file=sys.stderr)
+        return 2
+    titles = [ax.get_title() for ax in fig.axes]
+    print(f"wrote {a.out}: {', '.join(titles)} for {len(a.runs)} run(s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

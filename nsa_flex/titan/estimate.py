@@ -1,0 +1,124 @@
+"""Memory and time estimates of a training config from its shapes, before anything is allocated
+(used by ``nsa-train --preflight``).
+
+Rough on purpose (within ~2x): they answer "will this fit / finish on this device", not "how much
+exactly". Memory counts what autograd keeps for the backward pass:
+
+* per decoder block, per token: the linear layers' inputs and outputs (norms, q/k/v, the three
+  branch outputs, the gate, SwiGLU's hidden activations);
+* the attention core: the ``reference`` backend (the CPU's) materializes each branch's scores and
+  probabilities in fp32 and a boolean mask, ``[B, H, T, S]`` (S = T for the token branches, the
+  number of compressed blocks for the compressed one); ``flex`` keeps only outputs and log-sum-exps;
+* the model: parameters, gradients and AdamW's two moments (fp32, sharded over the data-parallel
+  ranks of FSDP), every block's activations (activation checkpointing keeps one block's plus each
+  block's input), the fp32 logits and their gradient.
+
+Time is the fp32/bf16 matmul rate measured on the device times the FLOPs of the shapes, with the
+reference backend's dense attention counted in full.
+"""
+
+import os
+import time
+
+GiB = 2**30
+
+
+def ffn_hidden(args) -> int:
+    """SwiGLU hidden size as torchtitan's FeedForward computes it from 4 x dim."""
+    h = int(2 * 4 * args.dim / 3)
+    if args.ffn_dim_multiplier is not None:
+        h = int(args.ffn_dim_multiplier * h)
+    return args.multiple_of * ((h + args.multiple_of - 1) // args.multiple_of)
+
+
+def _num_cmp(args, T: int) -> int:
+    return 0 if T < args.l else (T - args.l) // args.d + 1
+
+
+def _branches(args, T: int) -> list[tuple[int, float]]:
+    """(key count S, mean keys a query reads) of each enabled branch: compressed blocks for the
+    compressed branch, tokens for the others (the selected blocks / the window bound the reach;
+    a branch of another builder is counted as causal)."""
+    from masks import PRESETS
+
+    cmp, sel, win = PRESETS[args.masks]
+    names = (args.cmp_mask or cmp, args.sel_mask or sel, args.win_mask or win)
+    reach = {"sliding_window": args.window, "topn": args.n_sel * args.l_sel,
+             "random_selection": args.n_sel * args.l_sel, "local_selection": args.n_sel * args.l_sel}
+    nc = _num_cmp(args, T)
+    out = [(nc, nc / 2)] if names[0] != "none" else []
+    return out + [(T, min(T / 2, reach.get(n, T))) for n in names[1:] if n != "none"]
+
+
+def block_activation_bytes(args, B: int, T: int, elem: int) -> float:
+    """Bytes one decoder block keeps for its backward pass (plus the attention core's transient
+    scores on the reference backend) at batch B, length T, activations of ``elem`` bytes."""
+    H, Hkv = args.n_heads, args.n_kv_heads
+    per_token = (6 * args.dim + 2 * H * args.d_qk + 2 * Hkv * (args.d_qk + args.d_v) + 5 * H * args.d_v
+                 + 3 * H + 3 * ffn_hidden(args))
+    linear = B * T * per_token * elem
+    if args.backend == "reference":  # fp32 scores + probabilities (+ their gradient) and a bool mask
+        core = sum(B * H * T * S * (3 * 4) + B * Hkv * T * S for S, _ in _branches(args, T))
+    else:  # flex: outputs and log-sum-exps per branch
+        core = len(_branches(args, T)) * B * H * T * (args.d_v * elem + 4)
+    return linear + core
+
+
+def block_flops(args, B: int, T: int) -> float:
+    """FLOPs of one block's forward + backward (3x the forward)."""
+    H, Hkv = args.n_heads, args.n_kv_heads
+    weights = (args.dim * (H * args.d_qk + Hkv * (args.d_qk + args.d_v)) + H * args.d_v * args.dim
+               + 3 * args.dim * ffn_hidden(args) + 3 * H * args.dim)
+    linear = 2 * B * T * weights
+    dense = args.backend == "reference"  # every (query, key) pair; flex: the pairs a query reads
+    core = sum(2 * B * H * T * (S if dense else r) * (args.d_qk + args.d_v) for S, r in _branches(args, T))
+    return 3 * (linear + core)
+
+
+def training_bytes(args, nparams: int, B: int, T: int, elem: int, ac_mode: str, shards: int) -> dict:
+    """Per-rank bytes of one training step: parameter/gradient/AdamW states, activations, logits."""
+    states = nparams * (4 + 4 + 8) / max(1, shards)
+    block = block_activation_bytes(args, B, T, elem)
+    if ac_mode == "full":
+        acts = args.n_layers * B * T * args.dim * elem + block
+    elif ac_mode in ("selective", "memory_budget"):
+        acts = args.n_layers * block / 2 + block / 2
+    else:
+        acts = args.n_layers * block
+    logits = B * T * args.vocab_size * (4 + 4 + elem)
+    return {"states": states, "activations": acts, "logits": logits, "total": states + acts + logits}
+
+
+def available_bytes(device) -> float:
+    """Memory free for this process on ``device`` (CUDA: free device memory; CPU: MemAvailable)."""
+    import torch
+
+    if device.type == "cuda":
+        return float(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def matmul_flops_per_s(device, dtype, n: int = 512, reps: int = 3) -> float:
+    """Measured matmul rate (FLOP/s) of an n x n x n product, best of ``reps`` (~10 ms on a CPU)."""
+    import torch
+
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    best = float("inf")
+    for _ in range(reps + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        (a @ a).sum().item()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / max(best, 1e-9)
+
+
+def fmt_bytes(b: float) -> str:
+    return f"{b / GiB:.2f} GiB" if b >= GiB / 10 else f"{b / 2**20:.0f} MiB"

@@ -1,0 +1,71 @@
+"""``python -m nsa_flex.plot``: one PNG of loss, tokens/s, memory and NSA telemetry from runs'
+metrics.jsonl files (synthetic records in torchtitan's / nsa_flex's key names)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nsa_flex import plot
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _write_run(folder: Path, n: int, telemetry: bool, loss0: float = 6.0) -> Path:
+    folder.mkdir(parents=True)
+    lines = []
+    for s in range(1, n + 1):
+        lines.append({"step": s, "time": 1000.0 + s, "loss_metrics/global_avg_loss": loss0 - 0.1 * s,
+                      "throughput(tps)": 1000 + s, "memory/max_reserved(GiB)": 0.5, "grad_norm": 1.0})
+        if telemetry and (s == 1 or s % 2 == 0):  # a telemetry record of its own
+            lines.append({"step": s, "time": 1000.0 + s, "nsa/gate_mean/cmp": 0.3, "nsa/gate_mean/sel": 0.5,
+                          "nsa/gate_mean/win": 0.7, "nsa/sel_dist_mean": 3.0 + s})
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return folder
+
+
+def test_read_metrics_merges_steps_and_honours_resume(tmp_path):
+    f = tmp_path / "m.jsonl"
+    recs = [{"step": 1, "loss_metrics/global_avg_loss": 5.0}, {"step": 1, "nsa/gate_mean/cmp": 0.2},
+            {"step": 2, "loss_metrics/global_avg_loss": 4.0}, {"step": 3, "loss_metrics/global_avg_loss": 3.0},
+            {"step": 2, "event": "resume", "checkpoint_step": 2},
+            {"step": 3, "loss_metrics/global_avg_loss": 3.5}]
+    f.write_text("\n".join(map(json.dumps, recs)) + "\n")
+    run = plot.read_metrics(str(f))
+    assert run[1] == {"step": 1, "loss_metrics/global_avg_loss": 5.0, "nsa/gate_mean/cmp": 0.2}
+    assert run[3]["loss_metrics/global_avg_loss"] == 3.5 and sorted(run) == [1, 2, 3]
+
+
+def test_plot_draws_every_panel_for_two_runs(tmp_path):
+    a = _write_run(tmp_path / "nsa", 10, telemetry=True)
+    b = _write_run(tmp_path / "full_causal", 10, telemetry=False, loss0=6.5)
+    out = tmp_path / "fig.png"
+    fig = plot.plot([str(a), str(b / "metrics.jsonl")], str(out))
+    assert out.is_file() and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    titles = [ax.get_title() for ax in fig.axes]
+    assert titles == ["loss", "tokens/s", "memory", "NSA gate mean", "NSA selected-block distance"]
+    loss_ax = fig.axes[0]
+    assert sorted(line.get_label() for line in loss_ax.get_lines()) == ["full_causal train", "nsa train"]
+    gate_lines = fig.axes[3].get_lines()
+    assert sorted(l.get_label() for l in gate_lines) == ["nsa cmp", "nsa sel", "nsa win"]
+    assert list(gate_lines[0].get_xdata()) == [1, 2, 4, 6, 8, 10]  # the telemetry steps only
+
+
+def test_plot_without_telemetry_has_three_panels(tmp_path):
+    run = _write_run(tmp_path / "r", 3, telemetry=False)
+    fig = plot.plot([str(run)], str(tmp_path / "x.png"))
+    assert [ax.get_title() for ax in fig.axes] == ["loss", "tokens/s", "memory"]
+
+
+def test_plot_command_and_its_errors(tmp_path):
+    run = _write_run(tmp_path / "r", 4, telemetry=True)
+    r = subprocess.run([sys.executable, "-m", "nsa_flex.plot", str(run), "-o", str(tmp_path / "o.png")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "o.png").is_file() and "NSA gate mean" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "nsa_flex.plot", str(tmp_path / "nothing")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith("nsa_flex.plot: error:") and "no metrics.jsonl" in r.stderr
+    assert "Traceback" not in r.stderr

@@ -1,0 +1,57 @@
+"""A debug run's console holds none of the known noise, and a halted run says so instead of
+"Training completed" (nsa_flex.titan.console, nsa_flex.titan.metrics)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "titan_configs" / "debug_nsa.toml"
+
+DENYLIST = (
+    "0.0.0 means __version__",  # torchtitan's version line
+    "Sleeping 2 seconds",  # a single process has no other ranks
+    "tflops:",  # 0.00 without peak FLOPS, beside mfu: n/a
+    " - WARNING - ",  # nothing to warn about on the documented CPU path
+    "Warning",  # Python warnings (UserWarning, TyroWarning, ...)
+    "lspci",
+    "passkey corpus",  # the description of a run on other data
+    "\x1b[",  # colour codes in a pipe
+)
+
+
+def _run(tmp_path, *extra):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = str(ROOT)
+    return subprocess.run([sys.executable, "-m", "nsa_flex.titan.cli", "--job.config_file", str(CONFIG),
+                           "--training.steps", "3", "--lr_scheduler.warmup_steps", "1",
+                           "--job.dump_folder", str(tmp_path), *extra],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_debug_run_console_is_quiet(tmp_path):
+    r = _run(tmp_path)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    lines = (r.stdout + r.stderr).splitlines()
+    noisy = [(bad, l) for l in lines for bad in DENYLIST if bad in l]
+    assert not noisy, noisy
+    assert any(l.endswith(" - INFO - torchtitan 0.2.2") for l in lines), lines[:3]
+    steps = [l for l in lines if " - INFO - step: " in l]
+    assert [l.split("step: ")[1].split()[0] for l in steps] == ["1/3", "2/3", "3/3"], steps
+    assert all("mfu: n/a" in l for l in steps)
+    assert any(l.endswith("Training completed") for l in lines)
+    assert sorted(os.listdir(tmp_path)) == ["metrics.jsonl"]  # no empty comm_traces/ (nor stalls/)
+
+
+@pytest.mark.slow  # a training run
+def test_halted_run_does_not_say_completed(tmp_path):
+    (tmp_path / "HALT").write_text("")
+    r = _run(tmp_path)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert "Training completed" not in out
+    assert f"Training halted after step 1 of 3 (halt file {tmp_path / 'HALT'})" in out, out[-2000:]
