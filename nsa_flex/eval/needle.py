@@ -40,7 +40,6 @@ digits, ci_lo / ci_hi: the 95% Wilson interval of the accuracy), needle_heatmap.
 length accuracy per kind, annotated; needs matplotlib), meta.json; a summary line per length is printed. Bad arguments raise errors that name the flag and the value.
 """
 
-import argparse
 import csv
 import json
 import os
@@ -48,14 +47,13 @@ import time
 
 import torch
 
+from .cli import ROOT, add_run_args, resolve_common, task_parser
 from .prompts import (KINDS, MULTI_NEEDLE, MULTI_QUESTION, NAMES, EvalError, Filler, digit_score,
                       int_list, kinds_list, make_prompt, score)
 from .report import read_metrics, collect, plot_heatmap, summarize, write_summary
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIELDS = ("kind", "length", "depth", "trial", "correct", "answer", "expected")
 DEFAULT_FINEWEB = os.path.join(os.path.dirname(ROOT), "shared", "data", "fineweb_sample_2800.parquet")
-DEFAULT_CONFIG = os.path.join(ROOT, "titan_configs", "debug_nsa.toml")
 __all__ = ["KINDS", "MULTI_NEEDLE", "MULTI_QUESTION", "NAMES", "EvalError", "Filler", "digit_score",
            "int_list", "kinds_list", "make_prompt", "score", "collect", "plot_heatmap", "summarize",
            "write_summary", "read_metrics", "evaluate", "main"]
@@ -307,14 +305,8 @@ def resumed_rows(path: str, jobs: dict) -> list[dict]:
 
 # ---------------------------------------------------------------------- CLI
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help="torchtitan TOML of the run (default with --quick: debug_nsa.toml)")
-    p.add_argument("--checkpoint", help="DCP step-N folder, or a folder of step-N folders (latest)")
-    p.add_argument("--quick", action="store_true",
-                   help="CPU smoke run: debug model (random weights unless --checkpoint), lengths 256,512, "
-                        "depths 0,50,100, 1 trial, 2 keys")
-    p.add_argument("--random-init", action="store_true", help="evaluate random weights (no checkpoint)")
+    p = task_parser(__doc__, "CPU smoke run: debug model (random weights unless --checkpoint), lengths 256,512, "
+                             "depths 0,50,100, 1 trial, 2 keys")
     p.add_argument("--lengths", help="context lengths, comma separated (default 1024,...,65536)")
     p.add_argument("--depths", help="needle depths in %% (default 0,10,...,100)")
     p.add_argument("--trials", type=int, help="prompts per (kind, length, depth) (default 2)")
@@ -322,9 +314,6 @@ def parse_args(argv=None):
     p.add_argument("--n-keys", type=int, help="needles in a multikey prompt (default 4; --quick: 2)")
     p.add_argument("--filler", default="auto", help="auto | synthetic | fineweb")
     p.add_argument("--fineweb", default=DEFAULT_FINEWEB, help="FineWeb parquet for --filler fineweb/auto")
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default="float32", help="float32 | bfloat16")
-    p.add_argument("--backend", default="auto", help="auto | reference | flex (prefill attention)")
     p.add_argument("--decode", default="auto", choices=("auto", "cache", "full"),
                    help="cache: prefill + NSA caches; full: a full forward per token; auto: cache when supported")
     p.add_argument("--decode-backend", default="auto", choices=("auto", "torch", "triton"),
@@ -333,11 +322,9 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=8, help="prompts per generation call (upper bound)")
     p.add_argument("--mem-fraction", type=float, default=0.5,
                    help="share of the free GPU memory the dense reference attention may use")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tag", default="", help="label for the heatmap titles")
-    p.add_argument("--out", help="output folder")
-    p.add_argument("--override", action="append", default=[],
-                   help="extra torchtitan config flag, e.g. --override=--nsa.window=64")
+    add_run_args(p, tag_help="label for the heatmap titles", override_example="--nsa.window=64",
+                 backend_help="auto | reference | flex (prefill attention)",
+                 seed_help="prompt generation and random-init seed")
     p.add_argument("--resume", action="store_true",
                    help="keep the scored rows of OUT/needle.csv and evaluate only the missing prompts")
     p.add_argument("--time-limit", type=float, default=0,
@@ -346,19 +333,12 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     if a.collect:
         return a
-    if not a.out:
-        raise EvalError("--out is required")
+    resolve_common(a)
     if a.quick:
-        a.config = a.config or DEFAULT_CONFIG
-        a.device = a.device or "cpu"
         a.lengths = a.lengths or "256,512"
         a.n_keys = 2 if a.n_keys is None else a.n_keys
         a.depths = a.depths or "0,50,100"
         a.trials = 1 if a.trials is None else a.trials
-        a.random_init = a.random_init or a.checkpoint is None
-    if not a.config:
-        raise EvalError("--config is required (or --quick)")
-    a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     a.lengths = a.lengths or "1024,2048,4096,8192,16384,32768,65536"
     a.depths = a.depths or ",".join(str(d) for d in range(0, 101, 10))
     a.trials = 2 if a.trials is None else a.trials
