@@ -2,7 +2,7 @@
 # Issue 17, GPU check of [ops] (about 2 minutes on one H100 with debug_nsa.toml), repo root:
 #   bash experiments/ops_gpu_check.sh OUT_DIR [CONFIG] [STEPS] [NPROC]
 # (defaults: titan_configs/debug_nsa.toml, 40 steps, 1 process per run; NPROC=2 on a 2-GPU machine
-# checks that the ranks agree on the halt step). Every run goes through torchrun -m torchtitan.train
+# checks that the ranks agree on the halt step). Every run goes through torchrun -m nsa_flex.titan.train
 # (the stock entry point) with the tests' custom_import module tests/titan/ops_test_data.py, in parallel
 # where they are independent:
 #   ref    uninterrupted STEPS steps                                            (spec nsa_flex)
@@ -31,7 +31,7 @@ fi
 train() {  # name spec [extra args...]: torchrun in the background, log OUT/name.log
   local name=$1 spec=$2; shift 2
   $PY -m torch.distributed.run --nproc_per_node="$NPROC" --master_port=$((20000 + RANDOM % 20000)) \
-    -m torchtitan.train --job.config_file "$CFG" --job.dump_folder "$OUT/$name" \
+    -m nsa_flex.titan.train --job.config_file "$CFG" --job.dump_folder "$OUT/$name" \
     --training.steps "$STEPS" --metrics.log_freq 1 \
     --checkpoint.enable --checkpoint.interval 100000 --checkpoint.last_save_model_only \
     --experimental.custom_import tests.titan.ops_test_data --model.name "$spec" "$@" >> "$OUT/$name.log" 2>&1

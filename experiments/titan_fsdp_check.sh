@@ -19,7 +19,7 @@ run() {  # name ngpu local_batch precision
   devs=$(seq -s, 0 $((n - 1)))
   echo "== $name: $n GPU(s), local batch $lb, params $prec ($(date +%T))"
   CUDA_VISIBLE_DEVICES=$devs timeout 280 torchrun --nproc_per_node="$n" --master_port=$((29500 + RANDOM % 1000)) \
-    -m torchtitan.train --job.config_file titan_configs/nsa_125m_fineweb_edu.toml \
+    -m nsa_flex.titan.train --job.config_file titan_configs/nsa_125m_fineweb_edu.toml \
     --training.dataset_path "$DATA/fineweb_sample_2800.parquet" \
     --training.steps "$STEPS" --training.local_batch_size "$lb" --training.seq_len 8192 \
     --training.mixed_precision_param "$prec" \
@@ -34,7 +34,7 @@ run() {  # name ngpu local_batch precision
 }
 echo "== seed checkpoint ($(date +%T))"
 rm -rf /tmp/fsdp
-CUDA_VISIBLE_DEVICES=0 torchrun --nproc_per_node=1 -m torchtitan.train \
+CUDA_VISIBLE_DEVICES=0 torchrun --nproc_per_node=1 -m nsa_flex.titan.train \
   --job.config_file titan_configs/nsa_125m_fineweb_edu.toml --job.dump_folder /tmp/fsdp/seed \
   --training.dataset_path "$DATA/fineweb_sample_2800.parquet" --parallelism.data_parallel_shard_degree 1 \
   --checkpoint.enable --checkpoint.create_seed_checkpoint > "$OUT/seed_checkpoint.log" 2>&1

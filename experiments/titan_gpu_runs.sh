@@ -6,7 +6,7 @@ set -uo pipefail
 OUT=${1:?out dir}; DATA=${2:?data dir}; STEPS=${3:-200}; LIMIT=${4:-270}
 export TIKTOKEN_CACHE_DIR=$DATA/tiktoken_cache PYTHONUNBUFFERED=1
 for run in nsa_125m_fineweb_edu full_attn_125m_fineweb_edu; do
-  timeout "$LIMIT" torchrun --nproc_per_node=1 -m torchtitan.train \
+  timeout "$LIMIT" torchrun --nproc_per_node=1 -m nsa_flex.titan.train \
     --job.config_file titan_configs/$run.toml \
     --training.dataset_path "$DATA/fineweb_sample_2800.parquet" \
     --training.steps "$STEPS" --training.local_batch_size 2 --lr_scheduler.warmup_steps 20 \

@@ -20,7 +20,7 @@ for item in $PLAN; do
     [ "$attn" = full ] && cfg=titan_configs/full_attn_125m_fineweb_edu.toml
     name=${attn}_${flavor}_${seq}
     echo "== $name (t=${SECONDS}s)"
-    timeout "$LIMIT" torchrun --nproc_per_node=1 -m torchtitan.train --job.config_file $cfg \
+    timeout "$LIMIT" torchrun --nproc_per_node=1 -m nsa_flex.titan.train --job.config_file $cfg \
       --model.flavor "$flavor" --training.seq_len "$seq" --training.local_batch_size 1 \
       --training.dataset_path "$DATA/fineweb_sample_2800.parquet" --training.steps "$STEPS" \
       --lr_scheduler.warmup_steps 5 --metrics.log_freq 1 \

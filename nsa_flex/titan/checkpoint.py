@@ -2,8 +2,8 @@
 
 torchtitan 0.2.2's ``CheckpointManager.load`` takes the highest ``step-N`` folder holding a
 ``.metadata`` file and loads it; a truncated ``.distcp`` or a garbage ``.metadata`` then fails deep
-inside DCP (a bare EOFError naming no file). :func:`install` wraps ``load`` (from the
-``custom_import`` hook, idempotent): for a resume from the latest checkpoint (``load_step = -1``)
+inside DCP (a bare EOFError naming no file). :class:`NSACheckpointManager` (the trainer's
+checkpoint manager, :mod:`nsa_flex.titan.trainer`) overrides ``load``: for a resume from the latest checkpoint (``load_step = -1``)
 each candidate, newest first, is checked without loading any tensor (:func:`check_dcp_folder`:
 the metadata unpickles, every storage file it names exists and is long enough); a damaged one is
 moved to ``<checkpoint folder>/damaged/step-N`` with a warning naming it and why, and the next
@@ -20,7 +20,7 @@ config: every difference is logged; a model or data-stream change is refused wit
 loads it anyway); after the load the lr schedule is rebuilt from the current config at the
 restored step.
 
-``save`` is wrapped too: the model must be finite (a NaN model is never saved:
+``save`` is overridden too: the model must be finite (a NaN model is never saved:
 :class:`nsa_flex.titan.ops.NonFiniteError`); a full disk during the save (ENOSPC, or torch's
 "unexpected pos" of a short write) removes the partial folder and raises one
 :class:`DiskSpaceError` naming the folder and the free space; after a save rank 0 writes the
@@ -33,6 +33,7 @@ import os
 import re
 import shutil
 
+from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.tools.logging import logger
 
 from nsa_flex.config import UserError
@@ -287,21 +288,29 @@ def save_checked(manager, original, curr_step: int, last_step: bool = False) -> 
             manager._purge_stale_checkpoints()
 
 
-def install() -> None:
-    """Wrap torchtitan's CheckpointManager.load and .save with :func:`load_checked` and
-    :func:`save_checked` (idempotent)."""
-    from torchtitan.components.checkpoint import CheckpointManager
+class NSACheckpointManager(CheckpointManager):
+    """torchtitan's CheckpointManager with :func:`load_checked` and :func:`save_checked`, and the
+    halt checkpoint: ``save`` of step ``halt_step`` (set by the trainer's halt) is a full "last
+    step" checkpoint, also when ``last_save_model_only`` is set (it must resume training)."""
 
-    original, original_save = CheckpointManager.load, CheckpointManager.save
-    if getattr(original, "_nsa_checked", False):
-        return
+    halt_step: int | None = None
 
     def load(self, step: int = -1) -> bool:
-        return load_checked(self, original, step)
+        return load_checked(self, CheckpointManager.load, step)
 
     def save(self, curr_step: int, last_step: bool = False) -> None:
-        return save_checked(self, original_save, curr_step, last_step)
+        if curr_step == self.halt_step:
+            last_step, self.last_save_model_only = True, False
+        return save_checked(self, CheckpointManager.save, curr_step, last_step)
 
-    load._nsa_checked = True
-    load.__doc__, save.__doc__ = original.__doc__, original_save.__doc__
-    CheckpointManager.load, CheckpointManager.save = load, save
+
+def adopt(manager: CheckpointManager) -> NSACheckpointManager:
+    """Make the trainer's ``manager`` an :class:`NSACheckpointManager` (same state, our methods).
+
+    torchtitan 0.2.2's ``Trainer.__init__`` builds ``CheckpointManager(...)`` inline: neither the
+    TrainSpec nor the Trainer offers a hook to build another class, so the built instance gets the
+    subclass (this object only; checked by tests/titan/test_trainer.py against the installed
+    torchtitan)."""
+    if type(manager) is CheckpointManager:
+        manager.__class__ = NSACheckpointManager
+    return manager

@@ -1,8 +1,8 @@
-"""``nsa-train``: thin wrapper around torchtitan's stock trainer (``torchtitan.train``).
+"""``nsa-train``: the training entry point :mod:`nsa_flex.titan.train` for one process, with defaults.
 
     nsa-train --job.config_file titan_configs/debug_nsa.toml [--section.key value ...]
 
-Equivalent to ``torchrun --nproc_per_node=1 -m torchtitan.train ...`` plus environment setup:
+Equivalent to ``torchrun --nproc_per_node=1 -m nsa_flex.titan.train ...`` plus environment setup:
   * a single process without torchrun gets WORLD_SIZE=1, RANK=0, LOCAL_RANK=0, MASTER_ADDR=127.0.0.1 and
     a free MASTER_PORT (under torchrun these are already set and left alone);
   * TIKTOKEN_CACHE_DIR defaults to ``shared/data/tiktoken_cache`` in ``..`` or ``.`` (of the project root or
@@ -18,7 +18,7 @@ short message on stderr, exit code 2; a traceback only for real bugs.
 
 Exit codes: 0 done (or halted by the halt file, SIGTERM or a first Ctrl-C, with a checkpoint to
 resume from); 2 a user error; 3 the loss or the gradient norm was not finite (the non-finite
-guard, :mod:`nsa_flex.titan.ops`: nothing saved from that step on, the last checkpoint is the last
+guard, :mod:`nsa_flex.titan.trainer`: nothing saved from that step on, the last checkpoint is the last
 finite one); ``[ops] stall_exit_code`` after a stall dump.
 
 One run per dump folder: rank 0 locks it (:mod:`nsa_flex.titan.runlock`) before torchtitan starts;
@@ -28,14 +28,12 @@ a second run on it stops at once with one message naming the holder.
 exits 0 only when every check passes (:mod:`nsa_flex.titan.preflight`).
 """
 
-import contextlib
 import os
-import re
 import socket
 import sys
 
-PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG_MODULE = "nsa_flex.titan.job_config"
+PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _free_port() -> int:
@@ -75,48 +73,6 @@ def build_args(argv: list[str]) -> list[str]:
     return args
 
 
-def config_error_message(e: Exception) -> str:
-    """A config-parsing error as one line: torchtitan's unknown-field ValueError names the class
-    (and suggests a script of torchtitan's repo); say the [section] and its valid fields instead."""
-    m = re.match(r"Invalid field names in <class '[\w.]*\.(\w+)'> data: (\{.*?\})", str(e))
-    if m:
-        import dataclasses
-
-        for f in dataclasses.fields(_merged_job_config()):
-            if getattr(f.type, "__name__", "").removeprefix("Merged") == m.group(1):
-                names = sorted(x.name for x in dataclasses.fields(f.type) if not x.name.startswith("_"))
-                return f"[{f.name}] unknown field(s) {m.group(2)}; valid fields: {', '.join(names)}"
-        return f"unknown field(s) {m.group(2)} in [{m.group(1).lower()}]"
-    return str(e)
-
-
-def check_config_file(args: list[str]) -> None:
-    """The --job.config_file exists and is valid TOML (torchtitan would log a traceback)."""
-    import tomllib
-
-    path = next((a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else "")
-                 for i, a in enumerate(args) if a.split("=", 1)[0] in ("--job.config_file", "--job.config-file")),
-                None)
-    if path is None:
-        return
-    if not os.path.isfile(path):
-        raise ValueError(f"--job.config_file {path!r} does not exist")
-    try:
-        with open(path, "rb") as f:
-            tomllib.load(f)
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"config file {path!r}: TOML syntax error: {e}") from None
-
-
-def _merged_job_config():
-    """torchtitan's JobConfig merged with nsa_flex's (as ``[job] custom_config_module`` does)."""
-    import importlib
-
-    from torchtitan.config import ConfigManager, JobConfig
-
-    return ConfigManager._merge_configs(JobConfig, importlib.import_module(CONFIG_MODULE).JobConfig)
-
-
 def main(argv: list[str] | None = None) -> None:
     args = build_args(sys.argv[1:] if argv is None else argv)
     setup_env()
@@ -124,70 +80,9 @@ def main(argv: list[str] | None = None) -> None:
         from .preflight import main as preflight
 
         sys.exit(preflight([a for a in args if a != "--preflight"]))
-    sys.argv = [sys.argv[0]] + args
-    from torchtitan.config import ConfigManager
-    from torchtitan.train import Trainer, main as titan_main
+    from .train import run
 
-    from nsa_flex.config import UserError
-
-    from .ops import EXIT_NONFINITE, NonFiniteError
-    from .runlock import release_all
-
-    try:  # parse once up front: every error here is the user's (file, TOML, field, value)
-        check_config_file(args)
-        job_config = ConfigManager().parse_args(args)
-    except (ValueError, TypeError, OSError) as e:
-        sys.exit(_user_error(config_error_message(e)))
-    try:
-        check_run(job_config)
-        with _titan_parses(args):
-            titan_main(Trainer)
-    except NonFiniteError as e:
-        sys.exit(_user_error(str(e), EXIT_NONFINITE))
-    except UserError as e:
-        sys.exit(_user_error(str(e)))
-    finally:
-        release_all()
-
-
-def check_run(job_config) -> None:
-    """Before torchtitan starts (every error a :class:`UserError`): the training numbers are in
-    range, the folders are writable, and rank 0 holds the dump folder's lock."""
-    from nsa_flex.config import UserError
-
-    from .runlock import check_writable, lock_dump_folder
-
-    tr = job_config.training
-    errs = [f"training.{name}={getattr(tr, name)!r}: must be an integer >= 1"
-            for name in ("steps", "local_batch_size", "seq_len")
-            if not isinstance(getattr(tr, name), int) or getattr(tr, name) < 1]
-    if errs:
-        raise UserError("; ".join(errs))
-    check_writable(job_config)
-    if int(os.environ.get("RANK", "0")) == 0:
-        lock_dump_folder(job_config.job.dump_folder)
-
-
-@contextlib.contextmanager
-def _titan_parses(args: list[str]):
-    """torchtitan 0.2.2's ``train.main`` calls ``ConfigManager().parse_args()`` with no argument,
-    whose default is the ``sys.argv[1:]`` bound when torchtitan was first imported (maybe before
-    ``args`` were built), and has no public way to pass arguments. For the duration of the call
-    only, that default is ``args``; restored afterwards."""
-    from torchtitan.config import ConfigManager
-
-    saved = ConfigManager.parse_args.__defaults__
-    ConfigManager.parse_args.__defaults__ = (args,)
-    try:
-        yield
-    finally:
-        ConfigManager.parse_args.__defaults__ = saved
-
-
-def _user_error(msg: str, code: int = 2) -> int:
-    """Print a user error as one short message (no traceback); the exit code (2 by default)."""
-    print(f"nsa-train: error: {msg}", file=sys.stderr, flush=True)
-    return code
+    sys.exit(run(args))
 
 
 if __name__ == "__main__":

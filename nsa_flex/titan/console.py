@@ -1,4 +1,5 @@
-"""A quiet, readable console for torchtitan runs of nsa_flex (applied by the ``custom_import`` hook).
+"""A quiet, readable console for torchtitan runs of nsa_flex (installed by the trainer,
+:class:`nsa_flex.titan.trainer.NSATrainer`, before torchtitan logs its first line).
 
 :func:`setup` (idempotent) adds one ``logging.Filter`` to torchtitan's (root) logger and one
 ``warnings`` filter:

@@ -4,8 +4,10 @@ torchtitan 0.2.2 assumes an accelerator: ``tools.utils.device_type`` falls back 
 ``torch.cuda.set_device`` is called, the device mesh is built on "cuda", and ``DeviceMemoryMonitor``
 reads CUDA memory stats. :func:`apply` points every module-level copy of ``device_type`` /
 ``device_module`` at "cpu" and a small stand-in module (memory = the process's peak RSS). The process
-group then uses gloo (torch's default for cpu). It is applied by ``nsa_flex.titan.train_spec`` (the
-``[experimental] custom_import`` module) only when ``torch.cuda.is_available()`` is False.
+group then uses gloo (torch's default for cpu). It is applied by the trainer
+(:class:`nsa_flex.titan.trainer.NSATrainer`, before torchtitan reads the device) only when
+``torch.cuda.is_available()`` is False: torchtitan 0.2.2 has no CPU device path (version-gated by
+:func:`nsa_flex.titan.trainer.check_versions`).
 
 On CPU use ``[training] mixed_precision_param = "float32"`` (bf16 autocast is ~25x slower there) and
 the ``reference`` NSA backend (switched automatically from ``flex``, whose CPU backward does not exist).

@@ -17,9 +17,10 @@ per layer, the selected-block distances also as a TensorBoard histogram; a gate 
 above ``gate_collapse_threshold`` over ``gate_collapse_steps`` steps logs a warning. The read rides
 on ``should_log(step)``, which torchtitan's trainer calls once per step on every rank.
 
-Operating long runs (``[ops]``, :mod:`nsa_flex.titan.ops`): the untagged (training) processor owns an
-``OpsMonitor``: started here, told about each completed step (and its data-loader wait) from
-``should_log``, its data-wait figures added to each logged record and to the console step line.
+Operating long runs (``[ops]``, :mod:`nsa_flex.titan.ops`): the trainer
+(:class:`nsa_flex.titan.trainer.NSATrainer`) hands its ``OpsMonitor`` to the training processor
+(``ops``); the processor tells it about each completed step (and its data-loader wait) from
+``should_log`` and adds its data-wait figures to each logged record and to the console step line.
 """
 
 import json
@@ -35,7 +36,7 @@ from torchtitan.tools.logging import logger as log
 
 from nsa_flex import telemetry as tm
 
-from . import ops as ops_mod
+from .ops import OpsMonitor
 
 
 def _plain(v):
@@ -90,12 +91,9 @@ class NSAMetricsProcessor(MetricsProcessor):
         self.collapse = tm.GateCollapseMonitor(float(threshold), steps)
         self._nsa_layers: list = []
         self._pending: dict | None = None
-        self.ops: ops_mod.OpsMonitor | None = None
+        self.ops: OpsMonitor | None = None
         self._dl_seen = 0  # data_loading_times entries already counted by ops
         super().__init__(job_config, parallel_dims, tag)
-        if tag is None and getattr(job_config, "ops", None) is not None:
-            self.ops = ops_mod.OpsMonitor(job_config)
-            self.ops.start()
         self._base_logger = self.logger
         self.jsonl: JsonlLogger | None = None
         name = getattr(job_config.metrics, "jsonl_file", "")
@@ -127,8 +125,6 @@ class NSAMetricsProcessor(MetricsProcessor):
     @model_parts.setter
     def model_parts(self, parts) -> None:
         self._model_parts = parts
-        if parts and self.ops is not None:
-            self.ops.attach(ops_mod.find_trainer())  # the Trainer assigning this: its step, its checkpointer
         if not parts or self.telemetry_every <= 0:
             return
         from nsa_flex.layer import NSAAttention
@@ -207,12 +203,6 @@ class NSAMetricsProcessor(MetricsProcessor):
         finally:
             log.removeFilter(line)
             self._dl_seen = 0  # super().log cleared data_loading_times
-
-    def close(self) -> None:
-        if self.ops is not None:
-            self.ops.close()
-        super().close()
-
 
 def build_metrics_processor(job_config, parallel_dims, model_args=None, tag: str | None = None):
     """TrainSpec.build_metrics_processor_fn."""

@@ -1,16 +1,12 @@
-"""Operating long runs: stall watchdog, on-demand stack dumps, graceful halt, data-wait telemetry.
+"""Operating long runs: stall watchdog, on-demand stack dumps, data-wait telemetry.
 
-Configured by the ``[ops]`` section (:class:`nsa_flex.titan.job_config.Ops`); driven by
-:class:`nsa_flex.titan.metrics.NSAMetricsProcessor` through four explicit hooks, so it works with
-torchtitan's stock trainer (``torchrun -m torchtitan.train``, ``nsa-train``, the CPU shim):
-
-  * ``OpsMonitor(job_config)`` + ``start()`` when the processor is built (every rank, main thread:
-    signal handlers can only be installed there);
-  * ``attach(trainer)`` when the trainer hands the processor its model (finds the Trainer object,
-    to read its live step and to make a halt checkpoint resumable);
-  * ``step_done(step, data_wait_s)`` from ``should_log(step)``, which torchtitan's ``train_step``
-    calls once per step on every rank, after the optimizer step and before the checkpoint save;
-  * ``close()`` from the processor's ``close()``.
+Configured by the ``[ops]`` section (:class:`nsa_flex.titan.job_config.Ops`). The trainer
+(:class:`nsa_flex.titan.trainer.NSATrainer`) owns one ``OpsMonitor``: built and started (every rank,
+main thread: signal handlers can only be installed there) right after the process group exists,
+``attach(trainer)`` so the watchdog reads the step in progress, ``close()`` with the trainer. The
+metrics processor (:mod:`nsa_flex.titan.metrics`) calls ``step_done(step, data_wait_s)`` from
+``should_log(step)``, which torchtitan's ``train_step`` calls once per step on every rank. Halting
+(halt file, SIGTERM, Ctrl-C) and the non-finite guard are the trainer's.
 
 Stall watchdog. A daemon thread per rank checks every ``poll`` seconds that a step completed within
 ``stall_timeout_s`` (``stall_timeout_first_s`` until this process's first step: build, checkpoint
@@ -28,27 +24,13 @@ code (a CUDA sync, an NCCL wait, a blocked read), and the run goes on. Same file
 (``faulthandler.register`` on SIGUSR1 wrote nothing on an H100 once torch.compile had run, though
 the signal was caught and unblocked: experiments/diag_sigusr1.py, NOTES.md 26.)
 
-Halt. ``<dump_folder>/<halt_file>`` (checked by every rank after every step) or SIGTERM, or a first SIGINT (Ctrl-C): the ranks
-agree (one MAX all-reduce of a flag on a gloo group per step when world size > 1, so all stop after
-the same step), then ``job_config.training.steps`` is set to the current step. The stock loop then
-saves its "last step" checkpoint right after this step (forced to a full checkpoint, not model-only,
-so it resumes) and ends normally: exit code 0. Rerunning the same command reads ``training.steps``
-from the TOML again and resumes from that checkpoint exactly. Rank 0 removes the halt file. A second SIGTERM or SIGINT ends the
-process at once (the signal's default action), without a checkpoint.
-
-Non-finite guard (``[ops] halt_on_nonfinite``, on by default). After every optimizer step each rank
-checks that its gradients are finite (one fused norm and one host sync per step; a non-finite loss
-or grad norm makes them NaN/inf: torchtitan clips with the non-finite norm), the ranks agree with
-the halt flag, and then every rank writes an ops dump (``stalls/step-N-rank-R.txt``) and raises
-:class:`NonFiniteError` naming the step and the last checkpoint: the step's weights are never
-saved, so the newest checkpoint is the last finite one. ``nsa-train`` exits with
-:data:`EXIT_NONFINITE` (3). Resume from that checkpoint with a lower lr, another seed or
-``[training] max_norm``. How one bad input spreads (CPU, torch 2.13): a NaN at one
-position of one batch row turns every position of that row to NaN, earlier positions and other
-documents too, on the layer's reference path and with SDPA causal attention alike (flash and math
-kernels): the masked probability 0 meets the NaN value in the probabilities-times-values product
-(0 * NaN = NaN); other batch rows stay finite. GPU kernels that skip fully masked blocks may keep
-earlier blocks finite (not checked). In training the backward then reaches every weight, so the
+Non-finite steps (the trainer's guard, ``[ops] halt_on_nonfinite``) raise :class:`NonFiniteError`;
+``nsa-train`` exits with :data:`EXIT_NONFINITE` (3). How one bad input spreads (CPU, torch 2.13): a
+NaN at one position of one batch row turns every position of that row to NaN, earlier positions and
+other documents too, on the layer's reference path and with SDPA causal attention alike (flash and
+math kernels): the masked probability 0 meets the NaN value in the probabilities-times-values
+product (0 * NaN = NaN); other batch rows stay finite. GPU kernels that skip fully masked blocks may
+keep earlier blocks finite (not checked). In training the backward then reaches every weight, so the
 guard stops the run at that step.
 
 Data wait. torchtitan times each ``next(data_iterator)``; per step the processor passes the sum
@@ -243,21 +225,6 @@ def _dist_info() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
-def find_trainer(max_depth: int = 12):
-    """The torchtitan Trainer among the callers' ``self`` (None if there is none). Matched by class
-    name, not identity: under ``python -m torchtitan.train`` the class is ``__main__.Trainer``."""
-    f = sys._getframe(1)
-    for _ in range(max_depth):
-        if f is None:
-            break
-        obj = f.f_locals.get("self")
-        if obj is not None and hasattr(obj, "train_step") and any(
-                c.__name__ == "Trainer" for c in type(obj).__mro__):
-            return obj
-        f = f.f_back
-    return None
-
-
 class OpsMonitor:
     def __init__(self, job_config, device_type: str | None = None):
         cfg = job_config.ops
@@ -268,7 +235,6 @@ class OpsMonitor:
         self.job_config = job_config
         self.dump_folder = job_config.job.dump_folder
         self.stall_dir = os.path.join(self.dump_folder, STALLS_DIR)
-        self.halt_path = os.path.join(self.dump_folder, cfg.halt_file) if cfg.halt_file else None
         self.device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
         self.rank, self.world = _dist_info()
         self.data = DataStallMonitor(cfg.data_wait_warn_share, cfg.data_wait_warn_steps)
@@ -278,17 +244,10 @@ class OpsMonitor:
         self.last_step = 0  # last completed step (0 = none yet in this process)
         self.first_done = False
         self._dumped_step = None  # step whose stall is already dumped
-        # halt state
-        self.halt_requested: str | None = None  # the signal's name, set by SIGTERM / SIGINT
-        self.halt_reason: str | None = None
-        self.halted_at: int | None = None
-        self._signals = 0
-        self._lock = None
         # data-wait window (since the last log)
         self.win_wait = 0.0
         self.win_steps = 0
         self._trainer = None
-        self._group = None
         self._thread = None
         self._stop = threading.Event()
         self._pipe = None
@@ -298,7 +257,7 @@ class OpsMonitor:
 
     # ------------------------------------------------------------------ setup / teardown
     def start(self) -> None:
-        """Signal handlers, the halt agreement group and the watchdog thread (main thread, every rank)."""
+        """The SIGUSR1 dump pipe and the watchdog thread (main thread, every rank)."""
         in_main = threading.current_thread() is threading.main_thread()
         if self.cfg.dump_on_sigusr1 and in_main:
             r, w = os.pipe()
@@ -309,18 +268,6 @@ class OpsMonitor:
                 log.warning(f"ops: signal wakeup fd {self._old_wakeup} replaced by the SIGUSR1 dump "
                             "pipe for this run (restored at the end)")
             self._old_handlers[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, _ignore_signal)
-        if self.cfg.halt_on_sigterm and in_main:
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._old_handlers[sig] = signal.signal(sig, self._on_signal)
-        if self.rank == 0:  # under `torchrun -m torchtitan.train` too (nsa-train has taken it already)
-            from .runlock import check_writable, lock_dump_folder
-
-            check_writable(self.job_config)
-            self._lock = lock_dump_folder(self.dump_folder)
-        d = torch.distributed
-        if self.world > 1 and d.is_available() and d.is_initialized():
-            # CPU-side agreement on halting: no GPU sync, every rank calls this in the same order
-            self._group = d.new_group(backend="gloo")
         if self.cfg.stall_timeout_s > 0 or self._pipe is not None:
             self._thread = threading.Thread(target=self._watch, daemon=True, name="nsa-ops-watchdog")
             self._thread.start()
@@ -328,10 +275,8 @@ class OpsMonitor:
         wd = (f"stall watchdog {self.cfg.stall_timeout_first_s:g} s first step, then {self.cfg.stall_timeout_s:g} s"
               + (f", exit code {self.cfg.stall_exit_code}" if self.cfg.stall_exit_code else "")
               if self.cfg.stall_timeout_s > 0 else "stall watchdog off")
-        halt = " or ".join(x for x in ((f"file {self.halt_path}" if self.halt_path else ""),
-                                         ("SIGTERM/Ctrl-C" if self.cfg.halt_on_sigterm else "")) if x) or "off"
         log.info(f"ops: rank {self.rank} pid {os.getpid()}: {wd}; dumps in {self.stall_dir}"
-                 f"{' (also on SIGUSR1)' if self._pipe else ''}; halt: {halt}")
+                 f"{' (also on SIGUSR1)' if self._pipe else ''}")
 
     def attach(self, trainer) -> None:
         self._trainer = weakref.ref(trainer) if trainer is not None else None
@@ -360,21 +305,6 @@ class OpsMonitor:
             for sig, old in self._old_handlers.items():
                 signal.signal(sig, old)
         self._old_handlers.clear()
-        if self._lock is not None:
-            self._lock.release()
-            self._lock = None
-        if self._group is not None:
-            try:
-                torch.distributed.destroy_process_group(self._group)
-            except Exception:
-                pass
-            self._group = None
-        if self.halted_at is not None:
-            ck = self.job_config.checkpoint
-            where = (f"checkpoint: {os.path.join(self.dump_folder, ck.folder, f'step-{self.halted_at}')}; "
-                     "rerun the same command to resume" if ck.enable
-                     else "no checkpoint ([checkpoint] enable = false): a rerun starts from the beginning")
-            log.warning(f"ops: halted after step {self.halted_at} ({self.halt_reason}); {where}")
 
     # ------------------------------------------------------------------ per step (main thread)
     def step_done(self, step: int, data_wait_s: float) -> None:
@@ -388,7 +318,6 @@ class OpsMonitor:
             msg = self.data.update(step, data_wait_s, step_s)
             if msg:
                 log.warning(f"{msg} (rank {self.rank})")
-        self._maybe_halt(step)
 
     def window_metrics(self, ntokens: int, window_s: float, non_dp_size: int) -> dict:
         """Data-wait figures of the log window now ending (resets it)."""
@@ -410,85 +339,6 @@ class OpsMonitor:
 
     def step_line_filter(self, metrics: dict) -> logging.Filter:
         return _AppendToStepLine(self.console_suffix(metrics))
-
-    # ------------------------------------------------------------------ halt
-    def _on_signal(self, signum, frame) -> None:
-        self._signals += 1
-        if self._signals > 1:  # a second SIGTERM / SIGINT: the signal's default action, now
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        self.halt_requested = signal.Signals(signum).name
-        if signum == signal.SIGINT:
-            log.warning("ops: Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again: stop at once)")
-
-    def _grads_finite(self) -> bool:
-        """Every gradient of this rank's model parts is finite (one fused norm, one host sync)."""
-        tr = self.trainer
-        grads = [p.grad for m in (getattr(tr, "model_parts", None) or []) for p in m.parameters()
-                 if p.grad is not None]
-        grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-        if not grads:
-            return True
-        return bool(torch.stack([n.float() for n in torch._foreach_norm(grads)]).sum().isfinite())
-
-    def _maybe_halt(self, step: int) -> None:
-        reason = None
-        if self.halt_requested:
-            reason = self.halt_requested
-        elif self.halt_path and os.path.exists(self.halt_path):
-            reason = f"halt file {self.halt_path}"
-        flag = reason is not None
-        bad = self.cfg.halt_on_nonfinite and not self._grads_finite()
-        if self._group is not None:
-            t = torch.tensor([1 if flag else 0, 1 if bad else 0], dtype=torch.int32)
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self._group)
-            if t[0].item() and not flag:
-                reason, flag = "requested on another rank", True
-            bad = bool(t[1].item())
-        if bad:
-            self._stop_nonfinite(step)
-        if not flag:
-            return
-        if step >= self.job_config.training.steps:  # the last step: the run ends normally anyway
-            self._consume_halt_file()
-            return
-        self.halt_reason, self.halted_at = reason, step
-        # the stock loop saves a "last step" checkpoint after this step and ends: exit code 0
-        self.job_config.training.steps = step
-        tr = self.trainer
-        ck = getattr(tr, "checkpointer", None)
-        if ck is not None and getattr(ck, "last_save_model_only", False):
-            ck.last_save_model_only = False  # the halt checkpoint must resume training, not only export
-        elif ck is None and self.job_config.checkpoint.last_save_model_only:
-            log.warning("ops: halt: checkpoint.last_save_model_only = true and the trainer was not found: "
-                        "the halt checkpoint holds the model only and will not resume")
-        self._consume_halt_file()
-        log.warning(f"ops: halt ({reason}) on rank {self.rank}: stopping after step {step}, saving a checkpoint")
-
-    def _stop_nonfinite(self, step: int) -> None:
-        path, _ = self.write_dump(f"non-finite loss or gradient norm at step {step}", self._stacks_now(), step)
-        ck = self.job_config.checkpoint
-        folder = os.path.join(self.dump_folder, ck.folder)
-        steps = sorted(int(n[5:]) for n in (os.listdir(folder) if ck.enable and os.path.isdir(folder) else [])
-                       if re.fullmatch(r"step-\d+", n) and os.path.isfile(os.path.join(folder, n, ".metadata")))
-        last = (f"the last checkpoint is {os.path.join(folder, f'step-{steps[-1]}')} (finite)" if steps
-                else "no checkpoint was saved")
-        msg = (f"step {step}: the loss or the gradient norm is not finite (NaN/inf); stopped before saving "
-               f"anything of this step; {last}; ops dump {path}. Resume with a lower --optimizer.lr, "
-               f"--training.max_norm or another seed ([ops] halt_on_nonfinite = false trains on)")
-        log.error(f"ops: {msg}")
-        self.halted_at = None
-        raise NonFiniteError(msg)
-
-    def _consume_halt_file(self) -> None:
-        """Rank 0 removes the halt file (all ranks have read it: the agreement came first), so
-        rerunning the same command does not halt again."""
-        if self.rank == 0 and self.halt_path and os.path.exists(self.halt_path):
-            try:
-                os.remove(self.halt_path)
-            except OSError:
-                pass
 
     # ------------------------------------------------------------------ watchdog thread
     def _step_in_progress(self) -> int:
@@ -525,7 +375,7 @@ class OpsMonitor:
             f.write(f"--- memory ({self.device_type}) ---\n{_memory_text(self.device_type)}\n")
         return path, where
 
-    def _stacks_now(self) -> str:
+    def stacks_now(self) -> str:
         with tempfile.TemporaryFile("w+") as tf:
             faulthandler.dump_traceback(file=tf, all_threads=True)
             tf.seek(0)
@@ -540,7 +390,7 @@ class OpsMonitor:
                     r, _, _ = select.select([self._pipe[0]], [], [], self.poll)
                     # one byte per caught signal (SIGTERM's too): dump for SIGUSR1 only
                     if r and signal.SIGUSR1 in os.read(self._pipe[0], 4096) and not self._stop.is_set():
-                        path, where = self.write_dump("SIGUSR1 (on demand; the run goes on)", self._stacks_now())
+                        path, where = self.write_dump("SIGUSR1 (on demand; the run goes on)", self.stacks_now())
                         log.info(f"ops: SIGUSR1 dump on rank {self.rank}: {path}; innermost project frame: {where}")
                         continue
                 else:
@@ -563,7 +413,7 @@ class OpsMonitor:
         self._dumped_step = step
         path, where = self.write_dump(
             f"stall: no training step completed in {idle:.1f} s (limit {limit:g} s"
-            f"{', first step' if not self.first_done else ''})", self._stacks_now())
+            f"{', first step' if not self.first_done else ''})", self.stacks_now())
         log.error(f"ops: STALL on rank {self.rank}: no training step completed in {idle:.1f} s (limit {limit:g} s, "
                   f"step {step}); stacks in {path}; innermost project frame: {where}")
         if self.cfg.stall_exit_code:

@@ -8,10 +8,11 @@ norm+output, and the root; mixed precision from ``[training] mixed_precision_par
 
 Masks: NSA rebuilds its masks inside every block from that step's activations; they are traced as
 computation by torch.compile, never captured as constants. CUDA graphs (which would freeze them) are
-refused: compile backend "cudagraphs" is rejected and inductor's cudagraph trees are switched off.
+refused, not switched off behind the user's back: compile backend "cudagraphs" and inductor's
+``triton.cudagraphs`` (``TORCHINDUCTOR_CUDAGRAPHS=1``, off by default; llama3's ``apply_compile``
+passes no ``mode``) are a :class:`CompileConfigError`.
 """
 
-import torch
 from torch import nn
 
 from torchtitan.config import TORCH_DTYPE_MAP
@@ -19,6 +20,24 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list, apply_compile, apply_ddp, apply_fsdp
 from torchtitan.tools.logging import logger
+
+from nsa_flex.config import UserError
+
+
+class CompileConfigError(UserError, ValueError):
+    """A compile setting that would capture NSA's per-step masks."""
+
+
+def check_no_cudagraphs(backend: str) -> None:
+    """CUDA graphs are neither the compile backend nor on in inductor; else :class:`CompileConfigError`."""
+    if "cudagraph" in backend:
+        raise CompileConfigError(f"compile.backend={backend!r}: CUDA graphs would capture NSA's per-step masks; "
+                                 "use inductor")
+    import torch._inductor.config as inductor_config
+
+    if inductor_config.triton.cudagraphs:
+        raise CompileConfigError("inductor's triton.cudagraphs is on (TORCHINDUCTOR_CUDAGRAPHS=1?): CUDA graphs "
+                                 "would capture NSA's per-step masks; unset it")
 
 
 def parallelize_nsa(model: nn.Module, parallel_dims: ParallelDims, job_config) -> nn.Module:
@@ -38,15 +57,7 @@ def parallelize_nsa(model: nn.Module, parallel_dims: ParallelDims, job_config) -
         )
 
     if model_compile_enabled:
-        if "cudagraph" in compile_cfg.backend:
-            raise ValueError(
-                f"compile.backend={compile_cfg.backend!r}: CUDA graphs would capture NSA's per-step masks; "
-                "use inductor"
-            )
-        import torch._inductor.config as inductor_config
-
-        inductor_config.triton.cudagraphs = False
-        inductor_config.triton.cudagraph_trees = False
+        check_no_cudagraphs(compile_cfg.backend)
         apply_compile(model, compile_cfg)  # per block, fullgraph=True
 
     if parallel_dims.fsdp_enabled:

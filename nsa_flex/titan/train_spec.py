@@ -1,10 +1,9 @@
-"""The ``nsa_flex`` TrainSpec, registered with torchtitan on import.
+"""The ``nsa_flex`` TrainSpec, registered with torchtitan on import (its only side effect).
 
 Import this module through torchtitan's own hook: ``[experimental] custom_import =
 "nsa_flex.titan.train_spec"`` (the default once ``[job] custom_config_module =
-"nsa_flex.titan.job_config"``). It registers the spec and, on a machine without CUDA, applies the CPU
-device shim (:mod:`nsa_flex.titan.cpu`); it also checks a checkpoint before a resume loads it
-(:mod:`nsa_flex.titan.checkpoint`).
+"nsa_flex.titan.job_config"``). The CPU device shim, the console filter and the checkpoint checks
+belong to the trainer (:mod:`nsa_flex.titan.trainer`), not to this import.
 
 Starts from llama3's spec (optimizers, LR schedulers, cross-entropy loss) and swaps in the NSA model,
 its parallelize_fn, tokenizers, datasets, validator and metrics processor. No pipelining, no HF
@@ -16,7 +15,6 @@ import dataclasses
 from torchtitan.models.llama3 import get_train_spec as llama3_train_spec
 from torchtitan.protocols.train_spec import TrainSpec, register_train_spec
 
-from . import checkpoint, console, cpu
 from .args import nsa_flex_args
 from .data import build_dataloader
 from .metrics import build_metrics_processor
@@ -54,6 +52,3 @@ def register() -> None:
 
 
 register()
-console.setup()  # readable console: config summary, no colour codes in files, no known noise
-cpu.maybe_apply()
-checkpoint.install()  # damaged latest checkpoint: set aside, resume from the previous one

@@ -1,4 +1,11 @@
-"""Validator on nsa_flex's datasets (torchtitan's Validator reads only its own dataset table)."""
+"""Validator on nsa_flex's datasets.
+
+torchtitan 0.2.2's ``Validator.__init__`` builds its loader with ``build_text_validation_dataloader``
+(torchtitan's own dataset table only), a builder the TrainSpec does not expose (pytorch/torchtitan
+PR 1362, "leaves this dataloader function unexposed to the train_spec"). So ``NSAValidator.__init__``
+sets the same state itself with nsa_flex's loader and inherits every other method;
+tests/titan/test_trainer.py fails when upstream's state or its loader call changes.
+"""
 
 from torchtitan.components.validate import Validator
 
@@ -21,7 +28,7 @@ class NSAValidator(Validator):
         pp_has_first_stage=None,
         pp_has_last_stage=None,
     ):
-        # same state as torchtitan's Validator.__init__, with our dataloader
+        # Validator.__init__'s state (torchtitan 0.2.2), with nsa_flex's dataloader
         self.job_config = job_config
         self.tokenizer = tokenizer
         self.parallel_dims = parallel_dims

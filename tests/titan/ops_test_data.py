@@ -13,7 +13,7 @@ import time
 
 from torchtitan.protocols.train_spec import _extra_train_specs, register_train_spec
 
-from nsa_flex.titan import train_spec  # registers "nsa_flex" and applies the CPU shim
+from nsa_flex.titan import train_spec  # registers "nsa_flex"
 from nsa_flex.titan.data import build_dataloader
 
 BLOCK_AT = 3  # 1-based batch index: step 3 never gets its data

@@ -60,7 +60,7 @@ def test_two_rank_ddp_matches_one_rank(tmp_path):
     assert one.returncode == 0, one.stderr[-3000:]
     two = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-         "-m", "torchtitan.train", *common, "--training.local_batch_size", "2",
+         "-m", "nsa_flex.titan.train", *common, "--training.local_batch_size", "2",
          "--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
          "--job.dump_folder", str(tmp_path / "two")],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

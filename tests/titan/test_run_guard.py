@@ -85,7 +85,7 @@ def test_unwritable_folders_named(tmp_path):
 
 # ----------------------------------------------------------------------------- config record
 def _job(**over):
-    from nsa_flex.titan.cli import _merged_job_config
+    from nsa_flex.titan.train import merged_job_config as _merged_job_config
 
     jc = _merged_job_config()()
     for key, v in over.items():

@@ -1,0 +1,130 @@
+"""torchrun entry point: torchtitan's ``torchtitan.train`` with :class:`~nsa_flex.titan.trainer.NSATrainer`.
+
+    torchrun --nproc_per_node=N -m nsa_flex.titan.train --job.config_file titan_configs/X.toml [--section.key value ...]
+
+Parses the same flags as ``torchtitan.train`` (torchtitan's ``ConfigManager``, with the ``[nsa]``,
+``[ops]``, ... sections of ``[job] custom_config_module``) and runs torchtitan's ``main`` with the
+trainer subclass. Before torchtitan starts: the config file exists and is valid TOML, the training
+numbers are in range, the folders are writable and rank 0 locks the dump folder. User errors
+(:class:`nsa_flex.config.UserError`, config-parsing errors) are printed as one line, exit code 2;
+a non-finite step exits with 3 (:data:`nsa_flex.titan.ops.EXIT_NONFINITE`). ``nsa-train``
+(:mod:`nsa_flex.titan.cli`) is this entry point plus the single-process environment and a default
+config.
+"""
+
+import contextlib
+import dataclasses
+import os
+import re
+import sys
+import tomllib
+
+from torchtitan.config import ConfigManager, JobConfig
+from torchtitan.train import main as titan_main
+
+from nsa_flex.config import UserError
+
+from .job_config import JobConfig as NSAJobConfig
+from .ops import EXIT_NONFINITE, NonFiniteError
+from .runlock import check_writable, lock_dump_folder, release_all
+from .trainer import NSATrainer
+
+
+def merged_job_config():
+    """torchtitan's JobConfig merged with nsa_flex's (as ``[job] custom_config_module`` does)."""
+    return ConfigManager._merge_configs(JobConfig, NSAJobConfig)
+
+
+def config_error_message(e: Exception) -> str:
+    """A config-parsing error as one line: torchtitan's unknown-field ValueError names the class
+    (and suggests a script of torchtitan's repo); say the [section] and its valid fields instead."""
+    m = re.match(r"Invalid field names in <class '[\w.]*\.(\w+)'> data: (\{.*?\})", str(e))
+    if m:
+        for f in dataclasses.fields(merged_job_config()):
+            if getattr(f.type, "__name__", "").removeprefix("Merged") == m.group(1):
+                names = sorted(x.name for x in dataclasses.fields(f.type) if not x.name.startswith("_"))
+                return f"[{f.name}] unknown field(s) {m.group(2)}; valid fields: {', '.join(names)}"
+        return f"unknown field(s) {m.group(2)} in [{m.group(1).lower()}]"
+    return str(e)
+
+
+def check_config_file(args: list[str]) -> None:
+    """The --job.config_file exists and is valid TOML (torchtitan would log a traceback)."""
+    path = next((a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else "")
+                 for i, a in enumerate(args) if a.split("=", 1)[0] in ("--job.config_file", "--job.config-file")),
+                None)
+    if path is None:
+        return
+    if not os.path.isfile(path):
+        raise ValueError(f"--job.config_file {path!r} does not exist")
+    try:
+        with open(path, "rb") as f:
+            tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"config file {path!r}: TOML syntax error: {e}") from None
+
+
+def check_run(job_config) -> None:
+    """Before torchtitan starts (every error a :class:`UserError`): the training numbers are in
+    range, the folders are writable, and rank 0 holds the dump folder's lock."""
+    tr = job_config.training
+    errs = [f"training.{name}={getattr(tr, name)!r}: must be an integer >= 1"
+            for name in ("steps", "local_batch_size", "seq_len")
+            if not isinstance(getattr(tr, name), int) or getattr(tr, name) < 1]
+    if errs:
+        raise UserError("; ".join(errs))
+    check_writable(job_config)
+    if int(os.environ.get("RANK", "0")) == 0:
+        lock_dump_folder(job_config.job.dump_folder)
+
+
+@contextlib.contextmanager
+def titan_parses(args: list[str]):
+    """Patch (torchtitan 0.2.2, scope: one call of its ``main``): ``torchtitan.train.main`` takes
+    no arguments and calls ``ConfigManager().parse_args()``, whose default ``args`` is the
+    ``sys.argv[1:]`` bound when ``torchtitan.config.manager`` was first imported (maybe before
+    ``args`` were built); upstream has no way to pass arguments to ``main``
+(fixed upstream by pytorch/torchtitan PR 3725, "Read config args from current sys.argv", after 0.2.2). For the duration of
+    the call that default is ``args``; restored afterwards. Version-gated by
+    :func:`nsa_flex.titan.trainer.check_versions`; tests/titan/test_trainer.py fails once upstream's
+    ``main`` or ``parse_args`` no longer needs it."""
+    saved = ConfigManager.parse_args.__defaults__
+    ConfigManager.parse_args.__defaults__ = (args,)
+    try:
+        yield
+    finally:
+        ConfigManager.parse_args.__defaults__ = saved
+
+
+def user_error(msg: str, code: int = 2, prog: str = "nsa-train") -> int:
+    """Print a user error as one short message (no traceback); the exit code (2 by default)."""
+    print(f"{prog}: error: {msg}", file=sys.stderr, flush=True)
+    return code
+
+
+def run(args: list[str], prog: str = "nsa-train") -> int:
+    """Parse ``args``, check the run and train with :class:`NSATrainer`; the exit code."""
+    try:  # parse once up front: every error here is the user's (file, TOML, field, value)
+        check_config_file(args)
+        job_config = ConfigManager().parse_args(args)
+    except (ValueError, TypeError, OSError) as e:
+        return user_error(config_error_message(e), prog=prog)
+    try:
+        check_run(job_config)
+        with titan_parses(args):
+            titan_main(NSATrainer)
+    except NonFiniteError as e:
+        return user_error(str(e), EXIT_NONFINITE, prog=prog)
+    except UserError as e:
+        return user_error(str(e), prog=prog)
+    finally:
+        release_all()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    sys.exit(run(sys.argv[1:] if argv is None else argv, prog="nsa_flex.titan.train"))
+
+
+if __name__ == "__main__":
+    main()

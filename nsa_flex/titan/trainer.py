@@ -1,0 +1,255 @@
+"""``NSATrainer``: torchtitan's ``Trainer`` with the run control of nsa_flex as methods.
+
+Started by ``nsa-train`` and by ``torchrun ... -m nsa_flex.titan.train`` (:mod:`nsa_flex.titan.train`).
+The training loop is torchtitan's (``Trainer.train``); this subclass overrides four public methods:
+
+  * ``__init__``: checks the versions (:func:`check_versions`), applies the CPU device shim
+    (:mod:`nsa_flex.titan.cpu`, no CUDA only) and the console filter (:mod:`nsa_flex.titan.console`)
+    before torchtitan reads the device, then gives the checkpoint manager nsa_flex's checks
+    (:class:`nsa_flex.titan.checkpoint.NSACheckpointManager`);
+  * ``init_distributed``: right after the process group exists, :meth:`start_run_control`: rank 0
+    locks the dump folder (:mod:`nsa_flex.titan.runlock`), SIGTERM / SIGINT handlers, a gloo group
+    for the ranks' agreement, the ``[ops]`` monitor (stall watchdog, SIGUSR1 dumps, data wait);
+  * ``train_step``: after torchtitan's step (optimizer step done, checkpoint not yet saved),
+    :meth:`end_of_step` decides whether to halt or to stop on a non-finite step;
+  * ``should_continue_training``: False once halted (``training.steps`` is never changed).
+
+Halt. ``<dump_folder>/<[ops] halt_file>`` (checked by every rank after every step), SIGTERM or a
+first SIGINT (Ctrl-C): the ranks agree (one MAX all-reduce of two flags on the gloo group when
+world size > 1), the checkpoint of this step is forced to a full "last step" checkpoint (also with
+``last_save_model_only``: it must resume), and the loop ends: exit code 0. Rerunning the same command
+resumes from it. Rank 0 removes the halt file. A second SIGTERM or SIGINT ends the process at once
+(the signal's default action), without a checkpoint.
+
+Non-finite guard (``[ops] halt_on_nonfinite``, on by default). After every optimizer step each rank
+checks that its gradients are finite (one fused norm and one host sync per step; a non-finite loss
+or grad norm makes them NaN/inf: torchtitan clips with the non-finite norm), the ranks agree, and
+every rank writes an ops dump (``stalls/step-N-rank-R.txt``) and raises
+:class:`nsa_flex.titan.ops.NonFiniteError` naming the step and the last checkpoint: the step's
+weights are never saved, so the newest checkpoint is the last finite one (exit code 3 from the
+entry point). How one bad input spreads is described in :mod:`nsa_flex.titan.ops`.
+"""
+
+import os
+import re
+import signal
+import threading
+
+import torch
+from torchtitan.tools.logging import logger as log
+from torchtitan.train import Trainer
+
+from nsa_flex.config import UserError
+
+from . import checkpoint, console, cpu
+from .ops import NonFiniteError, OpsMonitor
+
+TORCHTITAN_VERSION = "0.2.2"  # the Trainer methods overridden here and every patch target this version
+TORCH_RANGE = ((2, 11), (2, 15))  # [low, high) as (major, minor), as in pyproject.toml
+
+
+class VersionError(UserError, RuntimeError):
+    """torchtitan or torch outside the versions nsa_flex's trainer is written for."""
+
+
+def check_versions(titan_version: str | None = None, torch_version: str | None = None) -> None:
+    """torchtitan == :data:`TORCHTITAN_VERSION` and torch in :data:`TORCH_RANGE`; else one
+    :class:`VersionError` naming the installed versions."""
+    import torchtitan
+
+    titan_version = torchtitan.__version__ if titan_version is None else titan_version
+    torch_version = torch.__version__ if torch_version is None else torch_version
+    errs = []
+    if titan_version != TORCHTITAN_VERSION:
+        errs.append(f"torchtitan {titan_version} is installed, nsa_flex.titan needs torchtitan=={TORCHTITAN_VERSION}")
+    m = re.match(r"(\d+)\.(\d+)", torch_version)
+    lo, hi = TORCH_RANGE
+    if not m or not lo <= (int(m.group(1)), int(m.group(2))) < hi:
+        errs.append(f"torch {torch_version} is installed, nsa_flex.titan needs torch>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}")
+    if errs:
+        raise VersionError("; ".join(errs) + " (the trainer subclass and its patches are written for those versions)")
+
+
+def _dist_info() -> tuple[int, int]:
+    d = torch.distributed
+    if d.is_available() and d.is_initialized():
+        return d.get_rank(), d.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+class NSATrainer(Trainer):
+    def __init__(self, job_config):
+        check_versions()
+        cpu.maybe_apply()  # before Trainer.__init__ reads torchtitan's device_type / device_module
+        console.setup()
+        self.init_run_control(job_config)
+        try:
+            super().__init__(job_config)
+        except BaseException:  # torchtitan's main closes only a built trainer
+            self.stop_run_control()
+            raise
+        checkpoint.adopt(self.checkpointer)
+        self.metrics_processor.ops = self.ops
+
+    # ------------------------------------------------------------------ setup / teardown
+    def init_run_control(self, job_config) -> None:
+        """The run-control state (no side effects)."""
+        self.job_config = job_config
+        self.ops: OpsMonitor | None = None
+        self.halt_requested: str | None = None  # the signal's name, set by SIGTERM / SIGINT
+        self.halt_reason: str | None = None
+        self.halted_at: int | None = None
+        self.rank, self.world = _dist_info()
+        self._signals = 0
+        self._old_handlers: dict = {}
+        self._group = None
+        self._lock = None
+        ops_cfg = job_config.ops
+        self.halt_path = (os.path.join(job_config.job.dump_folder, ops_cfg.halt_file)
+                          if ops_cfg.halt_file else None)
+
+    def init_distributed(self):
+        parallel_dims = super().init_distributed()
+        self.start_run_control()
+        return parallel_dims
+
+    def start_run_control(self) -> None:
+        """Run lock (rank 0), signal handlers (main thread), agreement group, ``[ops]`` monitor."""
+        jc = self.job_config
+        self.rank, self.world = _dist_info()
+        self.ops = OpsMonitor(jc)  # validates [ops] first
+        if self.rank == 0:  # nsa-train has taken the lock already: a no-op then
+            from .runlock import check_writable, lock_dump_folder
+
+            check_writable(jc)
+            self._lock = lock_dump_folder(jc.job.dump_folder)
+        if jc.ops.halt_on_sigterm and threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._old_handlers[sig] = signal.signal(sig, self.on_signal)
+        d = torch.distributed
+        if self.world > 1 and d.is_available() and d.is_initialized():
+            # CPU-side agreement on halting: no GPU sync, every rank calls this in the same order
+            self._group = d.new_group(backend="gloo")
+        self.ops.attach(self)
+        self.ops.start()
+        halt = " or ".join(x for x in ((f"file {self.halt_path}" if self.halt_path else ""),
+                                         ("SIGTERM/Ctrl-C" if jc.ops.halt_on_sigterm else "")) if x) or "off"
+        log.info(f"ops: rank {self.rank}: halt: {halt}; non-finite guard "
+                 f"{'on' if jc.ops.halt_on_nonfinite else 'off'}")
+
+    def close(self) -> None:
+        super().close()
+        self.stop_run_control()
+
+    def stop_run_control(self) -> None:
+        if self.ops is not None:
+            self.ops.close()
+        if threading.current_thread() is threading.main_thread():
+            for sig, old in self._old_handlers.items():
+                signal.signal(sig, old)
+        self._old_handlers.clear()
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+        if self._group is not None:
+            try:
+                torch.distributed.destroy_process_group(self._group)
+            except Exception:
+                pass
+            self._group = None
+        if self.halted_at is not None:
+            ck = self.job_config.checkpoint
+            where = (f"checkpoint: {os.path.join(self.job_config.job.dump_folder, ck.folder, f'step-{self.halted_at}')}; "
+                     "rerun the same command to resume" if ck.enable
+                     else "no checkpoint ([checkpoint] enable = false): a rerun starts from the beginning")
+            log.warning(f"ops: halted after step {self.halted_at} ({self.halt_reason}); {where}")
+
+    # ------------------------------------------------------------------ the loop
+    def train_step(self, data_iterator):
+        super().train_step(data_iterator)
+        self.end_of_step(self.step)
+
+    def should_continue_training(self) -> bool:
+        return self.halted_at is None and super().should_continue_training()
+
+    # ------------------------------------------------------------------ halt / non-finite
+    def on_signal(self, signum, frame) -> None:
+        """SIGTERM / SIGINT: halt after this step; a second one: the signal's default action, now."""
+        self._signals += 1
+        if self._signals > 1:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self.halt_requested = signal.Signals(signum).name
+        if signum == signal.SIGINT:
+            log.warning("ops: Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again: stop at once)")
+
+    def grads_finite(self) -> bool:
+        """Every gradient of this rank's model parts is finite (one fused norm, one host sync)."""
+        grads = [p.grad for m in (getattr(self, "model_parts", None) or []) for p in m.parameters()
+                 if p.grad is not None]
+        grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        if not grads:
+            return True
+        return bool(torch.stack([n.float() for n in torch._foreach_norm(grads)]).sum().isfinite())
+
+    def halt_wanted(self) -> str | None:
+        """Why this rank wants to halt (a signal or the halt file), or None."""
+        if self.halt_requested:
+            return self.halt_requested
+        if self.halt_path and os.path.exists(self.halt_path):
+            return f"halt file {self.halt_path}"
+        return None
+
+    def agree(self, reason: str | None, bad: bool) -> tuple[str | None, bool]:
+        """Every rank's (halt reason, non-finite) after one MAX all-reduce (one rank: unchanged)."""
+        if self._group is None:
+            return reason, bad
+        t = torch.tensor([reason is not None, bad], dtype=torch.int32)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self._group)
+        if t[0].item() and reason is None:
+            reason = "requested on another rank"
+        return reason, bool(t[1].item())
+
+    def end_of_step(self, step: int) -> None:
+        """After the optimizer step of ``step``, before its checkpoint: stop on a non-finite step
+        (:class:`NonFiniteError`), or halt after this step with a full checkpoint."""
+        bad = self.job_config.ops.halt_on_nonfinite and not self.grads_finite()
+        reason, bad = self.agree(self.halt_wanted(), bad)
+        if bad:
+            self.stop_nonfinite(step)
+        if reason is None:
+            return
+        self.consume_halt_file()
+        if step >= self.job_config.training.steps:  # the last step: the run ends normally anyway
+            return
+        self.halt_reason, self.halted_at = reason, step
+        ckpt = getattr(self, "checkpointer", None)
+        if isinstance(ckpt, checkpoint.NSACheckpointManager):
+            ckpt.halt_step = step  # saved now as a full "last step" checkpoint, which resumes
+        log.warning(f"ops: halt ({reason}) on rank {self.rank}: stopping after step {step}, saving a checkpoint")
+
+    def stop_nonfinite(self, step: int) -> None:
+        path, _ = self.ops.write_dump(f"non-finite loss or gradient norm at step {step}",
+                                      self.ops.stacks_now(), step)
+        ck = self.job_config.checkpoint
+        folder = os.path.join(self.job_config.job.dump_folder, ck.folder)
+        steps = sorted(int(n[5:]) for n in (os.listdir(folder) if ck.enable and os.path.isdir(folder) else [])
+                       if re.fullmatch(r"step-\d+", n) and os.path.isfile(os.path.join(folder, n, ".metadata")))
+        last = (f"the last checkpoint is {os.path.join(folder, f'step-{steps[-1]}')} (finite)" if steps
+                else "no checkpoint was saved")
+        msg = (f"step {step}: the loss or the gradient norm is not finite (NaN/inf); stopped before saving "
+               f"anything of this step; {last}; ops dump {path}. Resume with a lower --optimizer.lr, "
+               f"--training.max_norm or another seed ([ops] halt_on_nonfinite = false trains on)")
+        log.error(f"ops: {msg}")
+        self.halted_at = None
+        raise NonFiniteError(msg)
+
+    def consume_halt_file(self) -> None:
+        """Rank 0 removes the halt file (all ranks have read it: the agreement came first), so
+        rerunning the same command does not halt again."""
+        if self.rank == 0 and self.halt_path and os.path.exists(self.halt_path):
+            try:
+                os.remove(self.halt_path)
+            except OSError:
+                pass

@@ -1,0 +1,190 @@
+"""NSATrainer (nsa_flex/titan/trainer.py) and the torchtitan patches that remain.
+
+* unit: the halt logic (halt file, SIGTERM, first Ctrl-C) stops the loop through
+  ``should_continue_training`` and forces a full checkpoint of the halt step, never touching
+  ``training.steps``; the non-finite guard raises before the save, naming the step and the last
+  complete checkpoint; the version gate;
+* upstream guards: each remaining patch has a test asserting that torchtitan still lacks what the
+  patch works around (it fails, and the patch can go, once upstream has it).
+"""
+
+import dataclasses
+import inspect
+import signal
+import types
+
+import pytest
+import torch
+
+from nsa_flex.titan import checkpoint as ck
+from nsa_flex.titan import ops
+from nsa_flex.titan.job_config import Ops
+from nsa_flex.titan.trainer import NSATrainer, VersionError, check_versions
+
+
+def _jc(tmp_path, steps=10, **ops_over):
+    return types.SimpleNamespace(
+        ops=Ops(stall_timeout_s=0.0, dump_on_sigusr1=False, halt_on_sigterm=False, **ops_over),
+        job=types.SimpleNamespace(dump_folder=str(tmp_path)), training=types.SimpleNamespace(steps=steps),
+        checkpoint=types.SimpleNamespace(enable=True, last_save_model_only=True, folder="checkpoint"))
+
+
+class _Manager(ck.NSACheckpointManager):
+    """The subclass's save logic on a manager without torchtitan's state (no DCP)."""
+
+    def __init__(self, last_save_model_only=True):
+        self.last_save_model_only = last_save_model_only
+        self.saved = []
+
+
+def _trainer(jc, model=None):
+    """An NSATrainer with the run-control state only (torchtitan's __init__ builds a whole run)."""
+    tr = NSATrainer.__new__(NSATrainer)
+    tr.init_run_control(jc)
+    tr.step = 0
+    tr.model_parts = [model] if model is not None else []
+    tr.checkpointer = _Manager()
+    tr.ops = ops.OpsMonitor(jc)
+    return tr
+
+
+def test_halt_file_and_signals_stop_after_the_step_with_a_full_checkpoint(tmp_path, monkeypatch):
+    saves = []
+    monkeypatch.setattr(ck, "save_checked", lambda m, orig, step, last: saves.append(
+        (step, last, m.last_save_model_only)))
+    jc = _jc(tmp_path, steps=5)
+    tr = _trainer(jc)
+    tr.step = 1
+    tr.end_of_step(1)
+    assert tr.halted_at is None and tr.should_continue_training()
+    (tmp_path / "HALT").write_text("")
+    tr.end_of_step(5)  # the last step: nothing to cut, the file is consumed
+    assert tr.halted_at is None and not (tmp_path / "HALT").exists()
+
+    jc.training.steps = 10
+    (tmp_path / "HALT").write_text("")
+    tr.step = 6
+    tr.end_of_step(6)
+    assert tr.halted_at == 6 and tr.halt_reason == f"halt file {tmp_path / 'HALT'}"
+    assert jc.training.steps == 10 and not (tmp_path / "HALT").exists()  # the config is never rewritten
+    assert not tr.should_continue_training()
+    tr.checkpointer.save(6, last_step=False)  # the loop's save of the halt step: full, "last step"
+    tr.checkpointer.save(4, last_step=False)
+    assert saves == [(6, True, False), (4, False, False)]
+
+    for sig, step in ((signal.SIGTERM, 7), (signal.SIGINT, 8)):  # a first Ctrl-C = SIGTERM
+        tr2 = _trainer(jc)
+        tr2.on_signal(sig, None)
+        tr2.step = step
+        tr2.end_of_step(step)
+        assert (tr2.halted_at, tr2.halt_reason, tr2.checkpointer.halt_step) == (step, sig.name, step)
+        assert not tr2.should_continue_training() and jc.training.steps == 10
+
+
+def test_nonfinite_gradients_stop_before_the_save(tmp_path):
+    """A NaN gradient after the optimizer step: a dump of that step, NonFiniteError naming the step
+    and the last complete checkpoint; finite gradients pass; the guard off trains on."""
+    jc = _jc(tmp_path)
+    for step in (2, 4):
+        (tmp_path / "checkpoint" / f"step-{step}").mkdir(parents=True)
+        (tmp_path / "checkpoint" / f"step-{step}" / ".metadata").write_text("")
+    (tmp_path / "checkpoint" / "step-6").mkdir()  # partial: not named as the last checkpoint
+    model = torch.nn.Linear(3, 2)
+    model(torch.ones(1, 3)).sum().backward()
+    tr = _trainer(jc, model)
+    tr.end_of_step(4)  # finite
+    model.weight.grad[0, 1] = float("inf")
+    with pytest.raises(ops.NonFiniteError) as e:
+        tr.end_of_step(5)
+    dump = tmp_path / "stalls" / "step-5-rank-0.txt"
+    assert "step 5: the loss or the gradient norm is not finite" in str(e.value)
+    assert f"the last checkpoint is {tmp_path / 'checkpoint' / 'step-4'} (finite)" in str(e.value)
+    assert str(dump) in str(e.value) and dump.read_text().startswith("nsa-flex ops dump: non-finite")
+    jc.ops.halt_on_nonfinite = False
+    tr.end_of_step(6)
+    assert tr.halted_at is None
+
+
+def test_version_gate():
+    check_versions()  # the installed versions are the supported ones
+    with pytest.raises(VersionError, match=r"torchtitan 0\.3\.0 is installed, nsa_flex.titan needs torchtitan==0\.2\.2"):
+        check_versions(titan_version="0.3.0")
+    with pytest.raises(VersionError, match=r"torch 2\.15\.0 is installed, nsa_flex.titan needs torch>=2\.11,<2\.15"):
+        check_versions(torch_version="2.15.0")
+    with pytest.raises(VersionError, match=r"torch 2\.10\.1\+cu126"):
+        check_versions(torch_version="2.10.1+cu126")
+
+
+# ----------------------------------------------------------------------------- upstream guards
+def test_upstream_builds_the_checkpoint_manager_inline():
+    """checkpoint.adopt: torchtitan's Trainer builds CheckpointManager itself, with no TrainSpec or
+    Trainer hook for another class. When a hook appears, build NSACheckpointManager through it."""
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.protocols.train_spec import TrainSpec
+    from torchtitan.train import Trainer
+
+    assert "CheckpointManager(" in inspect.getsource(Trainer.__init__)
+    assert not [f.name for f in dataclasses.fields(TrainSpec) if "checkpoint" in f.name]
+    assert not [n for n in dir(Trainer) if "checkpoint" in n and callable(getattr(Trainer, n))]
+    m = CheckpointManager.__new__(CheckpointManager)
+    assert isinstance(ck.adopt(m), ck.NSACheckpointManager) and type(m) is ck.NSACheckpointManager
+
+
+def test_upstream_main_takes_no_arguments():
+    """train.titan_parses: torchtitan's main(trainer_class) has no argv parameter and parse_args'
+    default is sys.argv[1:] bound at import time (pytorch/torchtitan PR 3725 reads it at call time)."""
+    from torchtitan.config import ConfigManager
+    from torchtitan.train import main
+
+    from nsa_flex.titan.train import titan_parses
+
+    assert list(inspect.signature(main).parameters) == ["trainer_class"]
+    assert "config_manager.parse_args()" in inspect.getsource(main)
+    default = inspect.signature(ConfigManager.parse_args).parameters["args"].default
+    assert isinstance(default, list)
+    with titan_parses(["--x"]):
+        assert ConfigManager.parse_args.__defaults__ == (["--x"],)
+    assert ConfigManager.parse_args.__defaults__ == (default,)
+
+
+def test_upstream_validator_reads_only_its_dataset_table():
+    """validate.NSAValidator sets Validator.__init__'s state itself: torchtitan's Validator builds
+    its loader with build_text_validation_dataloader, unexposed to the TrainSpec (pytorch/torchtitan
+    PR 1362). The state must stay the same set of attributes."""
+    import re
+
+    from torchtitan.components.validate import Validator
+
+    from nsa_flex.titan.validate import NSAValidator
+
+    upstream = inspect.getsource(Validator.__init__)
+    ours = inspect.getsource(NSAValidator.__init__)
+    assert "build_text_validation_dataloader(" in upstream
+    attrs = lambda src: set(re.findall(r"self\.(\w+) =", src))  # noqa: E731
+    assert attrs(upstream) == attrs(ours)
+
+
+def test_upstream_model_log_line_and_no_cudagraphs_by_default():
+    """console.ConsoleFilter rewrites torchtitan's "Building <model> <flavor>with {json}" line;
+    parallelize.check_no_cudagraphs relies on inductor's cudagraphs being off by default and
+    llama3's apply_compile passing no mode."""
+    import torch._inductor.config as inductor_config
+    from torchtitan.models.llama3.infra.parallelize import apply_compile
+    from torchtitan.train import Trainer
+
+    from nsa_flex.titan.parallelize import CompileConfigError, check_no_cudagraphs
+
+    src = inspect.getsource(Trainer.__init__)
+    assert 'f"Building {job_config.model.name} {job_config.model.flavor}"' in src
+    assert "json.dumps(dataclasses.asdict(model_args)" in src
+    assert "mode=" not in inspect.getsource(apply_compile)
+    check_no_cudagraphs("inductor")
+    with pytest.raises(CompileConfigError, match="compile.backend='cudagraphs'"):
+        check_no_cudagraphs("cudagraphs")
+    saved = inductor_config.triton.cudagraphs
+    inductor_config.triton.cudagraphs = True
+    try:
+        with pytest.raises(CompileConfigError, match="triton.cudagraphs is on"):
+            check_no_cudagraphs("inductor")
+    finally:
+        inductor_config.triton.cudagraphs = saved
