@@ -10,38 +10,41 @@ PackedTokenDataset mixes either.
 """
 
 import random
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from .passkey import MULTIKEY_NAMES, PasskeyCorpus, multikey_document
 
 
+@dataclass(eq=False)
 class RetrievalCorpus:
     """Passkey and multi-key documents of ``length`` tokens over real-text filler.
 
     ``texts(i, max_chars)``: the text of unit i (at least its first ``max_chars`` characters),
     ``n_texts`` units."""
 
-    def __init__(self, tokenizer, length: int, texts: Callable[[int, int], str], n_texts: int, seed: int = 0,
-                 split: str = "train", multikey_share: float = 0.5, n_keys: int = 4):
-        self.tok = tokenizer
-        self.length = length
-        self.texts = texts
-        self.n_texts = n_texts
-        self.seed = seed
-        self.split = split
-        self.multikey_share = multikey_share
-        self.n_keys = n_keys
-        self.passkey = PasskeyCorpus(tokenizer, length, seed=seed, split=split)
-        if multikey_share > 0:  # the longest names must fit: fail now, not at the first multi-key document
-            longest = sorted(MULTIKEY_NAMES, key=len)[-n_keys:]
-            multikey_document(tokenizer, length, longest, [99999] * n_keys, [0.0] * n_keys, [0] * length)
+    tokenizer: Any
+    length: int
+    texts: Callable[[int, int], str]
+    n_texts: int
+    seed: int = 0
+    split: str = "train"
+    multikey_share: float = 0.5
+    n_keys: int = 4
+    passkey: PasskeyCorpus = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.passkey = PasskeyCorpus(self.tokenizer, self.length, seed=self.seed, split=self.split)
+        if self.multikey_share > 0:  # the longest names must fit: fail now, not at the first multi-key document
+            n, longest = self.n_keys, sorted(MULTIKEY_NAMES, key=len)[-self.n_keys:]
+            multikey_document(self.tokenizer, self.length, longest, [99999] * n, [0.0] * n, [0] * self.length)
 
     def filler(self, rng: random.Random, n: int) -> list[int]:
         """At least ``n`` tokens of real text, from a unit drawn by ``rng`` on."""
         i, toks = rng.randrange(self.n_texts), []
         for _ in range(self.n_texts):
             need = n - len(toks)
-            toks += self.tok.encode(self.texts(i, 4 * need + 256)[: 4 * need + 256])
+            toks += self.tokenizer.encode(self.texts(i, 4 * need + 256)[: 4 * need + 256])
             if len(toks) >= n:
                 return toks
             i = (i + 1) % self.n_texts
@@ -64,5 +67,5 @@ class RetrievalCorpus:
         names = rng.sample(MULTIKEY_NAMES, self.n_keys)
         keys = rng.sample(range(10000, 100000), self.n_keys)
         depths = [rng.random() for _ in range(self.n_keys)]
-        toks, ans = multikey_document(self.tok, self.length, names, keys, depths, filler)
+        toks, ans = multikey_document(self.tokenizer, self.length, names, keys, depths, filler)
         return toks, ans, keys[0]

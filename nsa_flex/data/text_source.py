@@ -8,6 +8,7 @@ number divides by the world size, else every W-th record; each rank tokenizes on
 """
 
 import logging
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from datasets.distributed import split_dataset_by_node
@@ -18,25 +19,25 @@ from .records import LOG_FIRST, SKIP_HINT
 logger = logging.getLogger(__name__)
 
 
+@dataclass(eq=False)
 class HFTextSource:
-    """Tokenized documents (BOS + text + EOS) of a ``datasets`` IterableDataset."""
+    """Tokenized documents (BOS + text + EOS) of a ``datasets`` IterableDataset ``ds`` (this rank's
+    shard of it after :meth:`shard`)."""
 
-    def __init__(self, ds, tokenizer, text_column: str, name: str, files: list[str] | None = None,
-                 skip_bad: bool = False):
-        self._data = ds
-        self.tok = tokenizer
-        self.text_column = text_column
-        self.name = name
-        self.files = files
-        self.skip_bad = skip_bad
-        self.records = 0  # records read in the current pass (empty texts included)
+    ds: Any
+    tokenizer: Any
+    text_column: str
+    name: str
+    files: list[str] | None = None
+    skip_bad: bool = False
+    records: int = field(default=0, init=False)  # records read in the current pass (empty texts included)
 
     def shard(self, rank: int, world: int) -> None:
         if world > 1:
-            self._data = split_dataset_by_node(self._data, rank=rank, world_size=world)
+            self.ds = split_dataset_by_node(self.ds, rank=rank, world_size=world)
 
     def __iter__(self) -> Iterator[list[int]]:
-        it = iter(self._data)
+        it = iter(self.ds)
         self.records, bad = 0, 0
         while True:
             try:
@@ -60,7 +61,7 @@ class HFTextSource:
                     logger.warning(f"Skipping bad record {bad} of {where}: {why}")
                 continue
             if text.strip():  # an empty text is no document (it would train on BOS/EOS alone)
-                yield self.tok.encode(text, add_bos=True, add_eos=True)
+                yield self.tokenizer.encode(text, add_bos=True, add_eos=True)
 
     def empty_reason(self) -> str:
         """Why a whole pass gave no document (for the error)."""
@@ -71,19 +72,19 @@ class HFTextSource:
     def next_epoch(self) -> None:
         # datasets re-applies a loaded state at the start of an iteration of the same epoch;
         # bump the epoch so the next pass starts from the beginning
-        self._data.set_epoch(self._data.epoch + 1)
+        self.ds.set_epoch(self.ds.epoch + 1)
 
     def restart(self) -> None:
         pass  # a new iteration of a datasets IterableDataset (without a loaded state) starts at the top
 
     def state_dict(self) -> dict[str, Any]:
-        return {"data": self._data.state_dict()}
+        return {"data": self.ds.state_dict()}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         if "data" not in sd:
             raise DatasetError(f"the checkpoint's data state {sorted(sd)} is not that of {self.describe()}: "
                                "it was saved with another dataset")
-        self._data.load_state_dict(sd["data"])
+        self.ds.load_state_dict(sd["data"])
 
     def describe(self) -> str:
         if not self.files:

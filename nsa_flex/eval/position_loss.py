@@ -22,7 +22,6 @@ position_loss.png (one curve; experiments/quality_report.py plots several runs i
 position_loss_meta.json. Model loading and the attention backend: as the needle evaluation.
 """
 
-import argparse
 import csv
 import json
 import math
@@ -32,11 +31,10 @@ import time
 import torch
 import torch.nn.functional as F
 
+from .cli import add_docs_args, add_run_args, resolve_common, task_parser
 from .docs import read_texts, token_sequences
 from .prompts import EvalError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DEFAULT_DOCS = os.path.join(os.path.dirname(ROOT), "shared", "data", "fineweb_edu_sample_150.parquet")
 FIELDS = ("bucket_lo", "bucket_hi", "pos_mid", "n_tokens", "n_docs", "loss", "loss_sem")
 CE_CHUNK = 2048  # positions per cross-entropy chunk: [B, 2048, vocab] fp32 at a time
 
@@ -147,42 +145,19 @@ def evaluate(args) -> dict:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m nsa_flex.eval --task position-loss",
-                                description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help="torchtitan TOML of the run (default with --quick: debug_nsa.toml)")
-    p.add_argument("--checkpoint", help="DCP step-N folder, or a folder of step-N folders (latest)")
-    p.add_argument("--quick", action="store_true",
-                   help="CPU smoke run: debug model (random weights unless --checkpoint), seq 256, 4 documents")
-    p.add_argument("--random-init", action="store_true", help="evaluate random weights (no checkpoint)")
-    p.add_argument("--docs", default=DEFAULT_DOCS, help="held-out documents: parquet / jsonl / txt")
-    p.add_argument("--text-column", default="text")
-    p.add_argument("--join", action="store_true", help="concatenate the documents (EOS after each)")
+    p = task_parser(__doc__, "CPU smoke run: debug model (random weights unless --checkpoint), seq 256, 4 documents",
+                    prog="python -m nsa_flex.eval --task position-loss")
+    add_docs_args(p)
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default 16384; --quick 256)")
     p.add_argument("--max-docs", type=int, default=16, help="sequences evaluated (at most)")
     p.add_argument("--per-octave", type=int, default=2, help="log buckets: edges per doubling")
     p.add_argument("--bucket-width", type=int, help="fixed-width buckets of this many positions instead")
     p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default="float32", help="float32 | bfloat16")
-    p.add_argument("--backend", default="auto", help="auto | reference | flex")
-    p.add_argument("--seed", type=int, default=0, help="random-init seed")
-    p.add_argument("--tag", default="", help="the curve's label")
-    p.add_argument("--out", help="output folder")
-    p.add_argument("--override", action="append", default=[],
-                   help="extra torchtitan config flag, e.g. --override=--nsa.window=64")
-    a = p.parse_args(argv)
-    if not a.out:
-        raise EvalError("--out is required")
+    add_run_args(p, tag_help="the curve's label", override_example="--nsa.window=64")
+    a = resolve_common(p.parse_args(argv))
     if a.quick:
-        a.config = a.config or os.path.join(ROOT, "titan_configs", "debug_nsa.toml")
-        a.device = a.device or "cpu"
         a.seq_len = a.seq_len or 256
         a.max_docs = min(a.max_docs, 4)
-        a.random_init = a.random_init or a.checkpoint is None
-    if not a.config:
-        raise EvalError("--config is required (or --quick)")
-    a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     a.seq_len = a.seq_len or 16384
     return a
 

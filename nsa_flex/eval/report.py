@@ -180,9 +180,7 @@ def _plot_ablation(out: str, runs: list[str], table: list[dict]) -> None:
         ax.set_xlabel("context length (tokens)")
         ax.set_ylabel(f"{kind} accuracy")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "ablation.png"), dpi=110)
-    plt.close(fig)
+    _save(plt, fig, os.path.join(out, "ablation.png"))
 
 
 # ---------------------------------------------------------------------- quality figures
@@ -196,6 +194,14 @@ def _pyplot():
         print("# matplotlib missing: no figure", file=sys.stderr)
         return None
     return plt
+
+
+def _save(plt, fig, path: str) -> bool:
+    """Lays out ``fig``, writes it to ``path`` (110 dpi) and closes it; True (the figure is written)."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 def plot_position_loss(runs: dict[str, list[dict]], path: str, title: str = "",
@@ -222,10 +228,7 @@ def plot_position_loss(runs: dict[str, list[dict]], path: str, title: str = "",
     ax.set_ylabel("validation loss (nats)")
     ax.set_title(title or "loss by position", fontsize=9)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return _save(plt, fig, path)
 
 
 TRAIN_LOSS = "loss_metrics/global_avg_loss"
@@ -269,10 +272,7 @@ def plot_loss_vs_tokens(runs: dict[str, str], path: str, title: str = "") -> boo
     ax.set_ylabel("loss (nats)")
     ax.set_title(title or "loss vs tokens seen", fontsize=9)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return _save(plt, fig, path)
 
 
 def plot_selection(stats: list[dict], blocks: list[dict], path: str, title: str = "") -> bool:
@@ -296,7 +296,4 @@ def plot_selection(stats: list[dict], blocks: list[dict], path: str, title: str 
     for ax in (a0, a1):
         ax.legend(fontsize=6)
     fig.suptitle(title or "top-n selection", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return _save(plt, fig, path)

@@ -30,7 +30,6 @@ selection_L<T>.npz (compressed; ``layer<i>`` int16 [kv heads, T, n_sel], each ro
 ``tokens`` int32 [T]; ``l_sel``, ``n_sel``), selection.png, selection_meta.json.
 """
 
-import argparse
 import csv
 import json
 import os
@@ -39,11 +38,10 @@ import time
 import numpy as np
 import torch
 
+from .cli import add_docs_args, add_run_args, resolve_common, task_parser
 from .docs import read_texts, token_sequences
 from .prompts import EvalError, int_list
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DEFAULT_DOCS = os.path.join(os.path.dirname(ROOT), "shared", "data", "fineweb_edu_sample_150.parquet")
 STATS = ("picks", "adjacent_share", "tile_union", "tile_density", "tile_common")
 
 
@@ -214,40 +212,18 @@ def evaluate(args) -> dict:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m nsa_flex.eval --task selection",
-                                description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help="torchtitan TOML of the run (default with --quick: debug_nsa.toml)")
-    p.add_argument("--checkpoint", help="DCP step-N folder, or a folder of step-N folders (latest)")
-    p.add_argument("--quick", action="store_true", help="CPU smoke run: debug model, random weights, length 256")
-    p.add_argument("--random-init", action="store_true", help="random weights (no checkpoint)")
-    p.add_argument("--docs", default=DEFAULT_DOCS, help="held-out documents: parquet / jsonl / txt")
-    p.add_argument("--text-column", default="text")
-    p.add_argument("--join", action="store_true", help="concatenate the documents (EOS after each)")
+    p = task_parser(__doc__, "CPU smoke run: debug model, random weights, length 256",
+                    prog="python -m nsa_flex.eval --task selection")
+    add_docs_args(p)
     p.add_argument("--lengths", help="sequence lengths (default 32768,65536; --quick 256)")
     p.add_argument("--trace-layers", help="layers saved in the traces (default first, middle, last)")
     p.add_argument("--tile", type=int, default=64, help="rows per tile for the tile statistics")
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default="float32", help="float32 | bfloat16")
-    p.add_argument("--backend", default="auto", help="auto | reference | flex")
-    p.add_argument("--seed", type=int, default=0, help="random-init seed")
-    p.add_argument("--tag", default="", help="figure title")
-    p.add_argument("--out", help="output folder")
-    p.add_argument("--override", action="append", default=[],
-                   help="extra torchtitan config flag, e.g. --override=--nsa.n_sel=8")
-    a = p.parse_args(argv)
-    if not a.out:
-        raise EvalError("--out is required")
-    if a.quick:
-        a.config = a.config or os.path.join(ROOT, "titan_configs", "debug_nsa.toml")
-        a.device = a.device or "cpu"
-        a.lengths = a.lengths or "256"
-        a.random_init = a.random_init or a.checkpoint is None
-    if not a.config:
-        raise EvalError("--config is required (or --quick)")
+    add_run_args(p, tag_help="figure title", override_example="--nsa.n_sel=8")
+    a = resolve_common(p.parse_args(argv))
     if a.dtype not in ("float32", "bfloat16"):
         raise EvalError(f"--dtype: {a.dtype!r} not in ['float32', 'bfloat16']")
-    a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if a.quick:
+        a.lengths = a.lengths or "256"
     a.lengths = a.lengths or "32768,65536"
     return a
 

@@ -106,7 +106,7 @@ def test_local_fineweb_parquet_streams_with_gpt2_offline(offline):
     tok = build_tokenizer_from_name("gpt2")
     assert tok.get_vocab_size() == 50257 and tok.eos_id == 50256
     src = build_source("fineweb_edu", str(FINEWEB), tok, 512)
-    assert isinstance(src._data, datasets.IterableDataset)  # streaming, not materialized
+    assert isinstance(src.ds, datasets.IterableDataset)  # streaming, not materialized
     texts = pq.read_table(FINEWEB, columns=["text"]).slice(0, 40).column("text").to_pylist()
     enc = tiktoken.get_encoding("gpt2")
     stream = []
