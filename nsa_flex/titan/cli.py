@@ -29,6 +29,7 @@ exits 0 only when every check passes (:mod:`nsa_flex.titan.preflight`).
 """
 
 import os
+import re
 import socket
 import sys
 

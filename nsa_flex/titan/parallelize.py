@@ -13,6 +13,7 @@ refused, not switched off behind the user's back: compile backend "cudagraphs" a
 passes no ``mode``) are a :class:`CompileConfigError`.
 """
 
+import torch
 from torch import nn
 
 from torchtitan.config import TORCH_DTYPE_MAP
