@@ -122,8 +122,8 @@ def test_tile_flags_apply_during_the_run_and_are_restored(bench, tmp_path, monke
     seen = {}
 
     def fake_sweep(args, only, modes):
-        seen.update(band=dict(kernel_options.BAND_OPTIONS), packed=dict(kernel_options.PACKED_OPTIONS),
-                    rows=kernel_options.PACK_ROWS, lock=bench.LOCK.path)
+        seen.update(band=dict(kernel_options.BAND_OPTIONS),
+                    packed=dict(kernel_options.PACKED_OPTIONS), rows=kernel_options.PACK_ROWS, lock=bench.LOCK.path)
         return []
 
     monkeypatch.setattr(bench, "sweep", fake_sweep)
