@@ -24,41 +24,39 @@ and end line to stdout (flushed), so a log cut off by `timeout` shows where the 
 is rewritten before every phase (the running item reads "unfinished: <phase>") and after every row.
 Times are medians of triton's do_bench (CUDA events) on fresh random inputs (never zeros),
 rotating between several input sets (passed to the compiled functions as arguments), compile
-excluded.
+excluded (the harness: nsa_flex.bench).
 
---item-limit S arms SIGALRM (setitimer) for S seconds around each phase; on expiry a TimeoutError
-subclass is raised in the main thread, the row gets e.g. error="fwd(no_grad) timeout after 150s
-(first call)", the traceback at that moment goes to errors.log, and the sweep goes on. The signal
-fires again every few seconds until the phase ends, in case a broad `except Exception` (e.g. in
-autotuning) swallows it. Caveat: Python runs the handler only between bytecodes, so a hang inside
-one C call (a CUDA sync on a kernel that never ends, a blocking native call) is not interrupted;
-inductor's compile workers are subprocesses, and waiting on them is interruptible. Use an outer
-`timeout` as well.
+--item-limit S limits each phase to S seconds (nsa_flex.bench.time_limit, SIGALRM); on expiry
+the row gets e.g. error="fwd(no_grad) timeout after 150s (first call)", the traceback at that
+moment goes to errors.log, and the sweep goes on. A hang inside one C call (a CUDA sync on a
+kernel that never ends) is not interrupted; inductor's compile workers are subprocesses, and
+waiting on them is interruptible. Use an outer `timeout` as well.
+
+--band-options / --packed-options / --pack-rows / --sel-rows override the library's tile tables
+for this run only (nsa_flex.bench.kernel_overrides: restored when the sweep ends).
 
 Writes bench.csv, errors.log (tracebacks) and bench.png (speedup against T, and the per-stage
 breakdown at the largest T).
 """
 
 import argparse
-import contextlib
 import csv
+import json
 import math
 import os
-import signal
-import statistics
-import sys
 import time
 from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from masks import MaskContext, get_mask_builder  # noqa: E402
-from nsa_flex import NSAAttention, NSAConfig  # noqa: E402
-from nsa_flex.attention import attend_flex  # noqa: E402
-from nsa_flex.kernel_options import packed_block_size  # noqa: E402
-from nsa_flex.selection import select_topn  # noqa: E402
+from masks import MaskContext, get_mask_builder
+from nsa_flex import NSAAttention, NSAConfig
+from nsa_flex.attention import attend_flex
+from nsa_flex.bench import (Clock, Lazy, PhaseTimeout, Rot, TimingLock, error_line, figure,
+                            first_call, kernel_overrides, median_ms, phase, write_csv as _write)
+from nsa_flex.kernel_options import packed_block_size
+from nsa_flex.selection import select_topn
 
 CONFIGS = {
     "paper": dict(n_heads=64, n_kv_heads=4, d_qk=192, d_v=128, dim=2560),
@@ -94,176 +92,27 @@ LAYER_ITEMS = {"nsa_layer": "nsa_layer", "full_layer": "full_layer", "sdpa_causa
                "flex_causal": "flex_causal", "fla_parallel_nsa_w0": "fla_parallel_nsa"}
 MODES = ("fwd", "fwd_bwd")
 SEL_KERNEL = "auto"  # --sel-kernel: the layer's executor of the selection
-REFIRE_S = 5.0  # after the limit, SIGALRM again every REFIRE_S until the phase ends
 
-T0 = time.perf_counter()
+log = Clock()
 CSV_PATH = None
 ERR_LOG = None
 PROFILE_PATH = ""  # --profile: OUT/kernels.txt
-
-
-def log(msg):
-    print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
-
-
-# ---- per-phase wall-clock limit
-
-class ItemTimeout(TimeoutError):
-    """A phase of an item ran past --item-limit (raised from the SIGALRM handler)."""
-
-
-_fired = [False]  # set by the handler: the running phase hit its limit
-
-
-def _on_alarm(signum, frame):
-    _fired[0] = True
-    raise ItemTimeout()
-
-
-@contextlib.contextmanager
-def time_limit(seconds):
-    """Raise ItemTimeout in the main thread after `seconds` (0: no limit), then every REFIRE_S."""
-    _fired[0] = False
-    if not seconds:
-        yield
-        return
-    old = signal.signal(signal.SIGALRM, _on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds, REFIRE_S)
-    try:
-        yield
-    finally:
-        for _ in range(3):  # a re-fire landing in here raises once more: disarm again
-            try:
-                signal.setitimer(signal.ITIMER_REAL, 0)
-                signal.signal(signal.SIGALRM, old)
-                break
-            except ItemTimeout:
-                pass
-
-
-def phase(what, fn, limit):
-    """fn() under the limit, between a timestamped start and end line; (result, seconds). An
-    error raised after the alarm fired is a timeout too (compilers wrap what they catch)."""
-    log(f"start {what}")
-    t0 = time.perf_counter()
-    try:
-        with time_limit(limit):
-            out = fn()
-    except BaseException as e:
-        log(f"fail  {what} after {time.perf_counter() - t0:.1f}s: {type(e).__name__}")
-        if _fired[0] and not isinstance(e, ItemTimeout):
-            raise ItemTimeout(f"surfaced as {type(e).__name__}") from e
-        raise
-    dt = time.perf_counter() - t0
-    log(f"done  {what} in {dt:.1f}s")
-    return out, dt
-
-
-# ---- timing
-
-def first_call(fn, dev):
-    """The first call: compile (and autotuning) included; its seconds (a wait for the timing
-    lock before it is not counted)."""
-    t0 = time.perf_counter()
-    fn()
-    if dev == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0
-
-
-TIMING_LOCK = ""  # --timing-lock: a file several bench processes lock while they time
-
-
-@contextlib.contextmanager
-def gpu_lock(exclusive: bool):
-    """With TIMING_LOCK set: a shared lock on that file around setup and compile (+ first call),
-    an exclusive one around timing. Processes side by side then compile together, but nobody
-    times while another sets up, compiles or autotunes (GPU work and a busy host: both skewed the
-    timings of session 9's first side-by-side run, experiments/NOTES.md 27)."""
-    if not TIMING_LOCK:
-        yield
-        return
-    import fcntl
-
-    with open(TIMING_LOCK, "a") as lk:
-        fcntl.flock(lk, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        yield
-
-
-def bench(fn, dev, reps=3):
-    """Median ms of fn over fresh calls (fn rotates its own inputs); call first_call before.
-    With TIMING_LOCK set, the timing holds the exclusive lock (gpu_lock)."""
-    if dev == "cuda":
-        from triton.testing import do_bench
-
-        with gpu_lock(exclusive=True):
-            return do_bench(fn, warmup=10, rep=max(50, reps * 10), return_mode="median")
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(ts)
-
-
-class Rot:
-    """Cycle through k input sets so repeated calls don't just hit the cache. Call it outside
-    compiled code: traced, its counter would be a guarded constant (a recompile every call)."""
-
-    def __init__(self, make, k=3):
-        self.sets = [make() for _ in range(k)]
-        self.i = 0
-
-    def __call__(self):
-        self.i += 1
-        return self.sets[self.i % len(self.sets)]
-
-
-class Lazy:
-    """A setup value made on first use and shared by items; a failure (timeout included) is kept,
-    so the items that need it fail at once instead of each retrying it."""
-
-    def __init__(self, make):
-        self.make, self.done, self.val, self.err = make, False, None, None
-
-    def __call__(self):
-        if self.err:
-            raise RuntimeError(f"shared setup failed before: {self.err}")
-        if not self.done:
-            try:
-                self.val = self.make()
-            except BaseException as e:
-                self.err = f"{type(e).__name__}: {str(e)[:150]}".rstrip(": ")
-                raise
-            self.done = True
-        return self.val
+LOCK = TimingLock()  # --timing-lock: bench processes side by side never time at once
+CSV_FIRST = ("config", "T", "stage", "fwd_ms", "fwd_bwd_ms", "peak_GiB", "fwd_first_s",
+             "fwd_bwd_first_s", "setup_s", "item_s", "error")
 
 
 def rnd(*shape, dev, dtype, grad=False):
     return torch.randn(*shape, device=dev, dtype=dtype).requires_grad_(grad)
 
 
-def _fail(name, meta, mode, e, limit=0):
-    """One line for the CSV; the whole traceback to ERR_LOG."""
-    import traceback
-
-    if isinstance(e, ItemTimeout):
-        msg = f"{mode} timeout after {limit:g}s"
-        where = getattr(e, "phase", "")
-        msg += f" ({where})" if where else ""
-    else:
-        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
-        msg = f"{mode} {type(e).__name__}: {first}".rstrip(": ")
-    if ERR_LOG:
-        with open(ERR_LOG, "a") as f:
-            f.write(f"==== {meta['config']} T={meta['T']} {name} {mode}: {msg}\n"
-                    f"{traceback.format_exc()}\n")
-    return msg
-
-
 def save(rows):
     if CSV_PATH:
         write_csv(rows, CSV_PATH)
+
+
+def write_csv(rows, path):
+    _write(rows, path, first=CSV_FIRST)
 
 
 def profile_kernels(fn, title, calls=3, top=25):
@@ -289,12 +138,6 @@ def profile_kernels(fn, title, calls=3, top=25):
             f.write(f"  {d / calls:9.3f} ms  {n // calls:4d}x  {name[:150]}\n")
 
 
-def locked(fn, *args):
-    """fn(*args) under the shared side of the timing lock (setup, compile)."""
-    with gpu_lock(exclusive=False):
-        return fn(*args)
-
-
 def timed(name, make, with_bwd, dev, rows, meta, modes=MODES, limit=0):
     """One item: setup (make() -> fwd; fwd() returns an output), then for each mode its first
     call (compile included) and its timing, each phase under `limit` seconds. fwd: inference
@@ -315,17 +158,18 @@ def timed(name, make, with_bwd, dev, rows, meta, modes=MODES, limit=0):
             fn()
             return True
         except Exception as e:  # keep the sweep going; the CSV says what failed
-            errs.append(_fail(name, meta, label, e, limit))
-            timeouts.append(isinstance(e, ItemTimeout))
+            errs.append(error_line(label, e, limit, ERR_LOG or "",
+                                   f"{meta['config']} T={meta['T']} {name}"))
+            timeouts.append(isinstance(e, PhaseTimeout))
             return False
 
     def run_mode(key, label, fn, grad):
         with torch.enable_grad() if grad else torch.no_grad():
-            for what, run in (("compile+first call", lambda: locked(first_call, fn, dev)),
-                              ("timing", lambda: bench(fn, dev))):
+            for what, run in (("compile+first call", lambda: LOCK.shared(first_call, fn, dev)),
+                              ("timing", lambda: median_ms(fn, dev, lock=LOCK))):
                 try:
-                    out, dt = phase(f"{where} {label} {what}", run, limit)
-                except ItemTimeout as e:
+                    out, dt = phase(f"{where} {label} {what}", run, limit, log)
+                except PhaseTimeout as e:
                     e.phase = what
                     raise
                 if what == "compile+first call":
@@ -333,12 +177,12 @@ def timed(name, make, with_bwd, dev, rows, meta, modes=MODES, limit=0):
                 else:
                     rec[f"{key}_ms"] = out
             if PROFILE_PATH and dev == "cuda":
-                with gpu_lock(exclusive=True):  # kernel times, like timings, from a quiet GPU
+                with LOCK.hold(exclusive=True):  # kernel times, like timings, from a quiet GPU
                     profile_kernels(fn, f"{where} {label}")
 
     got = []
-    if attempt("setup", lambda: got.append(phase(f"{where} setup", lambda: locked(make),
-                                                 limit))):
+    if attempt("setup", lambda: got.append(phase(f"{where} setup", lambda: LOCK.shared(make),
+                                                 limit, log))):
         fwd, rec["setup_s"] = got[0]
 
         def fb():
@@ -366,17 +210,6 @@ def timed(name, make, with_bwd, dev, rows, meta, modes=MODES, limit=0):
     print(f"{meta['config']:6s} T={meta['T']:6d} {name:22s} fwd {fmt('fwd_ms')} ms  "
           f"fwd+bwd {fmt('fwd_bwd_ms')} ms  {rec.get('error', '')}", flush=True)
     return rec
-
-
-def write_csv(rows, path):
-    first = ("config", "T", "stage", "fwd_ms", "fwd_bwd_ms", "peak_GiB", "fwd_first_s",
-             "fwd_bwd_first_s", "setup_s", "item_s", "error")
-    keys = sorted({k for r in rows for k in r},
-                  key=lambda k: (first.index(k) if k in first else len(first), k))
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
-        w.writeheader()
-        w.writerows(rows)
 
 
 # ---- the items
@@ -561,15 +394,12 @@ def run_config(cname, T, dev, dtype, rows, stages, baselines, compile_=True, onl
 
 
 def plot(rows, path):
-    try:
-        import matplotlib
+    with figure(path, 2, size=(13, 4.8)) as fig:
+        if fig is not None:
+            _plot(rows, fig[1])
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot")
-        return
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+
+def _plot(rows, axes):
     ax = axes[0]
     for cname in sorted({r["config"] for r in rows}):
         for mode in ("fwd_ms", "fwd_bwd_ms"):
@@ -612,9 +442,6 @@ def plot(rows, path):
         ax.set_ylabel("ms")
         ax.set_title(f"per-stage time, {cname}, T={Tmax}")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print("wrote", path)
 
 
 def merge(paths, out):
@@ -687,20 +514,22 @@ def main(argv=None):
     ap.add_argument("--band-options", default="",
                     help="JSON kernel_options for the non-packed flex calls of the layer and the "
                          "stages (compressed, forced bands, window), e.g. "
-                         "'{\"bwd_num_warps\": 8, \"bwd_BLOCK_M1\": 32}': sets "
-                         "nsa_flex.kernel_options.BAND_OPTIONS for the paper config's head dim")
+                         "'{\"bwd_num_warps\": 8, \"bwd_BLOCK_M1\": 32}': overrides "
+                         "nsa_flex.kernel_options.BAND_OPTIONS for the head dim of each --configs "
+                         "entry during the run")
     ap.add_argument("--packed-options", default="",
-                    help="JSON overrides of the packed selection call's kernel_options: sets "
-                         "nsa_flex.kernel_options.PACKED_OPTIONS for the paper config's head dim")
+                    help="JSON overrides of the packed selection call's kernel_options: overrides "
+                         "nsa_flex.kernel_options.PACKED_OPTIONS for the head dim of each "
+                         "--configs entry during the run")
     ap.add_argument("--sel-kernel", default="auto", choices=("auto", "flex", "triton"),
                     help="NSAConfig.sel_kernel of the layer items (attn_selected always runs auto, "
                          "attn_selected_flex flex)")
     ap.add_argument("--sel-rows", type=int, default=0,
-                    help="rows of the selected-attention op's q block (positions x G): sets "
-                         "nsa_flex.ops.selected_triton.ROWS")
+                    help="rows of the selected-attention op's q block (positions x G): overrides "
+                         "nsa_flex.ops.selected_triton.ROWS during the run")
     ap.add_argument("--pack-rows", type=int, default=0,
-                    help="rows of a packed selection q block at least (a multiple of 16): sets "
-                         "nsa_flex.kernel_options.PACK_ROWS (positions per block = lcm(G, rows)/G)")
+                    help="rows of a packed selection q block at least (a multiple of 16): overrides "
+                         "nsa_flex.kernel_options.PACK_ROWS during the run (positions per block = lcm(G, rows)/G)")
     ap.add_argument("--timing-lock", default="",
                     help="file locked while timing: bench processes run side by side (compiles "
                          "overlap, GPU timings never do)")
@@ -716,38 +545,27 @@ def main(argv=None):
     if args.merge:
         return merge(args.merge.split(","), args.out)
     only = set(_names(args.only, ITEMS, "--only", ap))
-    global TIMING_LOCK
-    TIMING_LOCK = args.timing_lock
+    modes = _names(args.modes, MODES, "--modes", ap)
+    global LOCK, SEL_KERNEL
+    LOCK = TimingLock(args.timing_lock)
+    SEL_KERNEL = args.sel_kernel
     # items compile flex calls on their own, before any layer exists (the layer installs it too)
     from nsa_flex.kernel_options import install_flex_patches
 
     install_flex_patches()
-    if args.band_options or args.packed_options:
-        import json
+    if args.pack_rows and (args.pack_rows < 0 or args.pack_rows % 16):
+        ap.error(f"--pack-rows must be a positive multiple of 16, got {args.pack_rows}")
+    tables = {}
+    for key, given in (("band", args.band_options), ("packed", args.packed_options)):
+        if given:
+            opts = json.loads(given)
+            tables[key] = {config_args(c)["d_qk"]: opts for c in args.configs.split(",")}
+    with kernel_overrides(**tables, pack_rows=args.pack_rows, sel_rows=args.sel_rows, log=log):
+        return sweep(args, only, modes)
 
-        from nsa_flex import kernel_options
 
-        for given, table in ((args.band_options, kernel_options.BAND_OPTIONS),
-                             (args.packed_options, kernel_options.PACKED_OPTIONS)):
-            for cname in args.configs.split(",") if given else ():
-                table[config_args(cname)["d_qk"]] = json.loads(given)
-        log(f"kernel_options: band {kernel_options.BAND_OPTIONS}, "
-            f"packed {kernel_options.PACKED_OPTIONS}")
-    global SEL_KERNEL
-    SEL_KERNEL = args.sel_kernel
-    if args.sel_rows:
-        from nsa_flex.ops import selected_triton
-
-        selected_triton.ROWS = args.sel_rows
-        log(f"selected_triton: ROWS {args.sel_rows}")
-    if args.pack_rows:
-        from nsa_flex import kernel_options
-
-        if args.pack_rows < 0 or args.pack_rows % 16:
-            ap.error(f"--pack-rows must be a positive multiple of 16, got {args.pack_rows}")
-        kernel_options.PACK_ROWS = args.pack_rows
-        log(f"kernel_options: PACK_ROWS {args.pack_rows}")
-    modes = _names(args.modes, MODES, "--modes", ap)
+def sweep(args, only, modes):
+    """The sweep main() parsed: every (config, T), then layer.csv, the plot and a summary."""
     os.makedirs(args.out, exist_ok=True)
     dev = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
     if args.quick:

@@ -45,18 +45,16 @@ Output: <out>/bench_decode.csv (rewritten after every row), <out>/bench_decode.p
 """
 
 import argparse
-import csv
 import math
 import os
 import statistics
-import sys
 import time
 import traceback
 
 import torch
 import torch.nn.functional as F
 
-
+from nsa_flex.bench import capture_graph, figure, median_ms, write_csv
 from nsa_flex.config import NSAConfig
 from nsa_flex.compression import PHI
 from nsa_flex.inference.cache import NSACache
@@ -108,6 +106,7 @@ def launch_opts(o: dict, device) -> dict:
 class Timer:
     def __init__(self, device, reps: int):
         self.cuda = device.type == "cuda"
+        self.device = device
         self.reps = reps
 
     def __call__(self, fn, graph: bool) -> float:
@@ -116,32 +115,13 @@ class Timer:
         for _ in range(3):
             fn()
         if not self.cuda:
-            ts = []
-            for _ in range(self.reps):
-                t0 = time.perf_counter()
-                fn()
-                ts.append(time.perf_counter() - t0)
-            return statistics.median(ts)
+            return median_ms(fn, self.device, reps=self.reps) / 1e3
         torch.cuda.synchronize()
         call, g = fn, None
         if graph:
             g, _ = capture_graph(fn, warmup=2)
             call = g.replay
-        try:
-            from triton.testing import do_bench
-
-            ms = do_bench(call, warmup=25, rep=max(50, self.reps), return_mode="median")
-        except ImportError:  # CUDA events, L2 flushed by a 256 MB write before every call
-            flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
-            ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(self.reps)]
-            for a, b in ev:
-                flush.zero_()
-                a.record()
-                call()
-                b.record()
-            torch.cuda.synchronize()
-            ms = statistics.median(a.elapsed_time(b) for a, b in ev)
+        ms = median_ms(call, self.device, reps=self.reps, warmup=25, rep_ms=max(50, self.reps))
         del g
         return ms / 1e3
 
@@ -408,31 +388,14 @@ def bench_one(cfg: NSAConfig, S: int, B: int, device, dtype, timer: Timer, graph
     return row
 
 
-def capture_graph(fn, warmup: int):
-    """(CUDA graph of one fn() call, its output): warm-up calls on a side stream first, as
-    torch.cuda.graphs asks."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
-
-
 def plot(rows, path):
-    try:
-        import matplotlib
+    with figure(path, 2) as fig:
+        if fig is not None:
+            _plot(rows, *fig)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot", file=sys.stderr)
-        return
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+
+def _plot(rows, fig, axes):
+    ax, ax2 = axes
     sfx = "_graph_ms" if any("nsa_torch_graph_ms" in r for r in rows) else "_ms"
     for B in sorted({r["batch"] for r in rows}):
         rs = sorted((r for r in rows if r["batch"] == B), key=lambda r: r["S"])
@@ -457,19 +420,6 @@ def plot(rows, path):
     r0 = rows[0]
     mode = "CUDA graphs" if sfx == "_graph_ms" else "eager"
     fig.suptitle(f"NSA vs full-attention decode, one layer ({r0['device']}, {r0['dtype']}, {mode})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
-
-
-def write_csv(rows, path):
-    keys = []
-    for r in rows:
-        keys += [k for k in r if k not in keys]
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
-        w.writeheader()
-        w.writerows(rows)
 
 
 def main(argv=None):

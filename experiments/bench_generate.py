@@ -20,12 +20,12 @@ attention,prefill_s,decode_tokens_per_s,device,decode_mode) and prints a table.
 """
 
 import argparse
-import csv
 import os
 import time
 
 import torch
 
+from nsa_flex.bench import sync, write_csv
 from nsa_flex.inference.model import (GraphedDecodeStep, model_decode_step, model_prefill,
                                       new_model_cache, restore_state, snapshot_state)
 from nsa_flex.titan.args import nsa_flex_args
@@ -46,11 +46,6 @@ def build(flavor: str, attention: str, context: int, vocab: int, dev, dtype, bac
     with torch.no_grad():
         model.init_weights()
     return model.to(dev, dtype).eval()
-
-
-def sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def parse_modes(text: str) -> list[str] | str:
@@ -173,10 +168,7 @@ def main(argv=None):
                 print(f"{attn:4s} batch {batch:2d} context {a.context}: prefill {pre:8.3f} s, "
                       f"decode {v:9.1f} tok/s ({mode})", flush=True)
             print(f"  ({time.perf_counter() - t:.0f} s)", flush=True)
-            with open(path, "w", newline="") as f:  # after every row: a cut-off run keeps its rows
-                w = csv.DictWriter(f, fieldnames=FIELDS)
-                w.writeheader()
-                w.writerows(rows)
+            write_csv(rows, path, fields=FIELDS)  # after every row: a cut-off run keeps its rows
         del model
         if dev.type == "cuda":
             torch.cuda.empty_cache()

@@ -13,7 +13,7 @@
 set -u
 OUT=${1:?out dir}; BUDGET=${2:-560}; mkdir -p "$OUT"
 W=$(mktemp -d "${TMPDIR:-/tmp}/perf_gpu_run.XXXXXX")/work; mkdir -p "$W"
-export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1  # the repo root: nsa_flex, masks
 say() { echo "$@" | tee -a "$OUT/summary.txt"; }
 pack() { tar czf "$OUT/perf.tgz.part" -C "$W/.." work && mv "$OUT/perf.tgz.part" "$OUT/perf.tgz"; }
 step() {  # cap_s name cmd... ; the command gets --out $W/name, its output goes to $W/name.log

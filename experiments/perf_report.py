@@ -17,10 +17,8 @@ while other processes compiled, before the shared/exclusive timing lock, were re
 import argparse
 import csv
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_attention import LAYER_ITEMS  # noqa: E402
+from bench_attention import LAYER_ITEMS  # experiments/ is on sys.path: a script
 
 
 def read(path):

@@ -24,12 +24,11 @@ import os
 import shutil
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from nsa_flex.eval.position_loss import read_rows  # noqa: E402
-from nsa_flex.eval.report import (TRAIN_LOSS, loss_curves, plot_heatmap, plot_loss_vs_tokens,  # noqa: E402
+from nsa_flex.eval.position_loss import read_rows
+from nsa_flex.eval.report import (TRAIN_LOSS, loss_curves, plot_heatmap, plot_loss_vs_tokens,
                                   plot_position_loss, read_metrics, summarize)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 VARIANTS = ("nsa", "full_causal", "sliding_only")
 WINDOW = 512  # the sliding window of the 125M flavor (positions beyond it need the other branches)

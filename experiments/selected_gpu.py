@@ -11,17 +11,16 @@ trace file (`--trace PATH.npz`, int16 top-n indices [layers, Hkv, T, n] of a tra
 """
 
 import argparse
-import csv
 import math
 import os
 import time
 
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench
 
 from masks import MaskContext, get_mask_builder
 from nsa_flex.attention import attend_flex, attend_reference
+from nsa_flex.bench import kernel_overrides, median_ms, write_csv as _write
 from nsa_flex.config import NSAConfig
 from nsa_flex.ops import selected_triton
 from nsa_flex.rules import random_topn
@@ -121,14 +120,6 @@ def _op_with(xs, spec, heavy, split):
                                               split_tiles=split)
 
 
-def _write(rows, path):
-    keys = list(dict.fromkeys(k for r in rows for k in r))
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
-        w.writeheader()
-        w.writerows(rows)
-
-
 def load_trace(path, T, Hkv, n, layer):
     import numpy as np
 
@@ -181,12 +172,12 @@ def timing(out_dir, shapes, rows_list, trace):
         def run(fn, mode):
             if mode == "fwd":
                 with torch.no_grad():
-                    return do_bench(lambda: fn(*nxt()), warmup=50, rep=300, return_mode="median")
+                    return median_ms(lambda: fn(*nxt()), "cuda", warmup=50, rep_ms=300)
 
             def step():
                 o = fn(*nxt())
                 o.backward(do)
-            return do_bench(step, warmup=50, rep=300, return_mode="median", grad_to_none=None)
+            return median_ms(step, "cuda", warmup=50, rep_ms=300)
 
         sd = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=True), fullgraph=True)
@@ -198,36 +189,37 @@ def timing(out_dir, shapes, rows_list, trace):
         for sname, idx in sels:
             for ex in ["flex"] + [f"triton{r}" for r in rows_list]:
                 torch._dynamo.reset()
-                if ex.startswith("triton"):
-                    selected_triton.ROWS = int(ex[6:])
-                kern = "flex" if ex == "flex" else "triton"
-                tag = dict(shape=shape, T=T, executor=kern, rows=ex[6:] if kern == "triton" else "",
-                           selection=sname)
+                rows_ = int(ex[6:]) if ex.startswith("triton") else 0
+                # the op's q-block rows for this executor, restored after
+                with kernel_overrides(sel_rows=rows_, log=log):
+                    kern = "flex" if ex == "flex" else "triton"
+                    tag = dict(shape=shape, T=T, executor=kern,
+                               rows=ex[6:] if kern == "triton" else "", selection=sname)
 
-                def f(q, k, v, idx_, kern=kern):  # the mask build inside, as in the layer
-                    return attend_flex(q, k, v, spec_of(cfg, B, T, idx_), sel_kernel=kern)[0]
+                    def f(q, k, v, idx_, kern=kern):  # the mask build inside, as in the layer
+                        return attend_flex(q, k, v, spec_of(cfg, B, T, idx_), sel_kernel=kern)[0]
 
-                cf = torch.compile(f, fullgraph=True, dynamic=False)
-                for mode in ("fwd", "fwd_bwd"):
-                    res.append(_timed(lambda q, k, v: cf(q, k, v, idx), mode, tag, qkv, do, run))
-                    _write(res, os.path.join(out_dir, "selected_time.csv"))
-                if kern == "triton":  # the op alone on a prebuilt BlockMask (eager), and the build
-                    spec = spec_of(cfg, B, T, idx)
-                    G = H // Hkv
-                    P = selected_triton.tile_positions(G)
-                    build = torch.compile(lambda i: spec_of(cfg, B, T, i).block_mask(
-                        B, T, T, device="cuda", block_size=(P * G, cfg.l_sel), q_pack=G),
-                        fullgraph=True, dynamic=False)
-                    bm = build(idx)
-                    ms = do_bench(lambda: build(idx), warmup=20, rep=100, return_mode="median")
-                    res.append(dict(tag, executor="mask_build", mode="fwd", ms=ms))
-                    log(res[-1])
-                    sel = spec.selection[0]
+                    cf = torch.compile(f, fullgraph=True, dynamic=False)
                     for mode in ("fwd", "fwd_bwd"):
-                        res.append(_timed(lambda q, k, v: selected_triton.selected_attention(
-                            q, k, v, sel, cfg.l_sel, bm)[0], mode, dict(tag, executor="op_only"),
-                            qkv, do, run))
-                    _write(res, os.path.join(out_dir, "selected_time.csv"))
+                        res.append(_timed(lambda q, k, v: cf(q, k, v, idx), mode, tag, qkv, do, run))
+                        _write(res, os.path.join(out_dir, "selected_time.csv"))
+                    if kern == "triton":  # the op alone on a prebuilt BlockMask (eager), and the build
+                        spec = spec_of(cfg, B, T, idx)
+                        G = H // Hkv
+                        P = selected_triton.tile_positions(G)
+                        build = torch.compile(lambda i: spec_of(cfg, B, T, i).block_mask(
+                            B, T, T, device="cuda", block_size=(P * G, cfg.l_sel), q_pack=G),
+                            fullgraph=True, dynamic=False)
+                        bm = build(idx)
+                        ms = median_ms(lambda: build(idx), "cuda", warmup=20, rep_ms=100)
+                        res.append(dict(tag, executor="mask_build", mode="fwd", ms=ms))
+                        log(res[-1])
+                        sel = spec.selection[0]
+                        for mode in ("fwd", "fwd_bwd"):
+                            res.append(_timed(lambda q, k, v: selected_triton.selected_attention(
+                                q, k, v, sel, cfg.l_sel, bm)[0], mode, dict(tag, executor="op_only"),
+                                qkv, do, run))
+                        _write(res, os.path.join(out_dir, "selected_time.csv"))
     return res
 
 

@@ -12,13 +12,13 @@ A config that fails to compile (registers, shared memory) gets its error in the 
 """
 
 import argparse
-import csv
 import math
 import os
 import time
 
 import torch
 
+from nsa_flex.bench import median_ms, write_csv
 from nsa_flex.ops import group_slc_scores, topn_blocks
 
 # (block_m, block_n, num_warps, num_stages); round 1 (session 9), the first the old default
@@ -50,8 +50,6 @@ def main(argv=None):
         ap.error(f"--configs: BMxBNxWARPSxSTAGES with positive ints, got {a.configs!r}")
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
-    from triton.testing import do_bench
-
     T, Hq, Hkv, D, l, d, ls, n = a.T, 64, 4, 192, 32, 16, 64, 16
     chunk = a.chunk or T // 8
     if chunk <= 0 or T % chunk:
@@ -82,10 +80,10 @@ def main(argv=None):
             diff = max(((o - r).abs().max() / r.abs().max().clamp_min(1e-30)).item()
                        for o, r in zip(outs, ref))
             row["max_rel_diff"] = f"{diff:.2e}"
-            row["score_ms"] = f"{do_bench(call, warmup=5, rep=200, return_mode='median'):.3f}"
+            row["score_ms"] = f"{median_ms(call, 'cuda', warmup=5, rep_ms=200):.3f}"
             if len(rows) == 0:  # the top-n kernel on the default config's scores
                 tcall = lambda: [topn_blocks(p, None, t0, ls, n, 1, 2) for p, t0 in zip(ref, t0s)]
-                row["topn_ms"] = f"{do_bench(tcall, warmup=5, rep=200, return_mode='median'):.3f}"
+                row["topn_ms"] = f"{median_ms(tcall, 'cuda', warmup=5, rep_ms=200):.3f}"
             print(f"bm {bm:3d} bn {bn:3d} warps {w} stages {s}: score {row['score_ms']} ms "
                   f"(first call {time.perf_counter() - t:.1f} s), rel diff {row['max_rel_diff']}"
                   + (f", top-n {row['topn_ms']} ms" if "topn_ms" in row else ""), flush=True)
@@ -94,10 +92,7 @@ def main(argv=None):
                 if str(e).strip() else type(e).__name__
             print(f"bm {bm} bn {bn} warps {w} stages {s}: {row['error']}", flush=True)
         rows.append(row)
-        with open(path, "w", newline="") as f:  # after every config
-            wr = csv.DictWriter(f, fieldnames=FIELDS)
-            wr.writeheader()
-            wr.writerows(rows)
+        write_csv(rows, path, fields=FIELDS)  # after every config
     print("wrote", path, "| q reads per call ~", math.ceil(Nc / 128), "x (default tiles)")
     if a.topn_configs and ref is not None:
         tune_topn(a.topn_configs, ref, t0s, ls, n, T, dev, a.out)
@@ -106,8 +101,6 @@ def main(argv=None):
 def tune_topn(spec, scores, t0s, ls, n, T, dev, out):
     """The top-n kernel's launch (rows per program x warps) on the scorer's outputs: picks must
     equal the default launch's; median ms over all chunks."""
-    from triton.testing import do_bench
-
     ref = [topn_blocks(p, None, t0, ls, n, 1, 2) for p, t0 in zip(scores, t0s)]
     rows = []
     for c in spec.split(","):
@@ -117,16 +110,13 @@ def tune_topn(spec, scores, t0s, ls, n, T, dev, out):
             call = lambda: [topn_blocks(p, None, t0, ls, n, 1, 2, r_, w)
                             for p, t0 in zip(scores, t0s)]
             row["equal"] = all(torch.equal(o, e) for o, e in zip(call(), ref))
-            row["topn_ms"] = f"{do_bench(call, warmup=5, rep=200, return_mode='median'):.3f}"
+            row["topn_ms"] = f"{median_ms(call, 'cuda', warmup=5, rep_ms=200):.3f}"
         except Exception as e:
             row["error"] = f"{type(e).__name__}: {str(e).strip()[:150]}"
         print(f"top-n rows {r_} warps {w}: {row}", flush=True)
         rows.append(row)
-        with open(os.path.join(out, "tune_topn.csv"), "w", newline="") as f:
-            wr = csv.DictWriter(f, fieldnames=["T", "block_r", "num_warps", "topn_ms", "equal",
-                                               "error", "device"])
-            wr.writeheader()
-            wr.writerows(rows)
+        write_csv(rows, os.path.join(out, "tune_topn.csv"),
+                  fields=["T", "block_r", "num_warps", "topn_ms", "equal", "error", "device"])
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from nsa_flex.bench import _Alarm
 from tests.experiments.scripts import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -19,7 +20,7 @@ def bench():
     mod = load_script("bench_attention")
     yield mod
     assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)  # no alarm left armed
-    assert signal.getsignal(signal.SIGALRM) is not mod._on_alarm
+    assert not isinstance(signal.getsignal(signal.SIGALRM), _Alarm)  # the handler restored
 
 
 META = dict(config="fake", T=1, device="cpu")
@@ -111,31 +112,31 @@ def test_main_only_modes_item_limit(bench, tmp_path, monkeypatch):
     assert "timeout" in (tmp_path / "slow" / "errors.log").read_text()
 
 
-def test_timing_lock_shared_for_compile_exclusive_for_timing(bench, tmp_path, monkeypatch):
-    """Side-by-side processes: compiles (shared) overlap, a timing (exclusive) excludes both
-    other timings and other compiles; without --timing-lock nothing is locked."""
-    import fcntl
+def test_tile_flags_apply_during_the_run_and_are_restored(bench, tmp_path, monkeypatch):
+    """--band-options / --packed-options / --pack-rows hold while the sweep runs (for the head
+    dim of each --configs entry) and the library's tables are as before once main returns."""
+    from nsa_flex import kernel_options
 
-    path = str(tmp_path / "timing.lock")
+    before = (dict(kernel_options.BAND_OPTIONS), dict(kernel_options.PACKED_OPTIONS),
+              kernel_options.PACK_ROWS)
+    seen = {}
 
-    def can(kind):  # another process's attempt, from a separate open file description
-        with open(path, "a") as f:
-            try:
-                fcntl.flock(f, kind | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return False
-            fcntl.flock(f, fcntl.LOCK_UN)
-            return True
+    def fake_sweep(args, only, modes):
+        seen.update(band=dict(kernel_options.BAND_OPTIONS),
+                    packed=dict(kernel_options.PACKED_OPTIONS), rows=kernel_options.PACK_ROWS, lock=bench.LOCK.path)
+        return []
 
-    with bench.gpu_lock(exclusive=False):  # no TIMING_LOCK: a no-op
-        pass
-    monkeypatch.setattr(bench, "TIMING_LOCK", path)
-    with bench.gpu_lock(exclusive=False):
-        assert can(fcntl.LOCK_SH) and not can(fcntl.LOCK_EX)
-    with bench.gpu_lock(exclusive=True):
-        assert not can(fcntl.LOCK_SH) and not can(fcntl.LOCK_EX)
-    assert can(fcntl.LOCK_EX)  # released
-    assert bench.locked(lambda a: a + 1, 1) == 2
+    monkeypatch.setattr(bench, "sweep", fake_sweep)
+    bench.main(["--configs", "paper,titan_125M", "--band-options", '{"bwd_num_warps": 4}',
+                "--packed-options", '{"fwd_num_stages": 1}', "--pack-rows", "32",
+                "--timing-lock", str(tmp_path / "lk"), "--out", str(tmp_path)])
+    assert seen["band"][192] == seen["band"][64] == {"bwd_num_warps": 4}
+    assert seen["packed"][192] == {"fwd_num_stages": 1} and seen["rows"] == 32
+    assert seen["lock"] == str(tmp_path / "lk")
+    assert (dict(kernel_options.BAND_OPTIONS), dict(kernel_options.PACKED_OPTIONS),
+            kernel_options.PACK_ROWS) == before
+    with pytest.raises(SystemExit):
+        bench.main(["--pack-rows", "24", "--out", str(tmp_path)])
 
 
 def test_static_titan_config_matches_the_flavor():
