@@ -120,11 +120,11 @@ def _interpreter_main():
     from hypothesis import given, settings, strategies as st
 
     n = 0
-    for seed in range(9):  # default dK/dV split, every block its own program, tiny shares
+    for seed in range(6):  # default dK/dV split, every block its own program, tiny shares
         check_case(seed, heavy=(None, (0, 256), (3, 1))[seed % 3])
         n += 1
 
-    @settings(max_examples=8, deadline=None, derandomize=True)
+    @settings(max_examples=5, deadline=None, derandomize=True)
     @given(st.integers(0, 10**6))
     def causal(seed):
         check_causal(seed)
@@ -140,7 +140,7 @@ def test_op_matches_reference_and_is_causal_under_interpreter():
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True,
                        text=True, timeout=900)
-    assert r.returncode == 0 and "OK 9 cases" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
+    assert r.returncode == 0 and "OK 6 cases" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
 
 
 @pytest.mark.skipif(not HAS_TRITON or triton_interpreted(), reason="needs triton, not interpreted")
