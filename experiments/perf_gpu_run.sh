@@ -75,8 +75,8 @@ run_step() {
                   --only attn_compressed,attn_selected,sdpa_causal,nsa_layer --item-limit 200 ;;
     small4k16k) step 110 bench_paper_4k_16k $B --T 4096,16384 --stages-at "" --item-limit 60 ;;
     # issue 14: correctness of the split selection / expanded compressed keys / SDPA causal
-    check4k)    step 150 check_4k python experiments/check_flex_gpu.py --T 4096 ;;
-    checksel)   step 90 check_sel python experiments/check_flex_gpu.py --T 4096 --cases selected ;;
+    check4k)    step 150 check_4k python -m pytest -q -m gpu tests/layer/test_flex_gpu.py ;;
+    checksel)   step 90 check_sel python -m pytest -q -m gpu tests/ops/test_selected_triton.py ;;
     # issue 14, second run: layers at 64k and 16k (same process as their baselines)
     layer64k16k) step 520 layers_64k_16k $B --T 65536,16384 --stages-at 65536 --item-limit 200 \
                   --only attn_selected,sdpa_causal,full_layer,nsa_layer ;;

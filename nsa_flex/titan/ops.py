@@ -22,7 +22,7 @@ SIGUSR1. Python's C-level signal handler writes the signal number into a wakeup 
 and writes the dump itself, so a dump is written even while the main thread is blocked inside C
 code (a CUDA sync, an NCCL wait, a blocked read), and the run goes on. Same file name and content.
 (``faulthandler.register`` on SIGUSR1 wrote nothing on an H100 once torch.compile had run, though
-the signal was caught and unblocked: experiments/diag_sigusr1.py, NOTES.md 26.)
+the signal was caught and unblocked.)
 
 Non-finite steps (the trainer's guard, ``[ops] halt_on_nonfinite``) raise :class:`NonFiniteError`;
 ``nsa-train`` exits with :data:`EXIT_NONFINITE` (3). How one bad input spreads (CPU, torch 2.13): a
