@@ -4,7 +4,6 @@ must be set before triton decorates the helpers: a fresh subprocess runs `_worke
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -94,10 +93,9 @@ def _worker() -> dict:
 
 @pytest.mark.slow
 def test_triton_rules_equal_torch_rules():
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker"], env=env, cwd=ROOT,
-                       capture_output=True, text=True, timeout=600)
+    from tests.ops.triton_harness import run_interpreted
+
+    p = run_interpreted(__file__, "--worker", timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
     assert r["topn_cases"] > 100, r

@@ -10,9 +10,7 @@ multiplies the raw bf16 bits); bf16 and torch.compile are checked by the CUDA te
 gpu); experiments/tune_scorer.py times the kernel. Also: the `scorer` config field, the dispatch, the tile arithmetic.
 """
 
-import os
 import random
-import subprocess
 import sys
 from pathlib import Path
 
@@ -217,10 +215,9 @@ def _interpreter_main():
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable")
 def test_kernel_matches_torch_under_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True,
-                       text=True, timeout=300)
+    from tests.ops.triton_harness import run_interpreted
+
+    r = run_interpreted(__file__, timeout=300)
     assert r.returncode == 0 and "OK 11 cases" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
 
 

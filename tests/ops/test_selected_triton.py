@@ -10,11 +10,7 @@ for an H100 (sm_90) with the launch arguments the wrappers pass (fp64-typed scal
 passes them). On CUDA (`gpu`): the same comparisons in bf16 and fp32 at the paper and 125M shapes.
 """
 
-import os
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,8 +21,6 @@ from nsa_flex.attention import attend_flex, attend_reference, use_selected_op
 from nsa_flex.config import NSAConfig
 from nsa_flex.ops import HAS_TRITON, triton_interpreted
 from nsa_flex.rules import random_topn
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def make_case(rng: random.Random, device="cpu", small=True):
@@ -136,10 +130,9 @@ def _interpreter_main():
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable")
 def test_op_matches_reference_and_is_causal_under_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True,
-                       text=True, timeout=900)
+    from tests.ops.triton_harness import run_interpreted
+
+    r = run_interpreted(__file__, timeout=900)
     assert r.returncode == 0 and "OK 6 cases" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
 
 

@@ -56,3 +56,18 @@ def compile_for_h100(kernel, args: tuple, kw: dict):
     compiled = triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32),
                               options=opts)
     assert compiled.asm.get("cubin"), kernel.__name__
+
+
+def run_interpreted(script: str, *args: str, timeout: int = 600):
+    """Run a test file as a script under Triton's interpreter (TRITON_INTERPRET=1 must be set
+    before triton decorates the kernels, so it needs a fresh process), the repository on the path;
+    the CompletedProcess (stdout, stderr as text)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, os.path.abspath(script), *args], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=timeout)
