@@ -61,11 +61,12 @@ def resolve_backend(backend: str, device, training: bool = False) -> str:
 MODEL_DIMS = ("dim", "n_heads", "n_kv_heads")
 
 
-def knob(default, help: str):
-    """An NSAConfig field with its help text: the titan `[nsa]` section and `--nsa.*` flags
+def knob(default, help: str, paper: str | None = None):
+    """An NSAConfig field with its help text (and, for a paper hyperparameter, the section of
+    arXiv 2502.11089 that defines it): the titan `[nsa]` section and `--nsa.*` flags
     (`nsa_flex/titan/job_config.py`) and the model args (`titan/args.py`) are derived from these
     fields (names, types, defaults, help)."""
-    return field(default=default, metadata={"help": help})
+    return field(default=default, metadata={"help": f"{help} (paper {paper})" if paper else help})
 
 
 @dataclass
@@ -76,15 +77,15 @@ class NSAConfig:
     n_kv_heads: int = knob(4, "key/value heads (GQA groups; n_heads is a multiple)")
     d_qk: int = knob(192, "query/key head dim")
     d_v: int = knob(128, "value head dim")
-    # compression (§3.3.1)
-    l: int = knob(32, "compression block length l")
-    d: int = knob(16, "compression stride d (divides l and l_sel)")
-    # selection (§3.3.2) and sliding window (§3.3.3)
-    l_sel: int = knob(64, "selection block length l'")
-    n_sel: int = knob(16, "number of selected blocks n (including the forced initial/local blocks)")
-    n_init: int = knob(1, "forced initial blocks (0 or 1)")
-    n_local: int = knob(2, "forced local blocks")
-    window: int = knob(512, "sliding-window size w")
+    # the paper's branch hyperparameters
+    l: int = knob(32, "compression block length l", paper="§3.3.1, Eq. 7")
+    d: int = knob(16, "compression stride d (divides l and l_sel)", paper="§3.3.1, Eq. 7")
+    l_sel: int = knob(64, "selection block length l'", paper="§3.3.2, Eq. 9")
+    n_sel: int = knob(16, "number of selected blocks n (including the forced initial/local blocks)",
+                      paper="§3.3.2, Eq. 11")
+    n_init: int = knob(1, "forced initial blocks (0 or 1)", paper="§3.3.2")
+    n_local: int = knob(2, "forced local blocks", paper="§3.3.2")
+    window: int = knob(512, "sliding-window size w", paper="§3.3.3")
     # implementation and masks
     phi: str = knob("avg", "compression function: avg (mean pooling) | mlp (learned, with "
                            "intra-block positions)")

@@ -1,7 +1,7 @@
 """``nsa-train --help``: this project's own options, answered without importing torch.
 
 The [nsa] fields and their help are read from ``NSAConfig`` (``nsa_flex/config.py``: each
-``knob(default, help)``) and the [nsa] / [ops] extras from ``nsa_flex/titan/job_config.py`` (the
+``knob(default, help[, paper])``) and the [nsa] / [ops] extras from ``nsa_flex/titan/job_config.py`` (the
 attribute docstrings), by parsing the source: importing those modules would import torch (~15 s).
 torchtitan's own 1,000 options stay behind ``--help-all``.
 """
@@ -53,6 +53,8 @@ def _fields(path: str, cls: str) -> list[tuple[str, str, str]]:
         v = st.value
         if isinstance(v, ast.Call) and getattr(v.func, "id", "") == "knob" and len(v.args) == 2:
             default, help_ = ast.unparse(v.args[0]), ast.literal_eval(v.args[1])
+            paper = next((ast.literal_eval(k.value) for k in v.keywords if k.arg == "paper"), None)
+            help_ = f"{help_} (paper {paper})" if paper else help_  # as nsa_flex.config.knob
         elif i + 1 < len(body) and isinstance(body[i + 1], ast.Expr) and isinstance(body[i + 1].value, ast.Constant) \
                 and isinstance(body[i + 1].value.value, str):
             help_ = body[i + 1].value.value
