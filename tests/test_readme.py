@@ -96,4 +96,5 @@ def test_ci_runs_the_readme_test_command():
     assert ci.rstrip().splitlines()[-1] == command
     assert f"`{command}`" in README[README.index("## Tests"):]
     # the whole suite (slow tests included), with the slowest tests listed at the end
-    assert " -m " not in command and "--durations" in command and command.endswith(" tests")
+    assert command.startswith("python -m pytest ") and " -m " not in command[len("python -m "):]
+    assert "--durations" in command and command.endswith(" tests")
