@@ -24,6 +24,7 @@ from torchtitan.train import main as titan_main
 
 from nsa_flex.config import UserError
 
+from . import console
 from .cli import check_config_file
 from .job_config import JobConfig as NSAJobConfig
 from .ops import EXIT_NONFINITE, NonFiniteError
@@ -109,6 +110,7 @@ def run(args: list[str], prog: str = "nsa-train") -> int:
                   f"{world}, data_parallel_shard_degree = 1 to say so", file=sys.stderr, flush=True)
     elif problem:  # FSDP asked for explicitly: every rank stops, rank 0 says why
         return user_error(problem, prog=prog) if os.environ.get("RANK", "0") == "0" else 2
+    console.setup()  # before torchtitan's main logs its first line (its version line)
     try:
         check_run(job_config)
         with titan_parses(args):
