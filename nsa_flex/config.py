@@ -89,10 +89,9 @@ class NSAConfig:
     # implementation and masks
     phi: str = knob("avg", "compression function: avg (mean pooling) | mlp (learned, with "
                            "intra-block positions)")
-    backend: str = knob("auto", "attention backend: auto (flex on CUDA, reference elsewhere: see "
-                                "resolve_backend) | flex (compiled FlexAttention) | reference (dense, "
-                                "autograd anywhere). Training without CUDA switches flex to reference "
-                                "(one warning): compiled CPU flex has no backward.")
+    backend: str = knob("auto", "attention backend: auto (flex on CUDA, else reference) | flex "
+                                "(compiled FlexAttention; without CUDA, training switches it to "
+                                "reference: no CPU backward) | reference (dense, autograd anywhere)")
     masks: str = knob("nsa", "mask preset (masks.PRESETS): nsa | full_causal | sliding_only | "
                              "random_selection | local_selection | no_compressed")
     cmp_mask: str | None = knob(None, "override of the compressed-branch mask builder "
