@@ -4,19 +4,22 @@ Inputs: q [B, Hq, T, Dk], the branch's k [B, Hkv, T, Dk] and v [B, Hkv, T, Dv], 
 `sel` [B, Hkv, T, n] (block indices of l' keys, -1 unused; one list per position and GQA group,
 Eq. 10), a per-position key band `lo`, `hi` [B|1, T] (e.g. the document's first token; keys are
 also never after the query) and the selection BlockMask in the packed layout (query row r = token
-r // G, head r % G; q block = `rows` = P positions x G heads; kv block = l'):
+r // G, head r % G; q block = P positions x G heads, P = `tile_positions(G)`, 1 by default; kv
+block = l'):
   * forward and dQ are query-centric: one program per (q block, batch, KV head) holds the G heads of
-    its P positions and walks the block's q-major lists (partial, then full blocks: the union of the
-    P positions' selections), loading each selected K/V block once for all P*G rows;
+    its P positions (each position's heads padded to 16 rows for the tensor cores) and walks the
+    block's q-major lists (partial, then full blocks: the union of the P positions' selections),
+    loading each selected K/V block once for all its rows;
   * dK/dV is KV-block-centric: one program per (kv block, batch, KV head) walks the kv-major lists
-    (the inverse index) and gathers the q blocks that selected it into `rows`-row MMA tiles. No
-    atomics. The most-read blocks (block 0, popular blocks: `HEAVY` of them per head) are split over
-    `splits` equal shares of their list; each share writes an fp32 partial that a sum finishes.
+    (the inverse index) and gathers DKV_ROWS rows of the q blocks that selected it per MMA step. No
+    atomics. The most-read blocks (block 0, popular blocks: `HEAVY` of them per head) are split into
+    equal shares of their list; each share writes an fp32 partial that a sum finishes.
 Inside a partial block every row keeps exactly its own selection: row r sees key s iff s's block
 is in sel[t] and lo[t] <= s <= min(hi[t], t). d_k that is not a power of two (192) runs as two
 dots (128 + 64), not padded to 256.
 
-`torch.ops.nsa_flex.selected_attention` is a `triton_op` with autograd (no graph break, no host
+`torch.ops.nsa_flex.selected_attention_fwd` is a `triton_op` with autograd (its backward the
+`triton_op` `selected_attention_bwd`) (no graph break, no host
 sync, static shapes); under TRITON_INTERPRET=1 it runs on CPU tensors through Triton's
 interpreter (how the CPU tests compare it with the reference backend). lse (natural log, -inf for a
 row that sees nothing) is differentiable too.
@@ -33,9 +36,9 @@ from torch.library import triton_op, wrap_triton
 
 LOG2E = 1.4426950408889634
 
-# Rows of a q block (positions x G heads) by default, and how many of each head's most-read kv
-# blocks the dK/dV pass splits over the q blocks that read them. Chosen on the H100
-# (experiments/NOTES.md, bench_attention.py --sel-rows).
+# Rows of a q block (positions x padded G heads) by default, and how many of each head's most-read
+# kv blocks the dK/dV pass splits over the q blocks that read them. Chosen on the H100 on random
+# selections (experiments/NOTES.md 33: one position per block won; bench_attention.py --sel-rows).
 ROWS = 16
 HEAVY = 16
 SPLIT_TILES = 256  # q blocks per share of a heavy block's list (at most), sets the share count
