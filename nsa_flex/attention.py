@@ -147,9 +147,10 @@ def attend_selected(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, scale: floa
     B, Hq, T, Dk, Hkv, S, G, scale = _dims(q, k, scale)
     P = tile_positions(G)
     bm = spec.block_mask(B, T, S, device=q.device, block_size=(P * G, l_sel), q_pack=G)
-    # the lists through an opaque op: compiled with a backward, the partitioner otherwise
-    # recomputes the list scatters in the backward graph, where inductor failed to generate them
-    # (torch 2.11, H100: "list indices must be integers or slices, not NoneType")
+    # the lists through an opaque op (saved for the backward, never recomputed there). The
+    # configuration every H100 measurement of the op ran with; the backward-graph codegen failure
+    # it was meant for went away only with one position per q block (NOTES 33(c)), so whether it
+    # is still needed is open: remove it only with a GPU run of tests/layer/test_flex_gpu.py
     lists = [captured(x) for x in (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks,
                                    bm.full_kv_indices, bm.q_num_blocks, bm.q_indices,
                                    bm.full_q_num_blocks, bm.full_q_indices)]
