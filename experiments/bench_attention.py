@@ -92,6 +92,7 @@ LAYER_ITEMS = {"nsa_layer": "nsa_layer", "full_layer": "full_layer", "sdpa_causa
                "flex_causal": "flex_causal", "fla_parallel_nsa_w0": "fla_parallel_nsa"}
 MODES = ("fwd", "fwd_bwd")
 SEL_KERNEL = "auto"  # --sel-kernel: the layer's executor of the selection
+TRACE = None  # --selection-trace: (int64 [1, Hkv, T, n] trained picks, label) replacing the random ones
 
 log = Clock()
 CSV_PATH = None
@@ -247,7 +248,8 @@ def build_items(cname, T, dev, dtype, compile_=True):
 
     score_in = Lazy(make_score_inputs)
     # the top-n indices the mask items use: eager (no compile), so they don't hang on score_topn
-    sel_idx = Lazy(lambda: torch.no_grad()(select_topn)(*score_in(), cfg))
+    sel_idx = Lazy(lambda: torch.no_grad()(select_topn)(*score_in(), cfg) if TRACE is None
+                   else TRACE[0].to(ddev))
     sspec = Lazy(lambda: get_mask_builder("topn")(MaskContext(cfg, B, T, ddev, topn=sel_idx)))
     wspec = Lazy(lambda: get_mask_builder("sliding_window")(ctx()))
 
@@ -334,6 +336,9 @@ def build_items(cname, T, dev, dtype, compile_=True):
 
     def nsa_layer():
         lay, xr = layer(), xs()
+        if TRACE is not None:  # the layer scores as usual (timed), then attends the trained picks
+            trained = TRACE[0].to(ddev)
+            lay.select_topn = lambda *a, **k: torch.where(select_topn(*a, **k) >= -1, trained, -1)
         f = comp(lay)
         return lambda: f(xr())
 
@@ -379,7 +384,10 @@ def run_config(cname, T, dev, dtype, rows, stages, baselines, compile_=True, onl
     """Stages (if `stages`), then baselines (if `baselines`), then the layer; `only`: a set of
     item names to keep."""
     meta = dict(config=cname, T=T, device=torch.cuda.get_device_name() if dev == "cuda" else "cpu",
-                sel_kernel=SEL_KERNEL, selection="random")
+                sel_kernel=SEL_KERNEL, selection="random" if TRACE is None else TRACE[1])
+    if TRACE is not None and tuple(TRACE[0].shape[1:3]) != (config_args(cname)["n_kv_heads"], T):
+        log(f"skip  {cname} T={T}: the selection trace is [Hkv, T] = {list(TRACE[0].shape[1:3])}")
+        return
     log(f"config {cname} T={T} on {meta['device']}")
     for name, has_bwd, make in build_items(cname, T, dev, dtype, compile_):
         if (only is not None and name not in only) or (name in STAGES and not stages) or (
@@ -536,6 +544,9 @@ def main(argv=None):
     ap.add_argument("--profile", action="store_true",
                     help="after each timing, profile 3 calls and append the top kernels (CUDA ms "
                          "per call) to OUT/kernels.txt")
+    ap.add_argument("--selection-trace", default="", metavar="NPZ[:LAYER]",
+                    help="time on a trained selection: a selection_L<T>.npz of `python -m nsa_flex.eval "
+                         "--task selection` (its T and KV heads must match --T and --configs)")
     ap.add_argument("--out", default="experiments/results/bench")
     ap.add_argument("--merge", default="",
                     help="comma list of bench.csv files from earlier runs: rows merged (a later "
@@ -546,9 +557,15 @@ def main(argv=None):
         return merge(args.merge.split(","), args.out)
     only = set(_names(args.only, ITEMS, "--only", ap))
     modes = _names(args.modes, MODES, "--modes", ap)
-    global LOCK, SEL_KERNEL
+    global LOCK, SEL_KERNEL, TRACE
     LOCK = TimingLock(args.timing_lock)
     SEL_KERNEL = args.sel_kernel
+    if args.selection_trace:
+        from nsa_flex.eval.selection_stats import load_trace
+
+        path, _, lay = args.selection_trace.partition(":")
+        idx, info = load_trace(path, int(lay) if lay else None)
+        TRACE = (idx, f"trained:{os.path.basename(path)}:layer{info['layer']}")
     # items compile flex calls on their own, before any layer exists (the layer installs it too)
     from nsa_flex.kernel_options import install_flex_patches
 

@@ -8,25 +8,26 @@
 #     VARIANT  nsa | full_causal | sliding_only
 #     OUT      work folder: OUT/VARIANT/{train_*.log, metrics.jsonl, stages.txt, needle/, position_loss/,
 #              selection/, DONE}; checkpoints go to RUNS_DIR/VARIANT (default /tmp/nsa_quality_runs)
-#     DATA     folder with fineweb_sample_2800.parquet, fineweb_edu_sample_150.parquet and
-#              tiktoken_cache/ (e.g. ../shared/data)
+#     DATA     folder with tiktoken_cache/ (e.g. ../shared/data); the corpus is the TOML's (pysource:
+#              this machine's installed packages) unless TRAIN_DATA names a file
 #     EXPORT   optional folder (the device tool's $OUT) that gets OUT/VARIANT as
 #              quality_VARIANT.tgz (no checkpoints) after every invocation
 #   then, with the three variants' OUT:  python experiments/quality_report.py OUT
 #
-# Stages, in order, each done once (OUT/VARIANT/stages.txt records them):
+# Stages, in order, each done once (OUT/VARIANT/stages.txt records them; the cheap evaluations first):
 #   train      until the checkpoint of training.steps exists. A segment ends by SIGTERM at its time
 #              limit: the trainer halts after the current step and saves a full checkpoint (exit 0);
 #              the next invocation resumes from it exactly (same TOML, data position and LR schedule).
-#   needle     python -m nsa_flex.eval (passkey + multikey, LENGTHS x DEPTHS x TRIALS) with
-#              --time-limit and --resume: an evaluation longer than a segment goes on in the next one.
 #   position   python -m nsa_flex.eval --task position-loss (POS_SEQ tokens, VAL_DOCS).
 #   selection  python -m nsa_flex.eval --task selection at SEL_LENGTHS (variants with a selection branch).
+#   needle     python -m nsa_flex.eval (passkey + multikey, LENGTHS x DEPTHS x TRIALS) with
+#              --time-limit and --resume: an evaluation longer than a segment goes on in the next one.
 # Knobs (environment): SEGMENT (540 s per invocation), HALT_GRACE (90 s: a halted step + checkpoint),
-#   TRAIN_DATA ($DATA/fineweb_sample_2800.parquet), VAL_DOCS ($DATA/fineweb_edu_sample_150.parquet),
-#   VAL_JOIN (1: its documents are short, so they are joined; 0 for a corpus of long documents),
+#   TRAIN_DATA (unset: the TOML's dataset; a file: --training.dataset_path and the needle's --fineweb),
+#   VAL_DOCS (pysource: the corpus's validation packages; or a parquet / jsonl file),
+#   VAL_JOIN (0 for a corpus of long documents; 1: short documents, joined),
 #   LENGTHS (4096,8192,16384,32768,65536), DEPTHS (0,10,..,100), TRIALS (20), KINDS (passkey,multikey),
-#   FILLER (fineweb), POS_SEQ (16384), POS_DOCS (16), SEL_LENGTHS (32768,65536), TOML, RUNS_DIR,
+#   FILLER (auto: the training data's kind), POS_SEQ (16384), POS_DOCS (16), SEL_LENGTHS (32768,65536), TOML, RUNS_DIR,
 #   TRAIN_ARGS (extra trainer flags --section.field=value / --section.no-flag, also given to every evaluation as
 #   --override), EVAL_ARGS (extra flags of every evaluation), PYTHON (python).
 set -uo pipefail
@@ -41,15 +42,16 @@ SEGMENT=${SEGMENT:-540}
 HALT_GRACE=${HALT_GRACE:-90}
 case "$SEGMENT" in ''|*[!0-9]*) echo "SEGMENT must be a number of seconds, got '$SEGMENT'" >&2; exit 2;; esac
 [ -d "$DATA" ] || { echo "DATA=$DATA is not a folder" >&2; exit 2; }
-TRAIN_DATA=${TRAIN_DATA:-$DATA/fineweb_sample_2800.parquet}
-VAL_DOCS=${VAL_DOCS:-$DATA/fineweb_edu_sample_150.parquet}
-VAL_JOIN=${VAL_JOIN:-1}
-for f in "$TRAIN_DATA" "$VAL_DOCS"; do [ -f "$f" ] || { echo "no such file: $f (TRAIN_DATA / VAL_DOCS)" >&2; exit 2; }; done
+TRAIN_DATA=${TRAIN_DATA:-}
+VAL_DOCS=${VAL_DOCS:-pysource}
+VAL_JOIN=${VAL_JOIN:-0}
+[ -z "$TRAIN_DATA" ] || [ -f "$TRAIN_DATA" ] || { echo "TRAIN_DATA=$TRAIN_DATA: no such file" >&2; exit 2; }
+[ "$VAL_DOCS" = pysource ] || [ -f "$VAL_DOCS" ] || { echo "VAL_DOCS=$VAL_DOCS: no such file" >&2; exit 2; }
 LENGTHS=${LENGTHS:-4096,8192,16384,32768,65536}
 DEPTHS=${DEPTHS:-0,10,20,30,40,50,60,70,80,90,100}
 TRIALS=${TRIALS:-20}
 KINDS=${KINDS:-passkey,multikey}
-FILLER=${FILLER:-fineweb}
+FILLER=${FILLER:-auto}
 POS_SEQ=${POS_SEQ:-16384}
 POS_DOCS=${POS_DOCS:-16}
 SEL_LENGTHS=${SEL_LENGTHS:-32768,65536}
@@ -77,6 +79,9 @@ note() { echo "[$(date -u +%FT%TZ) +$(( $(date +%s) - START ))s] $VARIANT: $*" |
 done_stage() { grep -qx "$1" "$D/stages.txt" 2>/dev/null; }
 mark() { echo "$1" >> "$D/stages.txt"; }
 OVR="--override=--nsa.masks=$VARIANT"
+DATA_ARGS=""; FINEWEB=""
+[ -n "$TRAIN_DATA" ] && DATA_ARGS="--training.dataset_path $TRAIN_DATA --validation.dataset_path $VAL_DOCS" \
+  && FINEWEB="--fineweb $TRAIN_DATA"
 for f in $TRAIN_ARGS; do OVR="$OVR --override=$f"; done
 
 export_results() {
@@ -103,8 +108,7 @@ print(load_job_config(sys.argv[1], sys.argv[2:]).training.steps)" "$TOML" --nsa.
   n=$(ls "$D"/train_*.log 2>/dev/null | wc -l)
   # shellcheck disable=SC2086
   timeout -s TERM -k "$HALT_GRACE" "$t" $PY -m nsa_flex.titan.cli --job.config_file "$TOML" \
-    --job.dump_folder "$DUMP" --training.dataset_path "$TRAIN_DATA" --validation.dataset_path "$VAL_DOCS" \
-    --nsa.masks "$VARIANT" $TRAIN_ARGS > "$D/train_$n.log" 2>&1
+    --job.dump_folder "$DUMP" $DATA_ARGS --nsa.masks "$VARIANT" $TRAIN_ARGS > "$D/train_$n.log" 2>&1
   rc=$?
   [ -f "$DUMP/metrics.jsonl" ] && cp "$DUMP/metrics.jsonl" "$D/"
   ck=$(latest_ckpt)
@@ -117,20 +121,6 @@ CKPT=$(latest_ckpt)
 [ -n "$CKPT" ] || { note "no checkpoint in $DUMP/checkpoint (was this machine restarted? train again)"; exit 1; }
 
 # ------------------------------------------------------------------ evaluations
-if ! done_stage needle; then
-  t=$(( $(left) - 20 ))
-  [ "$t" -ge 60 ] || finish "no time left for the needle evaluation in this segment"
-  note "needle: $KINDS at $LENGTHS, $TRIALS trials, time limit ${t}s"
-  # shellcheck disable=SC2086
-  timeout -k 10 $(( t + 60 )) $PY -m nsa_flex.eval --config "$TOML" $OVR --checkpoint "$CKPT" --lengths "$LENGTHS" \
-    --depths "$DEPTHS" --trials "$TRIALS" --kinds "$KINDS" --filler "$FILLER" --fineweb "$TRAIN_DATA" \
-    --resume --time-limit "$t" --tag "$VARIANT" --out "$D/needle" $EVAL_ARGS >> "$D/needle.log" 2>&1
-  rc=$?
-  grep -E "length +[0-9]+:" "$D/needle.log" | tail -10
-  [ "$rc" -eq 0 ] || finish "needle evaluation failed or was cut (rc=$rc, $D/needle.log)"
-  grep -q '"complete": true' "$D/needle/meta.json" || finish "needle evaluation not complete yet"
-  mark needle
-fi
 if ! done_stage position; then
   [ "$(left)" -ge 60 ] || finish "no time left for the position loss in this segment"
   note "position: $POS_DOCS sequences of $POS_SEQ from $VAL_DOCS"
@@ -152,6 +142,20 @@ if ! done_stage selection; then
       || { tail -3 "$D/selection.log"; finish "selection statistics failed or were cut ($D/selection.log)"; }
   fi
   mark selection
+fi
+if ! done_stage needle; then
+  t=$(( $(left) - 20 ))
+  [ "$t" -ge 60 ] || finish "no time left for the needle evaluation in this segment"
+  note "needle: $KINDS at $LENGTHS, $TRIALS trials, time limit ${t}s"
+  # shellcheck disable=SC2086
+  timeout -k 10 $(( t + 60 )) $PY -m nsa_flex.eval --config "$TOML" $OVR --checkpoint "$CKPT" --lengths "$LENGTHS" \
+    --depths "$DEPTHS" --trials "$TRIALS" --kinds "$KINDS" --filler "$FILLER" $FINEWEB \
+    --resume --time-limit "$t" --tag "$VARIANT" --out "$D/needle" $EVAL_ARGS >> "$D/needle.log" 2>&1
+  rc=$?
+  grep -E "length +[0-9]+:" "$D/needle.log" | tail -10
+  [ "$rc" -eq 0 ] || finish "needle evaluation failed or was cut (rc=$rc, $D/needle.log)"
+  grep -q '"complete": true' "$D/needle/meta.json" || finish "needle evaluation not complete yet"
+  mark needle
 fi
 date -u +%FT%TZ > "$D/DONE"
 finish "done"

@@ -180,6 +180,11 @@ def pysource_retrieval(tokenizer, length: int, split: str = "train", seed: int =
                            len(units), seed=seed, split=split, multikey_share=multikey_share)
 
 
+def pysource_texts(split: str = "validation", path: str | None = None, seed: int = 0) -> list[str]:
+    """The documents of ``split`` as strings, in the corpus order (evaluation's ``--docs pysource``)."""
+    return [t for t in (read_unit(*u, skip_bad=True) for u in _units_or_error(split, parse_roots(path), seed)) if t]
+
+
 # ----------------------------------------------------------------------------- token count
 def token_report(encode, roots: list[str], sample: float = 1.0, long_tokens: int = 16384) -> dict:
     """Per split: packages, documents, characters, and tokens -- counted on the documents whose

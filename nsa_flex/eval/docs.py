@@ -4,14 +4,23 @@ column of strings; a .txt file is one document) and the sequences built from the
 import json
 import os
 
-from .prompts import EvalError
+from .prompts import PYSOURCE, EvalError
 
 FORMATS = (".parquet", ".jsonl", ".json", ".txt")
 
 
 def read_texts(path: str, column: str = "text", flag: str = "--docs") -> list[str]:
     """The non-empty strings of ``column`` in a parquet / jsonl file, in file order (a .txt file:
-    its whole text). Errors name ``flag``, the path and what is wrong."""
+    its whole text); ``pysource``: the documents of the pysource corpus's validation split (packages
+    never trained on). Errors name ``flag``, the path and what is wrong."""
+    if path == PYSOURCE:
+        from nsa_flex.data.errors import DatasetError
+        from nsa_flex.data.pysource import pysource_texts
+
+        try:
+            return pysource_texts("validation")
+        except DatasetError as e:
+            raise EvalError(f"{flag} pysource: {e}") from None
     if not path or not os.path.isfile(path):
         raise EvalError(f"{flag} {path!r}: no such file")
     ext = os.path.splitext(path)[1].lower()

@@ -19,7 +19,8 @@ Prompts (generated offline, deterministic in --seed):
   Filler (--filler): ``synthetic`` = the training corpus's sentences; ``fineweb`` = real text from
   the FineWeb sample (--fineweb, one haystack per trial, the same for every depth); ``auto`` =
   fineweb when the file exists and the config trains on text, synthetic for a model trained on the
-  passkey corpus alone (it has never seen real text) or without the file. Depth d% puts the needle after d% of the filler.
+  passkey corpus alone (it has never seen real text) or without the file; ``pysource`` = source code of
+  the pysource corpus's validation packages (``auto`` for a model trained on pysource). Depth d% puts the needle after d% of the filler.
 
 Model: flavor, [nsa] section and tokenizer from the TOML config (plus --override flags), weights from
 the checkpoint (nsa_flex.generate's loaders). Greedy answer: prefill + token-by-token decode with the
@@ -186,8 +187,9 @@ def evaluate(args) -> dict:
         raise EvalError(f"--dtype: {args.dtype!r} not in ['float32', 'bfloat16']")
     t0 = time.perf_counter()
     model, tok, desc = load(args)
-    text_trained = str(getattr(args, "train_dataset", "")).lower() != "passkey"
-    filler = Filler(Filler.resolve(args.filler, args.fineweb, text_trained), tok, args.fineweb)
+    trained_on = str(getattr(args, "train_dataset", "")).lower()
+    filler = Filler(Filler.resolve(args.filler, args.fineweb, trained_on != "passkey", trained_on == "pysource"),
+                    tok, args.fineweb)
     mode = decode_mode(model, args.decode)
     # all prompts first: argument errors (too short a length) before any generation
     jobs = {(k, L): [make_prompt(tok, k, L, d, t, filler, args.n_keys, args.seed) | {"depth": d, "trial": t}

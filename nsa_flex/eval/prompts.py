@@ -45,10 +45,15 @@ def kinds_list(text: str) -> list[str]:
 
 
 # ---------------------------------------------------------------------- filler
+FILLERS = ("auto", "synthetic", "fineweb", "pysource")
+PYSOURCE = "pysource"  # --docs / filler name: the validation split of the pysource corpus, not a file
+
+
 class Filler:
     """Filler tokens, one haystack per trial (the same for every depth and length of a trial):
     ``synthetic`` (the training corpus's kind: a random passage repeated, unseen in training) or
-    ``fineweb`` (real text)."""
+    ``fineweb`` (real text from the --fineweb file) or ``pysource`` (the validation split of the
+    pysource corpus: source code of packages never trained on, for models trained on pysource)."""
 
     def __init__(self, kind: str, tok, path: str | None = None):
         self.kind, self.tok, self.path = kind, tok, path
@@ -56,12 +61,15 @@ class Filler:
         self._cache: dict[int, list[int]] = {}
 
     @staticmethod
-    def resolve(choice: str, path: str, text_trained: bool = True) -> str:
-        """``auto``: fineweb when the file exists and the model was trained on text
-        (``text_trained``); a model trained on the passkey corpus alone has never seen real text,
-        so its in-distribution haystack is the synthetic filler."""
-        if choice not in ("auto", "synthetic", "fineweb"):
-            raise EvalError(f"--filler: {choice!r} not in ['auto', 'synthetic', 'fineweb']")
+    def resolve(choice: str, path: str, text_trained: bool = True, code_trained: bool = False) -> str:
+        """``auto``: pysource for a model trained on pysource (``code_trained``), else fineweb when
+        the file exists and the model was trained on text (``text_trained``); a model trained on the
+        passkey corpus alone has never seen real text, so its in-distribution haystack is the
+        synthetic filler."""
+        if choice not in FILLERS:
+            raise EvalError(f"--filler: {choice!r} not in {list(FILLERS)}")
+        if choice == "auto" and code_trained:
+            return "pysource"
         if choice == "auto":
             return "fineweb" if text_trained and path and os.path.isfile(path) else "synthetic"
         if choice == "fineweb" and not (path and os.path.isfile(path)):
@@ -81,7 +89,8 @@ class Filler:
             if self._texts is None:
                 from .docs import read_texts
 
-                self._texts = read_texts(self.path, "text", "--fineweb")
+                self._texts = read_texts(PYSOURCE if self.kind == "pysource" else self.path, "text",
+                                         "--filler pysource" if self.kind == "pysource" else "--fineweb")
             i = (trial * 37) % len(self._texts)
             start = i
             got = []

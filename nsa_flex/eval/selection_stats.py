@@ -120,6 +120,25 @@ def sorted_rows(idx: torch.Tensor) -> np.ndarray:
     return torch.where(s == 2 ** 15, -1, s).to(torch.int16).numpy()
 
 
+def load_trace(path: str, layer: int | None = None) -> tuple[torch.Tensor, dict]:
+    """A recorded selection as the layer's ``select_topn`` returns it: int64 [1, Hkv, T, n_sel] (-1
+    for unused slots) from selection_L<T>.npz, its ``layer`` (default: the first one saved), and
+    {"layer", "l_sel", "n_sel", "T"}. Used to time the kernels on trained selections."""
+    if not os.path.isfile(path):
+        raise EvalError(f"selection trace {path!r}: no such file")
+    with np.load(path) as z:
+        layers = sorted(int(k[5:]) for k in z.files if k.startswith("layer"))
+        if not layers:
+            raise EvalError(f"selection trace {path!r}: no layer<i> arrays (files: {z.files})")
+        if layer is None:
+            layer = layers[0]
+        if layer not in layers:
+            raise EvalError(f"selection trace {path!r}: layer {layer} not saved; saved: {layers}")
+        idx = torch.from_numpy(z[f"layer{layer}"].astype(np.int64)).unsqueeze(0)
+        info = {"layer": layer, "l_sel": int(z["l_sel"]), "n_sel": int(z["n_sel"]), "T": idx.shape[2]}
+    return idx, info
+
+
 # ---------------------------------------------------------------------- recording
 @torch.no_grad()
 def record(model, tokens: torch.Tensor) -> tuple[dict[int, torch.Tensor], dict[int, list[float]]]:

@@ -103,6 +103,24 @@ def test_fineweb_filler_haystack_per_trial():
     assert ne.Filler.resolve("fineweb", str(FINEWEB), text_trained=False) == "fineweb"
 
 
+def test_pysource_filler_and_docs_are_the_validation_packages():
+    """--filler pysource / --docs pysource: source of the validation split only (never trained on);
+    auto picks it for a model trained on pysource."""
+    from nsa_flex.data.pysource import SPLIT_SALT, split_of
+    from nsa_flex.eval.docs import read_texts
+
+    assert ne.Filler.resolve("auto", "/nonexistent.parquet", code_trained=True) == "pysource"
+    with pytest.raises(ne.EvalError, match="--filler: 'code' not in"):
+        ne.Filler.resolve("code", "")
+    texts = read_texts("pysource")
+    assert texts and all(t.startswith("# file: ") for t in texts[:20])
+    pkgs = {t.split("# file: ", 1)[1].split("/", 1)[0] for t in texts}
+    assert all(split_of(p) == "validation" for p in pkgs), (SPLIT_SALT, pkgs)
+    fill = ne.Filler("pysource", BYTE)
+    p = ne.make_prompt(BYTE, "passkey", 3000, 50, 0, fill)
+    assert "# file: " in BYTE.decode(p["tokens"]) and len(p["tokens"]) < 3000
+
+
 def test_score():
     assert ne.score("12345.", "12345") == (True, "12345")
     assert ne.score(" 12345. The", "12345")[0]

@@ -1,5 +1,6 @@
 """experiments/quality_runs.sh + experiments/quality_report.py end to end on the CPU at a tiny
-scale (debug model, seq 256, 4 steps, 2 trials per cell), and their argument checks."""
+scale (debug model, seq 256, 4 steps, 2 trials per cell) on the TOML's corpus (pysource: the Python
+source of this machine's packages), and their argument checks."""
 
 import csv
 import os
@@ -14,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT.parent / "shared" / "data"
 SCRIPT = ROOT / "experiments" / "quality_runs.sh"
-TINY = ("--model.flavor=debugmodel --model.tokenizer=byte --training.seq_len=256 --training.steps=4 "
+TINY = ("--model.flavor=debugmodel --training.seq_len=256 --training.steps=4 "
         "--training.local_batch_size=2 --checkpoint.interval=2 --compile.no-enable --nsa.backend=reference "
         "--training.mixed_precision_param=float32 --validation.seq_len=256 --validation.freq=2 "
         "--validation.steps=1 --metrics.log_freq=1 --nsa.telemetry_every=2 --lr_scheduler.warmup_steps=1 "
@@ -34,8 +35,10 @@ def test_quality_runs_checks_its_arguments(tmp_path):
                                           env=_env(tmp_path, **kw))
     r = run("bogus", str(tmp_path / "o"), str(DATA))
     assert r.returncode == 2 and "VARIANT must be one of nsa, full_causal, sliding_only; got 'bogus'" in r.stderr
-    r = run("nsa", str(tmp_path / "o"), str(tmp_path))
-    assert r.returncode == 2 and "no such file: " in r.stderr and "fineweb_sample_2800.parquet" in r.stderr
+    r = run("nsa", str(tmp_path / "o"), str(DATA), TRAIN_DATA=str(tmp_path / "none.parquet"))
+    assert r.returncode == 2 and f"TRAIN_DATA={tmp_path / 'none.parquet'}: no such file" in r.stderr
+    r = run("nsa", str(tmp_path / "o"), str(DATA), VAL_DOCS="val.jsonl")
+    assert r.returncode == 2 and "VAL_DOCS=val.jsonl: no such file" in r.stderr
     r = run("nsa", str(tmp_path / "o"), str(DATA), SEGMENT="ten")
     assert r.returncode == 2 and "SEGMENT must be a number of seconds, got 'ten'" in r.stderr
     r = run("nsa", str(tmp_path / "o"), str(DATA), TRAIN_ARGS="steps=3")
@@ -50,7 +53,7 @@ def test_quality_pipeline_end_to_end(tmp_path):
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=_env(tmp_path), timeout=170)
     assert r.returncode == 0 and "nsa: DONE (all stages)" in r.stdout, r.stdout + r.stderr
     d = out / "nsa"
-    assert (d / "stages.txt").read_text().split() == ["train", "needle", "position", "selection"]
+    assert (d / "stages.txt").read_text().split() == ["train", "position", "selection", "needle"]
     assert (tmp_path / "runs" / "nsa" / "checkpoint" / "step-4").is_dir()
     summ = list(csv.DictReader(open(d / "needle" / "summary.csv")))
     assert [(s["kind"], s["length"], s["n"]) for s in summ] == [("multikey", "400", "4"), ("passkey", "400", "4")]

@@ -151,3 +151,46 @@ def test_static_titan_config_matches_the_flavor():
     assert bench.CONFIGS["titan_125M"] == {k: c[k] for k in bench.CONFIGS["titan_125M"]}
     for k in ("l", "d", "l_sel", "n_sel", "window"):  # the rest are the NSAConfig defaults
         assert c[k] == getattr(bench.NSAConfig(), k)
+
+
+def test_selection_trace_replaces_the_random_picks(bench, tmp_path, monkeypatch):
+    """--selection-trace: the selection items and the layer attend the trace's picks; a trace of
+    another shape skips the config with a message; bad files are one-line errors."""
+    import numpy as np
+
+    from nsa_flex.eval.prompts import EvalError
+    from nsa_flex.eval.selection_stats import load_trace
+
+    T, n = 256, 4
+    rows = np.full((2, T, n), -1, dtype=np.int16)
+    own = np.arange(T) // 16
+    rows[:, :, 0] = 0
+    rows[:, :, 1] = np.where(own > 0, own, -1)  # block 0 and the own block: no random scorer gives that
+    path = tmp_path / "selection_L256.npz"
+    np.savez_compressed(path, layer3=rows, tokens=np.zeros(T, np.int32), l_sel=16, n_sel=n)
+    idx, info = load_trace(str(path))
+    assert idx.shape == (1, 2, T, n) and idx.dtype == torch.int64 and info["layer"] == 3
+    with pytest.raises(EvalError, match="layer 0 not saved; saved: \\[3\\]"):
+        load_trace(str(path), 0)
+    with pytest.raises(EvalError, match="no such file"):
+        load_trace(str(tmp_path / "none.npz"))
+
+    monkeypatch.setattr(bench, "TRACE", (idx, "trained:test"))
+    seen = []
+    import nsa_flex.attention as attention
+
+    orig = attention.attend_flex
+
+    def spy(q, k, v, spec, *a, **kw):
+        if spec.selection is not None:
+            seen.append(spec.selection[0].clone())
+        return orig(q, k, v, spec, *a, **kw)
+
+    monkeypatch.setattr(bench, "attend_flex", spy)
+    items = dict((nm, mk) for nm, _, mk in bench.build_items("tiny", T, "cpu", torch.float32, False))
+    items["attn_selected"]()()
+    assert seen and torch.equal(seen[0].reshape(-1, n).sort(-1).values, idx.reshape(-1, n).sort(-1).values)
+    rows_out = []
+    bench.run_config("tiny", 128, "cpu", torch.float32, rows_out, stages=True, baselines=False,
+                     compile_=False)
+    assert rows_out == []  # T=128 does not match the trace's 256: skipped
