@@ -139,33 +139,37 @@ def _row_state(SEL, LO, HI, bh, b, t, row_ok, T, s_lb, NSEL: tl.constexpr, NP: t
 
 
 @triton.jit
-def _kv_block(K, V, koff, voff, j, T, BLOCK: tl.constexpr, DK: tl.constexpr, DK1: tl.constexpr,
-              DK2: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr):
-    """Keys kk of selection block j and their K ([BLOCK, DK1], [BLOCK, DK2]) and V rows."""
+def _keys(j, T, BLOCK: tl.constexpr):
+    """The keys kk of selection block j and which exist."""
     kk = j.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    k_ok = kk < T
+    return kk, kk < T
+
+
+@triton.jit
+def _kv_block(K, V, koff, voff, kk, k_ok, DK: tl.constexpr, DK1: tl.constexpr,
+              DK2: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr):
+    """The K ([BLOCK, DK1], [BLOCK, DK2]) and V rows of keys kk."""
     k1, k2 = _load_q(K + koff, kk * DK, k_ok, DK, DK1, DK2)
     dv = tl.arange(0, DVP)
     v = tl.load(V + voff + kk[:, None] * DV + dv[None, :], mask=k_ok[:, None] & (dv < DV)[None, :],
                 other=0.0)
-    return kk, k_ok, k1, k2, v
+    return k1, k2, v
 
 
+# Output addresses are computed from program ids and the block lists only, never from what a helper
+# that takes an input pointer returns: torch's Triton mutation analysis (TTIR) follows a store's
+# address back through such a call and would count that input as written (functionalization then
+# copies the inputs back, and a leaf input that requires grad fails to compile).
 @triton.jit
-def _q_block(Q, SEL, LO, HI, T, HKV, s_lb, G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr,
-             BM: tl.constexpr, NSEL: tl.constexpr, NP: tl.constexpr, DK: tl.constexpr,
-             DK1: tl.constexpr, DK2: tl.constexpr, DV: tl.constexpr, HAS_BAND: tl.constexpr):
-    """This program's q block (grid: q block, batch x KV head): its rows, their q, selections and
-    key bands, and the offsets of its K/V head."""
+def _q_rows(T, HKV, G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr):
+    """This program's q block (grid: q block, batch x KV head): tile, bh, b, its rows' tokens t,
+    which exist, and their rows of q [B, Hq, T, *]."""
     tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // HKV
     h = bh % HKV
     t, g, row_ok = _rows(tile, BT, G, GP, BM, T)
-    qrow = ((b * HKV + h) * G + g) * T + t  # row of q [B, Hq, T, *]
-    q1, q2 = _load_q(Q, qrow * DK, row_ok, DK, DK1, DK2)
-    sel, lo, hi = _row_state(SEL, LO, HI, bh, b, t, row_ok, T, s_lb, NSEL, NP, HAS_BAND)
-    return tile, bh, t, row_ok, qrow, q1, q2, sel, lo, hi, bh * T * DK, bh * T * DV
+    return tile, bh, b, t, row_ok, ((b * HKV + h) * G + g) * T + t
 
 
 @triton.jit
@@ -185,7 +189,8 @@ def _grad_rows(DO, LSE, DELTA, qrow, row_ok, DV: tl.constexpr, DVP: tl.constexpr
 def _fwd_step(acc, m_i, l_i, q1, q2, K, V, koff, voff, j, t, lo, hi, sel, row_ok, T, qk_scale,
               MASKED: tl.constexpr, BLOCK: tl.constexpr, DK: tl.constexpr, DK1: tl.constexpr,
               DK2: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr):
-    kk, k_ok, k1, k2, v = _kv_block(K, V, koff, voff, j, T, BLOCK, DK, DK1, DK2, DV, DVP)
+    kk, k_ok = _keys(j, T, BLOCK)
+    k1, k2, v = _kv_block(K, V, koff, voff, kk, k_ok, DK, DK1, DK2, DV, DVP)
     s = _dot2(q1, q2, k1, k2, DK2, PREC) * qk_scale
     if MASKED:
         s = tl.where(_visible(kk, t, lo, hi, sel, j, row_ok), s, float("-inf"))
@@ -205,8 +210,11 @@ def _sel_fwd_kernel(Q, K, V, SEL, LO, HI, KVN, KVI, FKVN, FKVI, O, LSE,
                     NP: tl.constexpr, BLOCK: tl.constexpr, DK: tl.constexpr, DK1: tl.constexpr,
                     DK2: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
                     HAS_BAND: tl.constexpr, PREC: tl.constexpr):
-    tile, bh, t, row_ok, qrow, q1, q2, sel, lo, hi, koff, voff = _q_block(
-        Q, SEL, LO, HI, T, HKV, s_lb, G, GP, BT, BM, NSEL, NP, DK, DK1, DK2, DV, HAS_BAND)
+    tile, bh, b, t, row_ok, qrow = _q_rows(T, HKV, G, GP, BT, BM)
+    q1, q2 = _load_q(Q, qrow * DK, row_ok, DK, DK1, DK2)
+    sel, lo, hi = _row_state(SEL, LO, HI, bh, b, t, row_ok, T, s_lb, NSEL, NP, HAS_BAND)
+    koff = bh * T * DK
+    voff = bh * T * DV
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, DVP], tl.float32)
@@ -237,7 +245,8 @@ def _dq_step(dq1, dq2, q1, q2, do, lse2, delta, K, V, koff, voff, j, t, lo, hi, 
              qk_scale, MASKED: tl.constexpr, BLOCK: tl.constexpr, DK: tl.constexpr,
              DK1: tl.constexpr, DK2: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
              PREC: tl.constexpr):
-    kk, k_ok, k1, k2, v = _kv_block(K, V, koff, voff, j, T, BLOCK, DK, DK1, DK2, DV, DVP)
+    kk, k_ok = _keys(j, T, BLOCK)
+    k1, k2, v = _kv_block(K, V, koff, voff, kk, k_ok, DK, DK1, DK2, DV, DVP)
     s = _dot2(q1, q2, k1, k2, DK2, PREC) * qk_scale
     p = tl.math.exp2(s - lse2[:, None])
     if MASKED:
@@ -257,8 +266,11 @@ def _sel_dq_kernel(Q, K, V, DO, LSE, DELTA, SEL, LO, HI, KVN, KVI, FKVN, FKVI, D
                    NP: tl.constexpr, BLOCK: tl.constexpr, DK: tl.constexpr, DK1: tl.constexpr,
                    DK2: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
                    HAS_BAND: tl.constexpr, PREC: tl.constexpr):
-    tile, bh, t, row_ok, qrow, q1, q2, sel, lo, hi, koff, voff = _q_block(
-        Q, SEL, LO, HI, T, HKV, s_lb, G, GP, BT, BM, NSEL, NP, DK, DK1, DK2, DV, HAS_BAND)
+    tile, bh, b, t, row_ok, qrow = _q_rows(T, HKV, G, GP, BT, BM)
+    q1, q2 = _load_q(Q, qrow * DK, row_ok, DK, DK1, DK2)
+    sel, lo, hi = _row_state(SEL, LO, HI, bh, b, t, row_ok, T, s_lb, NSEL, NP, HAS_BAND)
+    koff = bh * T * DK
+    voff = bh * T * DV
     do, lse2, delta = _grad_rows(DO, LSE, DELTA, qrow, row_ok, DV, DVP)
     dq1 = tl.zeros([BM, DK1], tl.float32)
     dq2 = tl.zeros([BM, DK2 if DK2 > 0 else DK1], tl.float32)
@@ -351,7 +363,8 @@ def _sel_dkv_kernel(Q, K, V, DO, LSE, DELTA, SEL, LO, HI, QN, QI, FQN, FQI, HSLO
         e1 = tl.minimum(e0 + per, n_all)
     koff = bh * T * DK
     voff = bh * T * DV
-    kk, k_ok, k1, k2, v = _kv_block(K, V, koff, voff, j, T, BLOCK, DK, DK1, DK2, DV, DVP)
+    kk, k_ok = _keys(j, T, BLOCK)
+    k1, k2, v = _kv_block(K, V, koff, voff, kk, k_ok, DK, DK1, DK2, DV, DVP)
     dv = tl.arange(0, DVP)
     dk1 = tl.zeros([BLOCK, DK1], tl.float32)
     dk2 = tl.zeros([BLOCK, DK2 if DK2 > 0 else DK1], tl.float32)

@@ -262,7 +262,7 @@ def test_kernel_compiles_for_h100_as_inductor_launches_it(monkeypatch, dtype):
     wrapper passes, every Python float typed fp64 as Inductor types it inside torch.compile (eager
     Triton says fp32): a float argument multiplied into the fp32 accumulator would make it fp64
     and fail to compile, so the scale is a constexpr."""
-    from tests.ops.triton_harness import Launches, compile_for_h100, cuda_compiler
+    from tests.ops.triton_harness import Launches, compile_for_h100, cuda_compiler, written_args
 
     cuda_compiler()
     import nsa_flex.ops.scorer_triton as M
@@ -277,3 +277,4 @@ def test_kernel_compiles_for_h100_as_inductor_launches_it(monkeypatch, dtype):
     M.group_slc_scores._init_fn(q, k, lse, docs, 0, T, 32, 16, 64)
     assert len(calls) == 1
     compile_for_h100(*calls[0])
+    assert written_args(*calls[0]) == ["OUT"]  # torch's mutation analysis: only the output

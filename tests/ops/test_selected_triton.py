@@ -142,7 +142,7 @@ def test_op_matches_reference_and_is_causal_under_interpreter():
 def test_kernels_compile_for_h100(monkeypatch, shape, dtype):
     """The forward, dQ and dK/dV kernels compile for sm_90 with the wrappers' launch arguments
     (also with every Python float typed fp64, as Inductor passes it)."""
-    from tests.ops.triton_harness import Launches, compile_for_h100, cuda_compiler
+    from tests.ops.triton_harness import Launches, compile_for_h100, cuda_compiler, written_args
 
     cuda_compiler()
     import nsa_flex.ops.selected_triton as M
@@ -165,6 +165,8 @@ def test_kernels_compile_for_h100(monkeypatch, shape, dtype):
                                               "_sel_dkv_kernel"]
     for c in calls:
         compile_for_h100(*c)
+    # torch's mutation analysis sees only the outputs written (else compile copies inputs back)
+    assert [written_args(*c) for c in calls] == [["LSE", "O"], ["DQ"], ["DK_", "DV_", "PK", "PV"]]
 
 
 def test_routing_and_errors():

@@ -71,3 +71,30 @@ def run_interpreted(script: str, *args: str, timeout: int = 600):
            "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     return subprocess.run([sys.executable, os.path.abspath(script), *args], env=env, cwd=root,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def written_args(kernel, args: tuple, kw: dict) -> list[str]:
+    """The tensor arguments torch's Triton mutation analysis (TTIR, what triton_op/wrap_triton
+    functionalize with) says one recorded launch writes, analysed for sm_90 without a GPU. When the
+    analysis gives up it reports every tensor argument: a kernel must write only its outputs, or
+    torch.compile copies the inputs back (and fails on a leaf input that requires grad)."""
+    cuda_compiler()
+    from torch._higher_order_ops import triton_kernel_wrap as tkw
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    class Target:  # generate_ttir asks the active driver for the target only
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+    kw = {k: v for k, v in kw.items() if k not in ("num_warps", "num_stages")}
+    kwargs = dict(zip(kernel.arg_names, args), **kw)
+    saved = driver._active  # restored as it was (reset_active would create a driver: none without a GPU)
+    driver.set_active(Target())
+    try:
+        if hasattr(tkw, "identify_accessed_tensors"):  # torch >= 2.12
+            acc = tkw.identify_accessed_tensors(kernel, kwargs, {})
+            return sorted(dep.name for dep in acc.read_writes.writes)
+        return sorted(tkw.identify_mutated_tensors(kernel, kwargs, {}))  # torch 2.11
+    finally:
+        driver._active = saved
