@@ -92,12 +92,24 @@ BAND_OPTIONS: dict[int, dict] = {
 }
 
 
+# 4- and 8-byte elements above head dim 64: small tiles, no pipelining. torch 2.11's default fp32
+# forward config at d_k 192 (64x64, 3 stages) needs 278784 bytes of shared memory with the q
+# prologue fused (H100 limit 232448; tests/layer/test_flex_gpu.py, NOTES 36); fp32 is for checks,
+# not speed. d_k 64 compiles with inductor's own configs (H100-tested).
+WIDE_ELEMENT_OPTIONS = {"fwd_BLOCK_M": 32, "fwd_BLOCK_N": 32, "fwd_num_warps": 4, "fwd_num_stages": 1,
+                        "bwd_BLOCK_M1": 16, "bwd_BLOCK_N1": 16, "bwd_BLOCK_M2": 16, "bwd_BLOCK_N2": 16,
+                        "bwd_num_warps": 4, "bwd_num_stages": 1}
+
+
 def band_kernel_options(q: torch.Tensor) -> dict | None:
     """kernel_options of a non-packed flex call for queries q (None: inductor's own choice).
-    BAND_OPTIONS were measured for 2-byte elements; other dtypes take inductor's own,
-    dtype-aware configs (the bf16 tiles do not fit shared memory in fp32 at d_k 192)."""
-    if q.device.type != "cuda" or q.dtype.itemsize != 2:
+    BAND_OPTIONS were measured for 2-byte elements; wider elements above head dim 64 take
+    WIDE_ELEMENT_OPTIONS (the bf16 tiles and inductor's fp32 default do not fit shared memory at
+    d_k 192)."""
+    if q.device.type != "cuda":
         return None
+    if q.dtype.itemsize > 2:
+        return dict(WIDE_ELEMENT_OPTIONS) if q.shape[-1] > 64 else None
     return dict(BAND_OPTIONS[q.shape[-1]]) if q.shape[-1] in BAND_OPTIONS else None
 
 

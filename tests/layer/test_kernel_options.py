@@ -173,8 +173,9 @@ def test_pack_rows_same_attention(rows, monkeypatch):
 
 
 def test_wide_dtypes_get_narrow_tiles_or_inductors_own():
-    """4-byte elements: the packed call's explicit tiles are narrowed and unpipelined, the band
-    calls take inductor's own (dtype-aware) configs; 2-byte elements keep the measured tiles."""
+    """4/8-byte elements: the packed call's explicit tiles are narrowed and unpipelined, the band
+    calls above head dim 64 take small explicit tiles (inductor's fp32 default at d_k 192 did not
+    fit shared memory on the H100), at 64 inductor's own; 2-byte elements keep the measured tiles."""
     from types import SimpleNamespace
 
     from nsa_flex import kernel_options as ko
@@ -182,8 +183,12 @@ def test_wide_dtypes_get_narrow_tiles_or_inductors_own():
     q = lambda dt, d=192: SimpleNamespace(device=SimpleNamespace(type="cuda"), dtype=dt,  # noqa
                                           shape=(1, 4, 8, d))
     assert ko.band_kernel_options(q(torch.bfloat16)) == ko.BAND_OPTIONS[192]
-    assert ko.band_kernel_options(q(torch.float32)) is None
-    assert ko.band_kernel_options(q(torch.float64)) is None
+    for dt in (torch.float32, torch.float64):
+        for d in (128, 192):
+            got = ko.band_kernel_options(q(dt, d))
+            assert got == ko.WIDE_ELEMENT_OPTIONS and got is not ko.WIDE_ELEMENT_OPTIONS
+            _check_tiles(got, 128, 128)  # the band masks' 128-blocks
+        assert ko.band_kernel_options(q(dt, 64)) is None
     wide = ko.flex_kernel_options(q(torch.float32), (16, 64))
     _check_tiles(wide, 16, 64)
     assert wide["fwd_BLOCK_N"] == 32 and wide["bwd_num_stages"] == 1 and wide["fwd_num_stages"] == 1
