@@ -205,29 +205,52 @@ def _save(plt, fig, path: str) -> bool:
 
 
 def plot_position_loss(runs: dict[str, list[dict]], path: str, title: str = "",
-                       marks: dict[str, int] | None = None) -> bool:
+                       marks: dict[str, int] | None = None, baseline: str | None = None) -> bool:
     """Loss by token position, one curve per run (rows of position_loss.csv: pos_mid, loss,
     loss_sem), log x axis, +-1 standard error band; ``marks``: label -> position of a vertical
-    line (e.g. the sliding window). False without matplotlib."""
+    line (e.g. the sliding window). ``baseline`` (a run's name): a second panel with each other
+    run's loss minus the baseline's per bucket -- the runs score the same documents, so the
+    difference is paired and shows what the absolute curves hide (who gains with distance).
+    False without matplotlib."""
     plt = _pyplot()
     if plt is None:
         return False
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    paired = baseline in runs and len(runs) > 1
+    fig, axes = plt.subplots(1, 2 if paired else 1, figsize=(12.0 if paired else 6.4, 4.0), squeeze=False)
+    ax = axes[0][0]
+    colours = {}
     for name, rows in runs.items():
         x = [float(r["pos_mid"]) for r in rows]
         y = [float(r["loss"]) for r in rows]
-        ax.plot(x, y, marker=".", label=name)
+        colours[name] = ax.plot(x, y, marker=".", label=name)[0].get_color()
         sem = [float(r["loss_sem"]) if r.get("loss_sem") not in ("", None) else 0.0 for r in rows]
         if any(sem):
             ax.fill_between(x, [a - s for a, s in zip(y, sem)], [a + s for a, s in zip(y, sem)], alpha=0.2)
-    for label, pos in (marks or {}).items():
-        ax.axvline(pos, color="grey", ls=":", lw=1)
-        ax.text(pos, ax.get_ylim()[1], f" {label}", va="top", fontsize=7, color="grey")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("token position (context tokens before it)")
     ax.set_ylabel("validation loss (nats)")
     ax.set_title(title or "loss by position", fontsize=9)
-    ax.legend(fontsize=7)
+    if paired:
+        dx = axes[0][1]
+        base = {r["pos_mid"]: float(r["loss"]) for r in runs[baseline]}
+        seen = []
+        for name, rows in runs.items():
+            pts = [(float(r["pos_mid"]), float(r["loss"]) - base[r["pos_mid"]]) for r in rows
+                   if name != baseline and r["pos_mid"] in base]
+            if pts:
+                dx.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=name, color=colours[name])
+                seen += [p[1] for p in pts if p[0] >= 16]
+        if seen:  # the first buckets hold a few tokens each: scale to the rest
+            pad = 0.1 * (max(seen) - min(seen)) + 0.01
+            dx.set_ylim(min(min(seen), 0) - pad, max(max(seen), 0) + pad)
+        dx.axhline(0, color="black", lw=0.8)
+        dx.set_ylabel(f"loss minus {baseline}'s (nats; < 0: better)")
+        dx.set_title(f"paired difference to {baseline} (same documents, same positions)", fontsize=9)
+    for a in axes[0]:
+        for label, pos in (marks or {}).items():
+            a.axvline(pos, color="grey", ls=":", lw=1)
+            a.text(pos, a.get_ylim()[1], f" {label}", va="top", fontsize=7, color="grey")
+        a.set_xscale("log", base=2)
+        a.set_xlabel("token position (context tokens before it)")
+        a.legend(fontsize=7)
     return _save(plt, fig, path)
 
 

@@ -30,6 +30,8 @@ def test_position_loss_figure_several_runs(tmp_path):
     rows = lambda off: [{"pos_mid": m, "loss": 5 - 0.1 * i + off, "loss_sem": 0.05} for i, m in enumerate((1, 4, 16))]
     assert plot_position_loss({"nsa": rows(0), "full": rows(0.2)}, str(tmp_path / "p.png"), marks={"window": 8})
     assert (tmp_path / "p.png").stat().st_size > 1000
+    assert plot_position_loss({"nsa": rows(0), "full": rows(0.2)}, str(tmp_path / "d.png"), baseline="full")
+    assert (tmp_path / "d.png").stat().st_size > (tmp_path / "p.png").stat().st_size  # the second panel
 
 
 def test_quality_toml():
