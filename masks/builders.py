@@ -212,18 +212,57 @@ def _compact_lists(kvb, listed):
     return num, torch.where(key == big, 0, key).to(torch.int32)
 
 
+def _union_slots(kvb, any_tok, full_tok, P: int):
+    """Per-token slots [B, H, T, W] -> per-q-block slots [B, H, NQB, P*W] of P positions:
+    (blocks, partial, full) with each block listed once -- partial: some position sees some of
+    its keys, full: all P positions see all of them (the flags path's rule). Sorts only: static
+    shapes, no [NQB, NKB] table."""
+    B, H, T, W = kvb.shape
+    nqb = -(-T // P)
+    pad = nqb * P - T
+    if pad:  # positions past the end list nothing (so no block is full for their q block)
+        z = lambda x, v: torch.cat([x, x.new_full((B, H, pad, W), v)], 2)  # noqa: E731
+        kvb, any_tok, full_tok = z(kvb, 0), z(any_tok, False), z(full_tok, False)
+    L = P * W
+    big = torch.iinfo(torch.int32).max
+
+    def runs(listed, need):  # sorted blocks; True at the first of each run of >= need equal ones
+        key = torch.where(listed, kvb, big).reshape(B, H, nqb, L).sort(-1).values
+        first = torch.ones_like(key, dtype=torch.bool)
+        first[..., 1:] = key[..., 1:] != key[..., :-1]
+        hit = first & (key != big)
+        if need > 1:  # a block appears at most once per position: P equal in a row = all P
+            whole = key[..., : L - need + 1] == key[..., need - 1:]
+            hit = hit & torch.cat([whole, whole.new_zeros(B, H, nqb, need - 1)], -1)
+        return key, hit
+
+    anyk, any_first = runs(any_tok, 1)
+    fullk, full_first = runs(full_tok, P)
+    full_set = torch.where(full_first, fullk, big).sort(-1).values
+    at = torch.searchsorted(full_set, anyk).clamp_max(L - 1)
+    partial = any_first & (full_set.gather(-1, at) != anyk)
+    return anyk, partial, fullk, full_first
+
+
 def selection_block_mask_compact(sel_idx, l_sel, Q_LEN, KV_LEN, block_size, q_pack, mask_mod,
                                  lo=None, hi=None):
-    """BlockMask of the selection mask in the packed layout with one position per q block
-    (q block = q_pack rows): kv lists straight from sel_idx (width n * l'/KB), kv-major lists by
-    a sort. Never builds the dense [NQB, NKB] table that from_kv_blocks would."""
+    """BlockMask of the selection mask in the packed layout, q block = P positions (P * q_pack
+    rows): kv lists straight from sel_idx (width P * n * l'/KB; P > 1: the union of the
+    positions' blocks, each once), kv-major lists by a sort. Never builds the dense [NQB, NKB]
+    table that from_kv_blocks would."""
     QB, KB = block_size
-    if QB != q_pack or l_sel % KB:
-        raise ValueError("compact selection masks need q block = q_pack and KB | l_sel")
+    if QB % q_pack or l_sel % KB:
+        raise ValueError("compact selection masks need q_pack | q block and KB | l_sel")
+    P = QB // q_pack
     nkb = -(-KV_LEN // KB)
     kvb, any_tok, full_tok = _slot_classes(sel_idx, l_sel, KB, KV_LEN, lo, hi)
-    kv_num, kv_idx = _compact_lists(kvb, any_tok & ~full_tok)
-    f_num, f_idx = _compact_lists(kvb, full_tok)
+    if P == 1:
+        kv_num, kv_idx = _compact_lists(kvb, any_tok & ~full_tok)
+        f_num, f_idx = _compact_lists(kvb, full_tok)
+    else:
+        anyk, partial, fullk, full = _union_slots(kvb, any_tok, full_tok, P)
+        kv_num, kv_idx = _compact_lists(anyk, partial)
+        f_num, f_idx = _compact_lists(fullk, full)
     q_num, q_idx = transpose_lists(kv_num, kv_idx, nkb)
     fq_num, fq_idx = transpose_lists(f_num, f_idx, nkb)
     packed = (lambda b, h, q, kv: mask_mod(b, h, q // q_pack, kv)) if q_pack > 1 else mask_mod

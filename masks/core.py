@@ -58,7 +58,7 @@ class MaskSpec:
     name: str = "mask"
     # kv block size the block lists are made for (the selection mask: its block length l')
     kv_block: int | None = None
-    # optional direct BlockMask builder for one position per q block (GPU: compact index width):
+    # optional direct BlockMask builder for q blocks of whole positions (GPU: compact index width):
     # (Q_LEN, KV_LEN, block_size, q_pack, device, lo, hi, mask_mod) -> BlockMask
     compact: Callable | None = None
     # a union of bands (`or_masks`): kv is visible iff it lies in one of them; the block flags are
@@ -126,7 +126,7 @@ class MaskSpec:
         if self.interval is None and self.kv_blocks is None and self.bands is None:
             return create_block_mask(packed_mask_mod(mod, q_pack), B, self.heads, Q_LEN * q_pack,
                                      KV_LEN, device=device, BLOCK_SIZE=bs)
-        if self.compact is not None and bs[0] == q_pack and device is not None \
+        if self.compact is not None and bs[0] % q_pack == 0 and device is not None \
                 and torch.device(device).type == "cuda":
             return self.compact(Q_LEN, KV_LEN, bs, q_pack, device, None, None, self.mask_mod)
         any_, full = self.block_flags(B, Q_LEN, KV_LEN, bs, q_pack, device)

@@ -1,5 +1,6 @@
-"""The compact selection BlockMask (GPU path: index width n, kv-major lists by sort) lists
-exactly the blocks of the dense-flag construction, on the kv side and the transposed q side."""
+"""The compact selection BlockMask (GPU path: index width P * n, kv-major lists by sort) lists
+exactly the blocks of the dense-flag construction, on the kv side and the transposed q side, for
+q blocks of one position and of P positions (the union of their blocks)."""
 
 import pytest
 import torch
@@ -14,9 +15,10 @@ def _dense(num, ind, n_cols):
     return m[..., :n_cols]
 
 
+@pytest.mark.parametrize("P", [1, 2, 4])
 @pytest.mark.parametrize("with_docs", [False, True])
 @pytest.mark.parametrize("T,G,l_sel,n", [(200, 4, 16, 4), (97, 2, 32, 3), (64, 8, 16, 5)])
-def test_compact_equals_flags(with_docs, T, G, l_sel, n):
+def test_compact_equals_flags(with_docs, T, G, l_sel, n, P):
     torch.manual_seed(T + G)
     B, H = 2, 3
     ns = -(-T // l_sel)
@@ -31,13 +33,13 @@ def test_compact_equals_flags(with_docs, T, G, l_sel, n):
         doc[1, T // 2:] = 2
         spec = and_masks(spec, document(doc))
     kb = 16
-    any_, full = spec.block_flags(B, T, T, (G, kb), q_pack=G)
-    bm = spec.compact(T, T, (G, kb), G, None, None, None, spec.mask_mod)
+    any_, full = spec.block_flags(B, T, T, (P * G, kb), q_pack=G)
+    bm = spec.compact(T, T, (P * G, kb), G, None, None, None, spec.mask_mod)
     nqb, nkb = any_.shape[-2:]
-    assert full.any() and (any_ & ~full).any()
+    assert (any_ & ~full).any() and (full.any() or P > 1)
     assert torch.equal(_dense(bm.kv_num_blocks, bm.kv_indices, nkb), any_ & ~full)
     assert torch.equal(_dense(bm.full_kv_num_blocks, bm.full_kv_indices, nkb), full)
     assert torch.equal(_dense(bm.q_num_blocks, bm.q_indices, nqb), (any_ & ~full).transpose(-1, -2))
     assert torch.equal(_dense(bm.full_q_num_blocks, bm.full_q_indices, nqb), full.transpose(-1, -2))
-    # compact width, fixed per config: n slots, capped at the sequence's block count
-    assert bm.kv_indices.shape[-1] == min(n, ns) * (l_sel // kb)
+    # compact width, fixed per config: n slots per position, capped at the sequence's block count
+    assert bm.kv_indices.shape[-1] == P * min(n, ns) * (l_sel // kb)

@@ -239,10 +239,10 @@ def test_selection_block_mask_packed_vs_dense(B, Hkv, G, T, n, l_sel, kb, P, see
     assert bm.kv_num_blocks.shape[:2] == (B, Hkv)
     packed = spec.dense(B, T, T).repeat_interleave(G, dim=2)  # [B, Hkv, T*G, S]
     check_block_mask(bm, packed, exact=True)
-    if P == 1:  # the compact construction (GPU path: one position per q block), built here on CPU
-        assert spec.compact is not None
-        cbm = spec.compact(T, T, (G, kb), G, None, None, None, spec.mask_mod)
-        check_block_mask(cbm, packed, exact=True)
+    # the compact construction (GPU path: P whole positions per q block), built here on CPU
+    assert spec.compact is not None
+    cbm = spec.compact(T, T, (P * G, kb), G, None, None, None, spec.mask_mod)
+    check_block_mask(cbm, packed, exact=True)
 
 
 def test_selection_duplicate_index_is_not_a_full_block():
