@@ -135,6 +135,25 @@ def test_checkpoint_kill_resume_is_exact(uninterrupted, tmp_path):
         assert resumed[s]["grad_norm"] == ref[s]["grad_norm"], s
 
 
+@pytest.mark.slow
+def test_dataloader_worker_gives_the_same_stream_and_resumes_exactly(uninterrupted, tmp_path):
+    """[training.dataloader] num_workers = 1 (tokenization off the training process, as the
+    quality TOML sets it): the same losses as in-process loading, and a resume from a checkpoint
+    taken with a worker continues the stream exactly (the worker's dataset state is checkpointed)."""
+    _, _, ref = uninterrupted
+    cmd = _cmd(tmp_path, *CKPT, "--training.dataloader.num_workers", "1")
+    _run(cmd, tmp_path / "log.txt")
+    first = _records(tmp_path / "metrics.jsonl")
+    assert [first[s]["loss_metrics/global_avg_loss"] for s in range(1, STEPS + 1)] == \
+        [ref[s]["loss_metrics/global_avg_loss"] for s in range(1, STEPS + 1)]
+    (tmp_path / "metrics.jsonl").unlink()
+    text = _run(cmd + ["--checkpoint.load_step", "10"], tmp_path / "log_resumed.txt")
+    assert "Training starts at step 11" in text
+    resumed = _records(tmp_path / "metrics.jsonl")
+    assert [resumed[s]["loss_metrics/global_avg_loss"] for s in range(11, STEPS + 1)] == \
+        [ref[s]["loss_metrics/global_avg_loss"] for s in range(11, STEPS + 1)]
+
+
 def _short(dump: Path, steps: int) -> list[str]:
     return [sys.executable, "-m", "nsa_flex.titan.cli", "--job.config_file", str(CONFIG),
             "--job.dump_folder", str(dump), "--training.steps", str(steps), "--metrics.log_freq", "1",
