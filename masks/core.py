@@ -134,11 +134,10 @@ class MaskSpec:
                                      (Q_LEN * q_pack, KV_LEN))
 
 
-def transpose_lists(num, idx, nkb):
-    """kv-major lists from q-major lists, without a dense [NQB, NKB] table.
-
-    num [B, H, NQB], idx [B, H, NQB, W] -> q_num [B, H, NKB], q_idx [B, H, NKB, NQB]. Static
-    shapes only (sort + scatter), so it traces into a compiled graph."""
+def _kv_major_sorted(num, idx, nkb):
+    """The (kv block, q block) pairs of q-major lists sorted kv-major: (row [B, H, NQB*W] kv
+    block of each pair, nkb for unlisted slots (sorted last), col [.., NQB*W] int32 q block,
+    counts [B, H, nkb + 1] pairs per kv block)."""
     B, H, nqb, W = idx.shape
     dev = idx.device
     listed = torch.arange(W, device=dev) < num.unsqueeze(-1)
@@ -147,11 +146,32 @@ def transpose_lists(num, idx, nkb):
     key = (j * nqb + qb).reshape(B, H, -1)
     key = key.sort(-1).values  # kv-major, then ascending q block
     row = key // nqb
-    col = (key % nqb).to(torch.int32)
     counts = torch.zeros(B, H, nkb + 1, dtype=torch.long, device=dev)
     counts.scatter_add_(2, row, torch.ones_like(row))
+    return row, (key % nqb).to(torch.int32), counts
+
+
+def kv_major_csr(num, idx, nkb):
+    """The kv-major (inverse) index of q-major lists in CSR form: (q_num [B, H, NKB] int32, the q
+    blocks listing each kv block; q_flat [B, H, NQB*W] int32, those q blocks kv block by kv block,
+    ascending within one; a kv block's entries start at the exclusive cumsum of q_num, entries
+    past sum(q_num) are padding). O(NQB * W) memory where a BlockMask's q_indices take
+    [NKB, NQB]: the selected op's backward reads this (at 32k, one position per q block, 2 MB
+    instead of 134 MB per list and layer)."""
+    _, col, counts = _kv_major_sorted(num, idx, nkb)
+    return counts[..., :nkb].to(torch.int32), col
+
+
+def transpose_lists(num, idx, nkb):
+    """kv-major lists from q-major lists, without a dense [NQB, NKB] table.
+
+    num [B, H, NQB], idx [B, H, NQB, W] -> q_num [B, H, NKB], q_idx [B, H, NKB, NQB]. Static
+    shapes only (sort + scatter), so it traces into a compiled graph."""
+    B, H, nqb, W = idx.shape
+    dev = idx.device
+    row, col, counts = _kv_major_sorted(num, idx, nkb)
     starts = torch.cumsum(counts, -1) - counts
-    rank = torch.arange(key.shape[-1], device=dev).expand_as(key) - starts.gather(2, row)
+    rank = torch.arange(row.shape[-1], device=dev).expand_as(row) - starts.gather(2, row)
     rank = torch.where(row == nkb, 0, rank).clamp_max(nqb - 1)  # dummy row: discarded
     q_idx = torch.zeros(B, H, (nkb + 1) * nqb, dtype=torch.int32, device=dev)
     q_idx.scatter_(2, row * nqb + rank, col)

@@ -26,7 +26,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import flex_attention
 
 from masks import MaskSpec
-from masks.core import captured
+from masks.core import captured, kv_major_csr
 
 from .config import resolve_backend
 from .ops import HAS_TRITON, selected_attention, selected_unsupported, tile_positions, triton_interpreted
@@ -151,9 +151,12 @@ def attend_selected(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, scale: floa
     # configuration every H100 measurement of the op ran with; the backward-graph codegen failure
     # it was meant for went away only with one position per q block (NOTES 33(c)), so whether it
     # is still needed is open: remove it only with a GPU run of tests/layer/test_flex_gpu.py
-    lists = [captured(x) for x in (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks,
-                                   bm.full_kv_indices, bm.q_num_blocks, bm.q_indices,
-                                   bm.full_q_num_blocks, bm.full_q_indices)]
+    # The kv-major lists in CSR form (O(NQB * W)), not the BlockMask's dense-width q_indices
+    # ([NKB, NQB] int32, 134 MB per list and layer at 32k; compiled out when unused).
+    nkb = bm.q_num_blocks.shape[-1]
+    q_major = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
+    lists = [captured(x) for x in (*q_major, *kv_major_csr(*q_major[:2], nkb),
+                                   *kv_major_csr(*q_major[2:], nkb))]
     lo = hi = None
     if spec.row_band is not None:
         lo, hi = spec.row_band(torch.arange(T, device=q.device))

@@ -296,19 +296,20 @@ def _sel_dq_kernel(Q, K, V, DO, LSE, DELTA, SEL, LO, HI, KVN, KVI, FKVN, FKVI, D
 
 # ---------------------------------------------------------------------- dK / dV
 @triton.jit
-def _dkv_step(dk1, dk2, dv_acc, k1, k2, v, kk, j, e, e_end, n_part, lst, WQ, QI, FQI, Q, DO, LSE,
+def _dkv_step(dk1, dk2, dv_acc, k1, k2, v, kk, j, e, e_end, n_part, qi, fqi, Q, DO, LSE,
               DELTA, SEL, LO, HI, bh, b, h, T, HKV, s_lb, qk_scale, NG: tl.constexpr,
               G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, NSEL: tl.constexpr,
               NP: tl.constexpr, DK: tl.constexpr, DK1: tl.constexpr, DK2: tl.constexpr,
               DV: tl.constexpr, DVP: tl.constexpr, HAS_BAND: tl.constexpr, PREC: tl.constexpr):
-    """NG entries e.. of kv block j's list (q blocks: partial ones, then full ones) gathered into
-    one NG*BM-row tile: row r is row r % BM of the q block of entry e + r // BM."""
+    """NG entries e.. of kv block j's list (q blocks: partial ones, then full ones; qi / fqi
+    point at its CSR rows) gathered into one NG*BM-row tile: row r is row r % BM of the q block of
+    entry e + r // BM."""
     r = tl.arange(0, NG * BM)
     ent = e + r // BM
     in_part = ent < n_part
     ok = ent < e_end
-    tile = tl.load(QI + lst * WQ + ent, mask=ok & in_part, other=0) + \
-        tl.load(FQI + lst * WQ + ent - n_part, mask=ok & (ent >= n_part), other=0)
+    tile = tl.load(qi + ent, mask=ok & in_part, other=0) + \
+        tl.load(fqi + ent - n_part, mask=ok & (ent >= n_part), other=0)
     t = (tile * BT + (r % BM) // GP).to(tl.int64)
     g = (r % GP).to(tl.int64)
     row_ok = ok & (t < T) & (g < G)
@@ -330,9 +331,9 @@ def _dkv_step(dk1, dk2, dv_acc, k1, k2, v, kk, j, e, e_end, n_part, lst, WQ, QI,
 
 
 @triton.jit
-def _sel_dkv_kernel(Q, K, V, DO, LSE, DELTA, SEL, LO, HI, QN, QI, FQN, FQI, HSLOT, HEAVY,
-                    DK_, DV_, PK, PV,
-                    T, TP, HKV, NKB, WQ, NH, NSPLIT, s_lb,
+def _sel_dkv_kernel(Q, K, V, DO, LSE, DELTA, SEL, LO, HI, QN, QOFF, QI, FQN, FQOFF, FQI, HSLOT,
+                    HEAVY, DK_, DV_, PK, PV,
+                    T, TP, HKV, NKB, WP, WF, NH, NSPLIT, s_lb,
                     QK_SCALE: tl.constexpr, SM_SCALE: tl.constexpr, NG: tl.constexpr,
                     G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, NSEL: tl.constexpr,
                     NP: tl.constexpr, BLOCK: tl.constexpr, DK: tl.constexpr, DK1: tl.constexpr,
@@ -354,6 +355,8 @@ def _sel_dkv_kernel(Q, K, V, DO, LSE, DELTA, SEL, LO, HI, QN, QI, FQN, FQI, HSLO
     lst = bh * NKB + j
     n_part = tl.load(QN + lst)
     n_all = n_part + tl.load(FQN + lst)
+    qi = QI + bh * WP + tl.load(QOFF + lst)  # this kv block's CSR rows (partial, full q blocks)
+    fqi = FQI + bh * WF + tl.load(FQOFF + lst)
     if pid < NKB:
         e0 = n_all * 0
         e1 = tl.where(slot >= 0, 0, n_all)
@@ -370,8 +373,8 @@ def _sel_dkv_kernel(Q, K, V, DO, LSE, DELTA, SEL, LO, HI, QN, QI, FQN, FQI, HSLO
     dk2 = tl.zeros([BLOCK, DK2 if DK2 > 0 else DK1], tl.float32)
     dv_acc = tl.zeros([BLOCK, DVP], tl.float32)
     for e in range(e0, e1, NG):
-        dk1, dk2, dv_acc = _dkv_step(dk1, dk2, dv_acc, k1, k2, v, kk, j, e, e1, n_part, lst, WQ,
-                                     QI, FQI, Q, DO, LSE, DELTA, SEL, LO, HI, bh, b, h, T, HKV,
+        dk1, dk2, dv_acc = _dkv_step(dk1, dk2, dv_acc, k1, k2, v, kk, j, e, e1, n_part, qi, fqi,
+                                     Q, DO, LSE, DELTA, SEL, LO, HI, bh, b, h, T, HKV,
                                      s_lb, QK_SCALE, NG, G, GP, BT, BM, NSEL, NP, DK, DK1, DK2, DV,
                                      DVP, HAS_BAND, PREC)
     d1 = tl.arange(0, DK1)
@@ -425,8 +428,8 @@ def selected_attention_fwd(q: Tensor, k: Tensor, v: Tensor, sel: Tensor, lo: Opt
                            full_idx: Tensor, q_num: Tensor, q_idx: Tensor, full_q_num: Tensor,
                            full_q_idx: Tensor, scale: float, l_sel: int, rows: int,
                            heavy: int, split_tiles: int) -> tuple[Tensor, Tensor]:
-    """(out [B, Hq, T, Dv], lse [B, Hq, T]); the kv-major lists (q_num .. full_q_idx) are for
-    the backward."""
+    """(out [B, Hq, T, Dv], lse [B, Hq, T]); the kv-major lists (q_num, q_idx, full_q_num,
+    full_q_idx: CSR, `masks.core.kv_major_csr`) are for the backward."""
     B, Hq, T, Dk = q.shape
     Hkv, Dv = k.shape[1], v.shape[-1]
     G = Hq // Hkv
@@ -488,10 +491,14 @@ def selected_attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Ten
                    .expand(B * Hkv, nh).contiguous())
     pk = torch.empty(B * Hkv, nh, nsplit, l_sel, Dk, dtype=torch.float32, device=q.device)
     pv = torch.empty(B * Hkv, nh, nsplit, l_sel, Dv, dtype=torch.float32, device=q.device)
+    # CSR starts of the kv-major lists (q_idx / full_q_idx: kv_major_csr's flat rows)
+    q_off = (torch.cumsum(q_num, -1) - q_num).to(torch.int32)
+    fq_off = (torch.cumsum(full_q_num, -1) - full_q_num).to(torch.int32)
     wrap_triton(_sel_dkv_kernel)[(nkb + nh * nsplit, B * Hkv)](
-        q, k, v, do, lse, delta, sel, lo_, hi_, q_num, q_idx, full_q_num, full_q_idx, hslot, heavy_idx,
-        dk_pad, dv_pad, pk, pv,
-        T, nkb * l_sel, Hkv, nkb, q_idx.shape[-1], nh, nsplit, s_lb, QK_SCALE=scale * LOG2E,
+        q, k, v, do, lse, delta, sel, lo_, hi_, q_num, q_off, q_idx, full_q_num, fq_off, full_q_idx,
+        hslot, heavy_idx, dk_pad, dv_pad, pk, pv,
+        T, nkb * l_sel, Hkv, nkb, q_idx.shape[-1], full_q_idx.shape[-1], nh, nsplit, s_lb,
+        QK_SCALE=scale * LOG2E,
         SM_SCALE=scale, NG=max(1, DKV_ROWS // (BT * padded_group(G))), **consts)
     idx = heavy_idx.long().view(B * Hkv, nh, 1, 1)
     dk_pad.view(B * Hkv, nkb, l_sel, Dk).scatter_(
@@ -527,14 +534,19 @@ def selected_attention(q: Tensor, k: Tensor, v: Tensor, sel: Tensor, l_sel: int,
     log). sel [B, Hkv, T, n] block indices (-1: unused); lo, hi [B|1, T]: the keys each position
     may see at most (None: all up to itself); block_mask: the selection's BlockMask in the packed
     layout with q blocks of `tile_positions(G, rows)` positions and kv blocks of l_sel
-    (`masks.MaskSpec.block_mask(..., block_size=(P * G, l_sel), q_pack=G)`), or its eight lists
-    (kv_num_blocks, kv_indices, full_kv_*, q_num_blocks, q_indices, full_q_*). heavy / split_tiles:
+    (`masks.MaskSpec.block_mask(..., block_size=(P * G, l_sel), q_pack=G)`), or eight lists: its
+    q-major ones (kv_num_blocks, kv_indices, full_kv_*) and their kv-major inverses in CSR form
+    (`masks.core.kv_major_csr` of each; not the BlockMask's dense-width q_indices). heavy / split_tiles:
     the dK/dV pass's split of the most-read blocks (default HEAVY / SPLIT_TILES)."""
     bm = block_mask
     rows = rows or ROWS
     if not isinstance(bm, (list, tuple)):
+        from masks.core import kv_major_csr
+
+        nkb = bm.q_num_blocks.shape[-1]
         bm = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
-              bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices)
+              *kv_major_csr(bm.kv_num_blocks, bm.kv_indices, nkb),
+              *kv_major_csr(bm.full_kv_num_blocks, bm.full_kv_indices, nkb))
     lists = [x.to(torch.int32).contiguous() for x in bm]
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     return torch.ops.nsa_flex.selected_attention_fwd(

@@ -43,3 +43,25 @@ def test_compact_equals_flags(with_docs, T, G, l_sel, n, P):
     assert torch.equal(_dense(bm.full_q_num_blocks, bm.full_q_indices, nqb), full.transpose(-1, -2))
     # compact width, fixed per config: n slots per position, capped at the sequence's block count
     assert bm.kv_indices.shape[-1] == P * min(n, ns) * (l_sel // kb)
+
+
+def test_kv_major_csr_holds_the_transposed_lists():
+    """kv_major_csr (the selected op's backward index): kv block j's CSR row, from the exclusive
+    cumsum of q_num, lists exactly transpose_lists' q blocks of j, in the same order; its flat width
+    is NQB * W (the q-major entries), not NKB * NQB."""
+    from masks.core import kv_major_csr, transpose_lists
+
+    torch.manual_seed(0)
+    B, H, nqb, W, nkb = 2, 3, 37, 5, 11
+    num = torch.randint(0, W + 1, (B, H, nqb))
+    idx = torch.stack([torch.randperm(nkb)[:W] for _ in range(B * H * nqb)]).view(B, H, nqb, W)
+    q_num, q_flat = kv_major_csr(num, idx, nkb)
+    d_num, d_idx = transpose_lists(num, idx, nkb)
+    assert torch.equal(q_num, d_num) and q_flat.shape == (B, H, nqb * W) and q_flat.dtype == torch.int32
+    start = torch.cumsum(q_num, -1) - q_num
+    for b in range(B):
+        for h in range(H):
+            for j in range(nkb):
+                s, c = int(start[b, h, j]), int(q_num[b, h, j])
+                assert q_flat[b, h, s:s + c].tolist() == d_idx[b, h, j, :c].tolist()
+    assert int(q_num.sum()) == int(num.sum())
