@@ -535,6 +535,9 @@ def main(argv=None):
     ap.add_argument("--sel-rows", type=int, default=0,
                     help="rows of the selected-attention op's q block (positions x G): overrides "
                          "nsa_flex.ops.selected_triton.ROWS during the run")
+    ap.add_argument("--sel-pad-heads", default="", choices=("", "1", "0"),
+                    help="the op's PAD_HEADS: 1 pads a position's G < 16 heads to 16 rows (one "
+                         "position per 16-row q block), 0 packs 16 // G positions per 16 rows")
     ap.add_argument("--pack-rows", type=int, default=0,
                     help="rows of a packed selection q block at least (a multiple of 16): overrides "
                          "nsa_flex.kernel_options.PACK_ROWS during the run (positions per block = lcm(G, rows)/G)")
@@ -577,7 +580,9 @@ def main(argv=None):
         if given:
             opts = json.loads(given)
             tables[key] = {config_args(c)["d_qk"]: opts for c in args.configs.split(",")}
-    with kernel_overrides(**tables, pack_rows=args.pack_rows, sel_rows=args.sel_rows, log=log):
+    pad = {"": None, "1": True, "0": False}[args.sel_pad_heads]
+    with kernel_overrides(**tables, pack_rows=args.pack_rows, sel_rows=args.sel_rows,
+                          sel_pad_heads=pad, log=log):
         return sweep(args, only, modes)
 
 

@@ -56,16 +56,25 @@ def head_split(d: int) -> tuple[int, int]:
     return max(p, 16), 0
 
 
+# True: a position's G heads are padded to 16 rows (G < 16), so a q block can hold one position
+# and its lists are the position's own selection. False: G heads take next_power_of_2(G) rows and
+# a 16-row q block holds 16 // G positions (the union of their selections, no padding rows):
+# fewer loads where adjacent positions pick the same blocks (trained selections, NOTES 38).
+PAD_HEADS = True
+
+
 def padded_group(G: int) -> int:
-    """Rows one position takes in a q block: its G heads, padded to the tensor cores' 16 rows
-    (and to a power of two), so that a q block can always hold a single position."""
-    return max(16, triton.next_power_of_2(G))
+    """Rows one position takes in a q block: its G heads, as a power of two, padded to the tensor
+    cores' 16 rows when PAD_HEADS (then a q block can always hold a single position)."""
+    return max(16 if PAD_HEADS else 1, triton.next_power_of_2(G))
 
 
 def tile_positions(G: int, rows: int | None = None) -> int:
-    """Positions per q block: rows // padded_group(G), at least 1. With one position per q block
-    (the default) the BlockMask's lists are the selection itself (no union over positions)."""
-    return max(1, (rows or ROWS) // padded_group(G))
+    """Positions per q block: rows // padded_group(G), at least 1 and at least 16 rows. With one
+    position per q block (the default) the BlockMask's lists are the selection itself (no union
+    over positions)."""
+    gp = padded_group(G)
+    return max(1, (rows or ROWS) // gp, -(-16 // gp))
 
 
 def supported(q: Tensor, k: Tensor, v: Tensor, l_sel: int) -> str | None:

@@ -5,7 +5,8 @@ set before triton decorates them): forward, lse and every gradient (also through
 dense reference on random selections, with and without documents, for G in {1, 2, 4, 8, 16}, head
 dims that split into two dots (48 = 32 + 16) or pad, ragged T, and both dK/dV paths (one program
 per kv block, and the most-read blocks split into shares); and a hypothesis property: no output or
-gradient at position t depends on a key after t, or outside its document. The kernels also compile
+gradient at position t depends on a key after t, or outside its document; also with unpadded heads
+(several positions per q block, the union of their blocks). The kernels also compile
 for an H100 (sm_90) with the launch arguments the wrappers pass (fp64-typed scalars, as Inductor
 passes them). On CUDA (`gpu`): the same comparisons in bf16 and fp32 at the paper and 125M shapes.
 """
@@ -124,6 +125,19 @@ def _interpreter_main():
         check_causal(seed)
 
     causal()
+    # G < 16 heads unpadded: 16 // G positions per 16-row q block (their union of blocks), and
+    # 32-row blocks; the same comparison and causality
+    from nsa_flex.ops import selected_triton
+
+    selected_triton.PAD_HEADS = False
+    try:
+        for seed, rows in ((9, 16), (7, 32)):  # G = 8: 2 positions a block; G = 4: 8
+            selected_triton.ROWS = rows
+            check_case(seed)
+            n += 1
+        causal()
+    finally:
+        selected_triton.PAD_HEADS, selected_triton.ROWS = True, 16
     print(f"OK {n} cases")
 
 
@@ -133,7 +147,7 @@ def test_op_matches_reference_and_is_causal_under_interpreter():
     from tests.ops.triton_harness import run_interpreted
 
     r = run_interpreted(__file__, timeout=900)
-    assert r.returncode == 0 and "OK 6 cases" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
+    assert r.returncode == 0 and "OK 8 cases" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
 
 
 @pytest.mark.skipif(not HAS_TRITON or triton_interpreted(), reason="needs triton, not interpreted")
@@ -196,6 +210,15 @@ def test_head_split_and_tiles():
     assert head_split(48) == (32, 16) and head_split(24) == (32, 0) and head_split(8) == (16, 0)
     assert padded_group(8) == 16 and padded_group(16) == 16 and padded_group(24) == 32
     assert tile_positions(8) == 1 and tile_positions(4, 64) == 4 and tile_positions(64, 16) == 1
+    import nsa_flex.ops.selected_triton as M
+
+    M.PAD_HEADS = False
+    try:  # unpadded heads: a power of two per position, q blocks of at least 16 rows
+        assert padded_group(8) == 8 and padded_group(3) == 4 and padded_group(24) == 32
+        assert tile_positions(8) == 2 and tile_positions(2) == 8 and tile_positions(8, 64) == 8
+        assert tile_positions(1, 16) == 16 and tile_positions(32) == 1
+    finally:
+        M.PAD_HEADS = True
 
 
 @pytest.mark.gpu
