@@ -6,8 +6,8 @@
 #   python experiments/quality_report.py OUT
 # Side by side, the three share the GPU: together they take about as long as one after the other,
 # but each segment compiles once for all three and a segment boundary costs one restart, not three.
-# 125M at 16k x 2 takes 18-21 GiB a run: keep other GPU work off the machine meanwhile (run 1's NSA
-# start died of OOM beside the GPU tests, experiments/NOTES.md 36).
+# 125M at 16k x 2 takes 18-21 GiB a run, ~60 GiB for the three: other GPU work beside them can run
+# the GPU out of memory.
 set -uo pipefail
 [ $# -ge 2 ] || { echo "usage: quality_all.sh OUT DATA [EXPORT]" >&2; exit 2; }
 HERE=$(cd "$(dirname "$0")" && pwd)

@@ -112,9 +112,9 @@ def selection(sel_idx: Tensor, l_sel: int) -> MaskSpec:
     def kv_blocks(Bq, Q_LEN, KV_LEN, block_size, q_pack, device, lo, hi):
         return selection_block_flags(sel_idx, l_sel, Q_LEN, KV_LEN, block_size, q_pack, lo, hi)
 
-    def compact(Q_LEN, KV_LEN, block_size, q_pack, device, lo, hi, mod):
+    def compact(Q_LEN, KV_LEN, block_size, q_pack, device, lo, hi, mod, kv_major=True):
         return selection_block_mask_compact(sel_idx, l_sel, Q_LEN, KV_LEN, block_size, q_pack,
-                                            mod, lo, hi)
+                                            mod, lo, hi, kv_major)
 
     return MaskSpec(mask_mod, heads=H, kv_blocks=kv_blocks, name=f"selection(n={n},l'={l_sel})",
                     kv_block=l_sel, compact=compact, selection=(unique, l_sel))
@@ -245,11 +245,11 @@ def _union_slots(kvb, any_tok, full_tok, P: int):
 
 
 def selection_block_mask_compact(sel_idx, l_sel, Q_LEN, KV_LEN, block_size, q_pack, mask_mod,
-                                 lo=None, hi=None):
+                                 lo=None, hi=None, kv_major=True):
     """BlockMask of the selection mask in the packed layout, q block = P positions (P * q_pack
     rows): kv lists straight from sel_idx (width P * n * l'/KB; P > 1: the union of the
     positions' blocks, each once), kv-major lists by a sort. Never builds the dense [NQB, NKB]
-    table that from_kv_blocks would."""
+    table that from_kv_blocks would. kv_major=False: without the kv-major lists (None)."""
     QB, KB = block_size
     if QB % q_pack or l_sel % KB:
         raise ValueError("compact selection masks need q_pack | q block and KB | l_sel")
@@ -263,8 +263,10 @@ def selection_block_mask_compact(sel_idx, l_sel, Q_LEN, KV_LEN, block_size, q_pa
         anyk, partial, fullk, full = _union_slots(kvb, any_tok, full_tok, P)
         kv_num, kv_idx = _compact_lists(anyk, partial)
         f_num, f_idx = _compact_lists(fullk, full)
-    q_num, q_idx = transpose_lists(kv_num, kv_idx, nkb)
-    fq_num, fq_idx = transpose_lists(f_num, f_idx, nkb)
+    q_num = q_idx = fq_num = fq_idx = None
+    if kv_major:
+        q_num, q_idx = transpose_lists(kv_num, kv_idx, nkb)
+        fq_num, fq_idx = transpose_lists(f_num, f_idx, nkb)
     packed = (lambda b, h, q, kv: mask_mod(b, h, q // q_pack, kv)) if q_pack > 1 else mask_mod
     return BlockMask(seq_lengths=(Q_LEN * q_pack, KV_LEN), kv_num_blocks=kv_num,
                      kv_indices=kv_idx, full_kv_num_blocks=f_num, full_kv_indices=f_idx,

@@ -59,7 +59,7 @@ class MaskSpec:
     # kv block size the block lists are made for (the selection mask: its block length l')
     kv_block: int | None = None
     # optional direct BlockMask builder for q blocks of whole positions (GPU: compact index width):
-    # (Q_LEN, KV_LEN, block_size, q_pack, device, lo, hi, mask_mod) -> BlockMask
+    # (Q_LEN, KV_LEN, block_size, q_pack, device, lo, hi, mask_mod, kv_major=True) -> BlockMask
     compact: Callable | None = None
     # a union of bands (`or_masks`): kv is visible iff it lies in one of them; the block flags are
     # the union of the bands' flags (one call, one BlockMask)
@@ -116,8 +116,11 @@ class MaskSpec:
         return band_block_flags(lo, hi, Q_LEN, KV_LEN, block_size, q_pack)
 
     def block_mask(self, B: int, Q_LEN: int, KV_LEN: int, device=None,
-                   block_size: int | tuple[int, int] = 128, q_pack: int = 1) -> BlockMask:
+                   block_size: int | tuple[int, int] = 128, q_pack: int = 1,
+                   kv_major: bool = True) -> BlockMask:
         """BlockMask over `Q_LEN * q_pack` (packed) query rows and KV_LEN keys.
+        kv_major=False: the compact builder may leave the kv-major lists out (q_num_blocks None;
+        a caller that makes its own inverse index, as the selected op does).
 
         Head dim of the result: 1 for head-agnostic masks, `heads` for per-group masks (in the
         packed layout those are the query heads, as FlexAttention requires)."""
@@ -128,7 +131,8 @@ class MaskSpec:
                                      KV_LEN, device=device, BLOCK_SIZE=bs)
         if self.compact is not None and bs[0] % q_pack == 0 and device is not None \
                 and torch.device(device).type == "cuda":
-            return self.compact(Q_LEN, KV_LEN, bs, q_pack, device, None, None, self.mask_mod)
+            return self.compact(Q_LEN, KV_LEN, bs, q_pack, device, None, None, self.mask_mod,
+                                kv_major=kv_major)
         any_, full = self.block_flags(B, Q_LEN, KV_LEN, bs, q_pack, device)
         return block_mask_from_flags(any_, full, bs, packed_mask_mod(mod, q_pack),
                                      (Q_LEN * q_pack, KV_LEN))
@@ -335,11 +339,12 @@ def and_masks(*specs: MaskSpec, name: str | None = None) -> MaskSpec:
 
         inner_compact = next(s.compact for s in specs if s.kv_blocks is not None)
         if inner_compact is not None:
-            def compact(Q_LEN, KV_LEN, block_size, q_pack, device, lo, hi, mod):
+            def compact(Q_LEN, KV_LEN, block_size, q_pack, device, lo, hi, mod, kv_major=True):
                 l2, h2 = band(torch.arange(Q_LEN, device=device))
                 if lo is not None:
                     l2, h2 = torch.maximum(lo, l2), torch.minimum(hi, h2)
-                return inner_compact(Q_LEN, KV_LEN, block_size, q_pack, device, l2, h2, mod)
+                return inner_compact(Q_LEN, KV_LEN, block_size, q_pack, device, l2, h2, mod,
+                                     kv_major=kv_major)
 
     kv_block = next((s.kv_block for s in specs if s.kv_block is not None), None)
     selection = row_band = None

@@ -146,14 +146,15 @@ def attend_selected(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, scale: floa
     sel, l_sel = spec.selection
     B, Hq, T, Dk, Hkv, S, G, scale = _dims(q, k, scale)
     P = tile_positions(G)
-    bm = spec.block_mask(B, T, S, device=q.device, block_size=(P * G, l_sel), q_pack=G)
+    bm = spec.block_mask(B, T, S, device=q.device, block_size=(P * G, l_sel), q_pack=G,
+                         kv_major=False)
     # the lists through an opaque op (saved for the backward, never recomputed there). The
     # configuration every H100 measurement of the op ran with; the backward-graph codegen failure
     # it was meant for went away only with one position per q block (NOTES 33(c)), so whether it
     # is still needed is open: remove it only with a GPU run of tests/layer/test_flex_gpu.py
     # The kv-major lists in CSR form (O(NQB * W)), not the BlockMask's dense-width q_indices
-    # ([NKB, NQB] int32, 134 MB per list and layer at 32k; compiled out when unused).
-    nkb = bm.q_num_blocks.shape[-1]
+    # ([NKB, NQB] int32, 134 MB per list and layer at 32k; not built: kv_major=False).
+    nkb = -(-S // l_sel)
     q_major = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
     lists = [captured(x) for x in (*q_major, *kv_major_csr(*q_major[:2], nkb),
                                    *kv_major_csr(*q_major[2:], nkb))]

@@ -94,8 +94,8 @@ BAND_OPTIONS: dict[int, dict] = {
 
 # 4- and 8-byte elements above head dim 64: small tiles, no pipelining. torch 2.11's default fp32
 # forward config at d_k 192 (64x64, 3 stages) needs 278784 bytes of shared memory with the q
-# prologue fused (H100 limit 232448; tests/layer/test_flex_gpu.py, NOTES 36); fp32 is for checks,
-# not speed. d_k 64 compiles with inductor's own configs (H100-tested).
+# prologue fused (H100 limit 232448; tests/layer/test_flex_gpu.py); fp32 is for checks, not
+# speed. d_k 64 compiles with inductor's own configs.
 WIDE_ELEMENT_OPTIONS = {"fwd_BLOCK_M": 32, "fwd_BLOCK_N": 32, "fwd_num_warps": 4, "fwd_num_stages": 1,
                         "bwd_BLOCK_M1": 16, "bwd_BLOCK_N1": 16, "bwd_BLOCK_M2": 16, "bwd_BLOCK_N2": 16,
                         "bwd_num_warps": 4, "bwd_num_stages": 1}

@@ -182,6 +182,15 @@ def _q_rows(T, HKV, G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BM: tl.
 
 
 @triton.jit
+def _q_state(Q, SEL, LO, HI, qrow, bh, b, t, row_ok, T, s_lb, NSEL: tl.constexpr, NP: tl.constexpr,
+             DK: tl.constexpr, DK1: tl.constexpr, DK2: tl.constexpr, HAS_BAND: tl.constexpr):
+    """The q block's loaded state: q ([R, DK1], [R, DK2]), selections [R, NP] and key bands."""
+    q1, q2 = _load_q(Q, qrow * DK, row_ok, DK, DK1, DK2)
+    sel, lo, hi = _row_state(SEL, LO, HI, bh, b, t, row_ok, T, s_lb, NSEL, NP, HAS_BAND)
+    return q1, q2, sel, lo, hi
+
+
+@triton.jit
 def _grad_rows(DO, LSE, DELTA, qrow, row_ok, DV: tl.constexpr, DVP: tl.constexpr):
     """dO, lse (log2 units; +inf for a row that sees nothing, so its p is 0) and delta of rows."""
     dv = tl.arange(0, DVP)
@@ -220,8 +229,8 @@ def _sel_fwd_kernel(Q, K, V, SEL, LO, HI, KVN, KVI, FKVN, FKVI, O, LSE,
                     DK2: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
                     HAS_BAND: tl.constexpr, PREC: tl.constexpr):
     tile, bh, b, t, row_ok, qrow = _q_rows(T, HKV, G, GP, BT, BM)
-    q1, q2 = _load_q(Q, qrow * DK, row_ok, DK, DK1, DK2)
-    sel, lo, hi = _row_state(SEL, LO, HI, bh, b, t, row_ok, T, s_lb, NSEL, NP, HAS_BAND)
+    q1, q2, sel, lo, hi = _q_state(Q, SEL, LO, HI, qrow, bh, b, t, row_ok, T, s_lb, NSEL, NP, DK,
+                                   DK1, DK2, HAS_BAND)
     koff = bh * T * DK
     voff = bh * T * DV
     m_i = tl.full([BM], float("-inf"), tl.float32)
@@ -276,8 +285,8 @@ def _sel_dq_kernel(Q, K, V, DO, LSE, DELTA, SEL, LO, HI, KVN, KVI, FKVN, FKVI, D
                    DK2: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
                    HAS_BAND: tl.constexpr, PREC: tl.constexpr):
     tile, bh, b, t, row_ok, qrow = _q_rows(T, HKV, G, GP, BT, BM)
-    q1, q2 = _load_q(Q, qrow * DK, row_ok, DK, DK1, DK2)
-    sel, lo, hi = _row_state(SEL, LO, HI, bh, b, t, row_ok, T, s_lb, NSEL, NP, HAS_BAND)
+    q1, q2, sel, lo, hi = _q_state(Q, SEL, LO, HI, qrow, bh, b, t, row_ok, T, s_lb, NSEL, NP, DK,
+                                   DK1, DK2, HAS_BAND)
     koff = bh * T * DK
     voff = bh * T * DV
     do, lse2, delta = _grad_rows(DO, LSE, DELTA, qrow, row_ok, DV, DVP)
@@ -552,7 +561,7 @@ def selected_attention(q: Tensor, k: Tensor, v: Tensor, sel: Tensor, l_sel: int,
     if not isinstance(bm, (list, tuple)):
         from masks.core import kv_major_csr
 
-        nkb = bm.q_num_blocks.shape[-1]
+        nkb = -(-k.shape[2] // l_sel)
         bm = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
               *kv_major_csr(bm.kv_num_blocks, bm.kv_indices, nkb),
               *kv_major_csr(bm.full_kv_num_blocks, bm.full_kv_indices, nkb))

@@ -41,6 +41,10 @@ def test_compact_equals_flags(with_docs, T, G, l_sel, n, P):
     assert torch.equal(_dense(bm.full_kv_num_blocks, bm.full_kv_indices, nkb), full)
     assert torch.equal(_dense(bm.q_num_blocks, bm.q_indices, nqb), (any_ & ~full).transpose(-1, -2))
     assert torch.equal(_dense(bm.full_q_num_blocks, bm.full_q_indices, nqb), full.transpose(-1, -2))
+    # without the kv-major lists (the selected op makes its own inverse index): same q-major lists
+    lean = spec.compact(T, T, (P * G, kb), G, None, None, None, spec.mask_mod, kv_major=False)
+    assert lean.q_num_blocks is None and lean.full_q_indices is None
+    assert torch.equal(lean.kv_indices, bm.kv_indices) and torch.equal(lean.full_kv_num_blocks, bm.full_kv_num_blocks)
     # compact width, fixed per config: n slots per position, capped at the sequence's block count
     assert bm.kv_indices.shape[-1] == P * min(n, ns) * (l_sel // kb)
 
