@@ -8,7 +8,8 @@
 #   3. torchtitan 125M at 32k, NSA and full attention: tokens/s and peak memory (TITAN=1; needs
 #      the torchtitan wheels on PYTHONPATH and DATA with the FineWeb sample).
 #   bash experiments/trained_selection_gpu.sh OUT [DATA]
-# Knobs: LAYOUTS ("16:1 16:0 32:0 64:0"), TRACE (the committed 32k trace, layer 6), TESTS (1), TITAN (0).
+# Knobs: LAYOUTS ("16:1 16:0 32:0 64:0"), TRACE (the committed 32k trace, layer 6), TESTS (1),
+#   TEST_K (a pytest -k expression selecting among the GPU tests; all of them when empty), TITAN (0).
 set -uo pipefail
 OUT=${1:?usage: trained_selection_gpu.sh OUT [DATA]}
 DATA=${2:-../shared/data}
@@ -17,8 +18,8 @@ TRACE=${TRACE:-experiments/results/quality/selection_traces/nsa_L32768.npz:6}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 if [ "${TESTS:-1}" = 1 ]; then
-  timeout 330 $PY -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short tests/layer/test_flex_gpu.py \
-    tests/ops/test_selected_triton.py > "$OUT/gpu_tests.log" 2>&1
+  timeout 330 $PY -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short ${TEST_K:+-k "$TEST_K"} \
+    tests/layer/test_flex_gpu.py tests/ops/test_selected_triton.py > "$OUT/gpu_tests.log" 2>&1
   echo "gpu tests: rc=$? $(tail -1 "$OUT/gpu_tests.log")"
 fi
 for lay in $LAYOUTS; do
