@@ -21,6 +21,7 @@ import argparse
 import csv
 import glob
 import os
+import re
 import shutil
 import sys
 
@@ -78,8 +79,11 @@ def collect(out: str, variants: list[str]) -> dict:
             n = sum(r["n_tokens"] for r in rows)
             return round(sum(r["loss"] * r["n_tokens"] for r in rows) / n, 5) if n else ""
 
-        loss = {"variant": v, "steps": max((s for s, r in recs.items() if TRAIN_LOSS in r), default=""),
-                "tokens": train[-1][0] if train else "",
+        logged = max((s for s, r in recs.items() if TRAIN_LOSS in r), default=0)
+        steps = _trained_steps(d) or logged
+        loss = {"variant": v, "steps": steps or "",
+                # tokens per step from the last logged record, times the steps trained
+                "tokens": round(train[-1][0] / logged * steps) if train and logged else "",
                 "train_loss_last5": round(sum(x for _, x in train[-5:]) / len(train[-5:]), 5) if train else "",
                 "val_loss": round(curves["validation"][-1][1], 5) if curves["validation"] else "",
                 "pos_loss_all": wmean(pos), f"pos_loss_beyond_{WINDOW}": wmean(pos, WINDOW)}
@@ -89,6 +93,17 @@ def collect(out: str, variants: list[str]) -> dict:
     if not got:
         raise ReportError(f"{out!r} has none of the variant folders {variants}")
     return got
+
+
+def _trained_steps(d: str) -> int | None:
+    """The step of the final checkpoint that quality_runs.sh recorded in timeline.txt ("train: rc=0,
+    checkpoint step-N"): the steps trained, where the metrics log stops at a multiple of log_freq."""
+    p = os.path.join(d, "timeline.txt")
+    if not os.path.isfile(p):
+        return None
+    with open(p) as f:
+        found = re.findall(r"train: rc=0, checkpoint step-(\d+)", f.read())
+    return max(map(int, found)) if found else None
 
 
 def _acc(summ: list[dict], v: str, kind: str, L: int):

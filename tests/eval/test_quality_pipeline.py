@@ -77,6 +77,9 @@ def test_quality_pipeline_end_to_end(tmp_path):
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
+    # steps and tokens come from the final checkpoint (the metrics log ends at a multiple of log_freq)
+    with open(out / "full_causal" / "timeline.txt", "a") as f:
+        f.write("[2026-01-01T00:00:00Z +1s] full_causal: train: rc=0, checkpoint step-5\n")
     dest = tmp_path / "report"
     r = subprocess.run([sys.executable, "experiments/quality_report.py", str(out), "--dest", str(dest),
                         "--train-len", "400", "--long-len", "400"], cwd=ROOT, capture_output=True, text=True,
@@ -88,6 +91,7 @@ def test_quality_pipeline_end_to_end(tmp_path):
         assert (dest / f).is_file(), f
     losses = {r["variant"]: r for r in csv.DictReader(open(dest / "summary_loss.csv"))}
     assert set(losses) == {"nsa", "full_causal"} and losses["nsa"]["tokens"] == "2048"
+    assert (losses["nsa"]["steps"], losses["full_causal"]["steps"], losses["full_causal"]["tokens"]) == ("4", "5", "2560")
     assert float(losses["full_causal"]["pos_loss_all"]) - float(losses["nsa"]["pos_loss_all"]) == pytest.approx(0.1, abs=1e-4)
     needle = list(csv.DictReader(open(dest / "summary_needle.csv")))
     assert {(n["variant"], n["kind"]) for n in needle} == {(v, k) for v in ("nsa", "full_causal")

@@ -42,7 +42,7 @@ def test_quality_toml():
         c = load_job_config(path, [f"--nsa.masks={masks}"])
         assert c.nsa.masks == masks and c.model.flavor == "125M" and c.training.seq_len == 16384
     t = c.training
-    assert t.steps * t.local_batch_size * t.seq_len >= 30_000_000
+    assert t.steps * t.local_batch_size * t.seq_len >= 100_000_000  # the issue: at least 100M tokens
     assert f"{t.steps} x {t.local_batch_size} x {t.seq_len} = {t.steps * t.local_batch_size * t.seq_len / 1e6:.1f}M" \
         in open(path).read()  # the header states the tokens of what ran
     assert c.training.dataset == "pysource" == c.validation.dataset
