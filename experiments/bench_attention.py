@@ -538,6 +538,9 @@ def main(argv=None):
     ap.add_argument("--sel-pad-heads", default="", choices=("", "1", "0"),
                     help="the op's PAD_HEADS: 1 pads a position's G < 16 heads to 16 rows (one "
                          "position per 16-row q block), 0 packs 16 // G positions per 16 rows")
+    ap.add_argument("--sel-dq-atomic", default="", choices=("", "1", "0"),
+                    help="the op's DQ_ATOMIC: 1 accumulates dQ in the dK/dV pass (fp32 atomics, no "
+                         "dQ kernel), 0 runs the dQ kernel")
     ap.add_argument("--pack-rows", type=int, default=0,
                     help="rows of a packed selection q block at least (a multiple of 16): overrides "
                          "nsa_flex.kernel_options.PACK_ROWS during the run (positions per block = lcm(G, rows)/G)")
@@ -580,9 +583,10 @@ def main(argv=None):
         if given:
             opts = json.loads(given)
             tables[key] = {config_args(c)["d_qk"]: opts for c in args.configs.split(",")}
-    pad = {"": None, "1": True, "0": False}[args.sel_pad_heads]
+    flag = {"": None, "1": True, "0": False}
     with kernel_overrides(**tables, pack_rows=args.pack_rows, sel_rows=args.sel_rows,
-                          sel_pad_heads=pad, log=log):
+                          sel_pad_heads=flag[args.sel_pad_heads],
+                          sel_dq_atomic=flag[args.sel_dq_atomic], log=log):
         return sweep(args, only, modes)
 
 

@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
 # Issue 24: choose the selected op's q-block layout on trained selections (experiments/NOTES.md 38,
-# 39, 41) and check the memory fix. One device call (~9 min with TITAN=1):
+# 39, 41, 45) and check the memory fix. Each layout x selection takes ~75 s (compiles included; on
+# the H100 the 16:0 layout compiled its forward in 41 s against 9 s), TITAN=1 ~4 min more:
 #   1. the GPU-marked tests of the layer and the op (TESTS=1);
 #   2. the 125M-shape selected branch and layer at 32k on the trained trace and on random
-#      selections, for each q-block layout ROWS:PAD (rows, PAD_HEADS): 16:1 = today (one position,
-#      G=8 padded to 16 rows), 16:0 = 2 positions unpadded, 32:0 = 4, 64:0 = 8, 128:1 = 8 padded;
+#      selections, for each q-block layout ROWS:PAD[:DQ] (rows, PAD_HEADS, DQ_ATOMIC): 16:1 = today
+#      (one position, G=8 padded to 16 rows), 16:0 = 2 positions unpadded, 32:0 = 4, 64:0 = 8,
+#      128:1 = 8 padded; DQ 1 = dQ accumulated in the dK/dV pass (no dQ kernel), 0 or absent = not;
+#      with PROFILE=1 (default) each run appends its kernels' times to its OUT/NAME/kernels.txt;
 #   3. torchtitan 125M at 32k, NSA and full attention: tokens/s and peak memory (TITAN=1; needs
 #      the torchtitan wheels on PYTHONPATH and DATA with the FineWeb sample).
 #   bash experiments/trained_selection_gpu.sh OUT [DATA]
-# Knobs: LAYOUTS ("16:1 16:0 32:0 64:0"), TRACE (the committed 32k trace, layer 6), TESTS (1),
+# Knobs: LAYOUTS ("16:1 16:1:1 16:0:1"), PROFILE (1), TRACE (the committed 32k trace, layer 6), TESTS (1),
 #   TEST_K (a pytest -k expression selecting among the GPU tests; all of them when empty), TITAN (0).
 set -uo pipefail
 OUT=${1:?usage: trained_selection_gpu.sh OUT [DATA]}
 DATA=${2:-../shared/data}
-LAYOUTS=${LAYOUTS:-16:1 16:0 32:0 64:0}
+LAYOUTS=${LAYOUTS:-16:1 16:1:1 16:0:1}
 TRACE=${TRACE:-experiments/results/quality/selection_traces/nsa_L32768.npz:6}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
@@ -23,14 +26,16 @@ if [ "${TESTS:-1}" = 1 ]; then
   echo "gpu tests: rc=$? $(tail -1 "$OUT/gpu_tests.log")"
 fi
 for lay in $LAYOUTS; do
-  rows=${lay%:*} pad=${lay#*:}
+  IFS=: read -r rows pad dq <<< "$lay"
+  dq=${dq:-0}
   for sel in trained random; do
     A=""; [ "$sel" = trained ] && A="--selection-trace $TRACE"
-    name="rows${rows}_pad${pad}_$sel"
+    [ "${PROFILE:-1}" = 1 ] && A="$A --profile"
+    name="rows${rows}_pad${pad}_dq${dq}_$sel"
     # shellcheck disable=SC2086
-    timeout 170 $PY experiments/bench_attention.py --configs titan_125M --T 32768 --stages-at 32768 \
-      --only attn_selected,full_layer,nsa_layer --sel-rows "$rows" --sel-pad-heads "$pad" $A \
-      --item-limit 120 --out "$OUT/$name" > "$OUT/$name.log" 2>&1
+    timeout 300 $PY experiments/bench_attention.py --configs titan_125M --T 32768 --stages-at 32768 \
+      --only attn_selected,full_layer,nsa_layer --sel-rows "$rows" --sel-pad-heads "$pad" \
+      --sel-dq-atomic "$dq" $A --item-limit 240 --out "$OUT/$name" > "$OUT/$name.log" 2>&1
     echo "$name: $(grep -E '^titan_125M' "$OUT/$name.log" | tr -s ' ' | tr '\n' ';')"
   done
 done

@@ -145,14 +145,16 @@ def _kv_major_sorted(num, idx, nkb):
     B, H, nqb, W = idx.shape
     dev = idx.device
     listed = torch.arange(W, device=dev) < num.unsqueeze(-1)
-    j = torch.where(listed, idx.long(), nkb)  # unlisted slots -> dummy row nkb
-    qb = torch.arange(nqb, device=dev).view(1, 1, nqb, 1).expand(B, H, nqb, W)
-    key = (j * nqb + qb).reshape(B, H, -1)
-    key = key.sort(-1).values  # kv-major, then ascending q block
-    row = key // nqb
+    # a stable sort of the kv block alone, on the narrowest integer that holds it (a radix sort's
+    # passes go with the key's width): the slots are in q-block order and a q block lists a kv
+    # block at most once, so each kv block's q blocks come out ascending
+    narrow = torch.int16 if nkb < torch.iinfo(torch.int16).max else torch.int32
+    j = torch.where(listed, idx, nkb).to(narrow).reshape(B, H, -1)  # unlisted -> dummy row nkb
+    srt = j.sort(dim=-1, stable=True)
+    row = srt.values.long()
     counts = torch.zeros(B, H, nkb + 1, dtype=torch.long, device=dev)
     counts.scatter_add_(2, row, torch.ones_like(row))
-    return row, (key % nqb).to(torch.int32), counts
+    return row, (srt.indices // W).to(torch.int32), counts
 
 
 def kv_major_csr(num, idx, nkb):

@@ -13,7 +13,9 @@ block = l'):
   * dK/dV is KV-block-centric: one program per (kv block, batch, KV head) walks the kv-major lists
     (the inverse index) and gathers DKV_ROWS rows of the q blocks that selected it per MMA step. No
     atomics. The most-read blocks (block 0, popular blocks: `HEAVY` of them per head) are split into
-    equal shares of their list; each share writes an fp32 partial that a sum finishes.
+    equal shares of their list; each share writes an fp32 partial that a sum finishes. With
+    `DQ_ATOMIC` the same pass also adds each tile's dQ = dS @ K into an fp32 buffer (atomics) and
+    the dQ kernel does not run.
 Inside a partial block every row keeps exactly its own selection: row r sees key s iff s's block
 is in sel[t] and lo[t] <= s <= min(hi[t], t). d_k that is not a power of two (192) runs as two
 dots (128 + 64), not padded to 256.
@@ -61,6 +63,13 @@ def head_split(d: int) -> tuple[int, int]:
 # a 16-row q block holds 16 // G positions (the union of their selections, no padding rows):
 # fewer loads where adjacent positions pick the same blocks (trained selections, NOTES 38).
 PAD_HEADS = True
+
+# True: dQ is accumulated in the dK/dV pass, which already computes every dS tile, by fp32 atomic
+# adds (FlashAttention-2's backward): no separate dQ pass re-reading the selected K/V blocks (the
+# forward's L2-bound gather, a third of the op's time), at the price of ~8 KB of atomics per
+# (position, selected block) and a dQ that is not bit-reproducible run to run. False: the dQ
+# kernel (deterministic). Default until an H100 measurement picks (experiments/NOTES.md 45).
+DQ_ATOMIC = False
 
 
 def padded_group(G: int) -> int:
@@ -315,13 +324,15 @@ def _sel_dq_kernel(Q, K, V, DO, LSE, DELTA, SEL, LO, HI, KVN, KVI, FKVN, FKVI, D
 # ---------------------------------------------------------------------- dK / dV
 @triton.jit
 def _dkv_step(dk1, dk2, dv_acc, k1, k2, v, kk, j, e, e_end, n_part, qi, fqi, Q, DO, LSE,
-              DELTA, SEL, LO, HI, bh, b, h, T, HKV, s_lb, qk_scale, NG: tl.constexpr,
+              DELTA, SEL, LO, HI, DQA, bh, b, h, T, HKV, s_lb, qk_scale, sm_scale, NG: tl.constexpr,
               G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, NSEL: tl.constexpr,
               NP: tl.constexpr, DK: tl.constexpr, DK1: tl.constexpr, DK2: tl.constexpr,
-              DV: tl.constexpr, DVP: tl.constexpr, HAS_BAND: tl.constexpr, PREC: tl.constexpr):
+              DV: tl.constexpr, DVP: tl.constexpr, HAS_BAND: tl.constexpr, PREC: tl.constexpr,
+              FUSE_DQ: tl.constexpr):
     """NG entries e.. of kv block j's list (q blocks: partial ones, then full ones; qi / fqi
     point at its CSR rows) gathered into one NG*BM-row tile: row r is row r % BM of the q block of
-    entry e + r // BM."""
+    entry e + r // BM. FUSE_DQ: the tile's dQ = dS @ K is added to the fp32 DQA [B, Hq, T, DK]
+    (rows are distinct within a tile; other kv blocks' programs add to the same rows)."""
     r = tl.arange(0, NG * BM)
     ent = e + r // BM
     in_part = ent < n_part
@@ -341,22 +352,33 @@ def _dkv_step(dk1, dk2, dv_acc, k1, k2, v, kk, j, e, e_end, n_part, qi, fqi, Q, 
     pt = tl.trans(p.to(do.dtype))  # [BLOCK, NG*BM]
     dv_acc += tl.dot(pt, do, input_precision=PREC)
     dp = tl.dot(do, tl.trans(v), input_precision=PREC)  # [NG*BM, BLOCK]
-    dst = tl.trans((p * (dp - delta[:, None])).to(q1.dtype))
+    ds = (p * (dp - delta[:, None])).to(q1.dtype)
+    dst = tl.trans(ds)
     dk1 += tl.dot(dst, q1, input_precision=PREC)
     if DK2 > 0:
         dk2 += tl.dot(dst, q2, input_precision=PREC)
+    if FUSE_DQ:
+        d1 = tl.arange(0, DK1)
+        tl.atomic_add(DQA + (qrow * DK)[:, None] + d1[None, :],
+                      tl.dot(ds, k1, input_precision=PREC) * sm_scale,
+                      mask=row_ok[:, None] & (d1 < DK)[None, :], sem="relaxed")
+        if DK2 > 0:
+            d2 = DK1 + tl.arange(0, DK2)
+            tl.atomic_add(DQA + (qrow * DK)[:, None] + d2[None, :],
+                          tl.dot(ds, k2, input_precision=PREC) * sm_scale,
+                          mask=row_ok[:, None], sem="relaxed")
     return dk1, dk2, dv_acc
 
 
 @triton.jit
 def _sel_dkv_kernel(Q, K, V, DO, LSE, DELTA, SEL, LO, HI, QN, QOFF, QI, FQN, FQOFF, FQI, HSLOT,
-                    HEAVY, DK_, DV_, PK, PV,
+                    HEAVY, DK_, DV_, PK, PV, DQA,
                     T, TP, HKV, NKB, WP, WF, NH, NSPLIT, s_lb,
                     QK_SCALE: tl.constexpr, SM_SCALE: tl.constexpr, NG: tl.constexpr,
                     G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, NSEL: tl.constexpr,
                     NP: tl.constexpr, BLOCK: tl.constexpr, DK: tl.constexpr, DK1: tl.constexpr,
                     DK2: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
-                    HAS_BAND: tl.constexpr, PREC: tl.constexpr):
+                    HAS_BAND: tl.constexpr, PREC: tl.constexpr, FUSE_DQ: tl.constexpr):
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // HKV
@@ -392,9 +414,9 @@ def _sel_dkv_kernel(Q, K, V, DO, LSE, DELTA, SEL, LO, HI, QN, QOFF, QI, FQN, FQO
     dv_acc = tl.zeros([BLOCK, DVP], tl.float32)
     for e in range(e0, e1, NG):
         dk1, dk2, dv_acc = _dkv_step(dk1, dk2, dv_acc, k1, k2, v, kk, j, e, e1, n_part, qi, fqi,
-                                     Q, DO, LSE, DELTA, SEL, LO, HI, bh, b, h, T, HKV,
-                                     s_lb, QK_SCALE, NG, G, GP, BT, BM, NSEL, NP, DK, DK1, DK2, DV,
-                                     DVP, HAS_BAND, PREC)
+                                     Q, DO, LSE, DELTA, SEL, LO, HI, DQA, bh, b, h, T, HKV,
+                                     s_lb, QK_SCALE, SM_SCALE, NG, G, GP, BT, BM, NSEL, NP, DK, DK1,
+                                     DK2, DV, DVP, HAS_BAND, PREC, FUSE_DQ)
     d1 = tl.arange(0, DK1)
     if pid < NKB:  # dK/dV are [B, HKV, TP, D]: T padded to whole blocks
         ooff_k = bh * TP * DK
@@ -496,9 +518,13 @@ def selected_attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Ten
                   NP=max(2, triton.next_power_of_2(sel.shape[-1])), BLOCK=l_sel, DK=Dk, DK1=dk1,
                   DK2=dk2, DV=Dv, DVP=max(16, triton.next_power_of_2(Dv)), HAS_BAND=has_band,
                   PREC=_prec(q.dtype), **_launch_opts(Dk, Dv, q.dtype))
-    wrap_triton(_sel_dq_kernel)[(nqb, B * Hkv)](
-        q, k, v, do, lse, delta, sel, lo_, hi_, kv_num, kv_idx, full_num, full_idx, dq,
-        T, Hkv, nqb, kv_idx.shape[-1], s_lb, QK_SCALE=scale * LOG2E, SM_SCALE=scale, **consts)
+    if DQ_ATOMIC:  # accumulated by the dK/dV pass
+        dqa = torch.zeros(B, Hq, T, Dk, dtype=torch.float32, device=q.device)
+    else:
+        dqa = dq  # not written by the dK/dV pass
+        wrap_triton(_sel_dq_kernel)[(nqb, B * Hkv)](
+            q, k, v, do, lse, delta, sel, lo_, hi_, kv_num, kv_idx, full_num, full_idx, dq,
+            T, Hkv, nqb, kv_idx.shape[-1], s_lb, QK_SCALE=scale * LOG2E, SM_SCALE=scale, **consts)
     # the HEAVY most-read kv blocks of each head are split into NSPLIT shares of their lists
     nh = max(1, min(heavy, nkb))  # at least one slot: the shapes stay static
     nsplit = max(1, min(64, -(-nqb // split_tiles)))
@@ -514,10 +540,12 @@ def selected_attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Ten
     fq_off = (torch.cumsum(full_q_num, -1) - full_q_num).to(torch.int32)
     wrap_triton(_sel_dkv_kernel)[(nkb + nh * nsplit, B * Hkv)](
         q, k, v, do, lse, delta, sel, lo_, hi_, q_num, q_off, q_idx, full_q_num, fq_off, full_q_idx,
-        hslot, heavy_idx, dk_pad, dv_pad, pk, pv,
+        hslot, heavy_idx, dk_pad, dv_pad, pk, pv, dqa,
         T, nkb * l_sel, Hkv, nkb, q_idx.shape[-1], full_q_idx.shape[-1], nh, nsplit, s_lb,
         QK_SCALE=scale * LOG2E,
-        SM_SCALE=scale, NG=max(1, DKV_ROWS // (BT * padded_group(G))), **consts)
+        SM_SCALE=scale, NG=max(1, DKV_ROWS // (BT * padded_group(G))), FUSE_DQ=DQ_ATOMIC, **consts)
+    if DQ_ATOMIC:
+        dq = dqa.to(q.dtype)
     idx = heavy_idx.long().view(B * Hkv, nh, 1, 1)
     dk_pad.view(B * Hkv, nkb, l_sel, Dk).scatter_(
         1, idx.expand(-1, -1, l_sel, Dk), pk.sum(2).to(k.dtype))

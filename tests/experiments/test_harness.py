@@ -98,3 +98,15 @@ def test_kernel_overrides_sel_rows():
     with bench.kernel_overrides(sel_rows=rows0 * 2, log=lambda m: None):
         assert selected_triton.ROWS == rows0 * 2
     assert selected_triton.ROWS == rows0
+
+
+def test_kernel_overrides_sel_layout_and_dq_mode():
+    pytest.importorskip("triton")
+    from nsa_flex.ops import selected_triton
+
+    before = selected_triton.PAD_HEADS, selected_triton.DQ_ATOMIC
+    msgs = []
+    with bench.kernel_overrides(sel_pad_heads=not before[0], sel_dq_atomic=not before[1], log=msgs.append):
+        assert (selected_triton.PAD_HEADS, selected_triton.DQ_ATOMIC) == (not before[0], not before[1])
+    assert (selected_triton.PAD_HEADS, selected_triton.DQ_ATOMIC) == before
+    assert f"DQ_ATOMIC {not before[1]}" in msgs[-1]

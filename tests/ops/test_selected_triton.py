@@ -138,6 +138,19 @@ def _interpreter_main():
         causal()
     finally:
         selected_triton.PAD_HEADS, selected_triton.ROWS = True, 16
+    # dQ accumulated by the dK/dV pass (atomics): default split, every block its own program, tiny
+    # shares (heavy blocks' rows added by several programs), unpadded heads
+    selected_triton.DQ_ATOMIC = True
+    try:
+        for seed in (11, 12, 13):
+            check_case(seed, heavy=(None, (0, 256), (3, 1))[seed % 3])
+            n += 1
+        selected_triton.PAD_HEADS, selected_triton.ROWS = False, 16
+        check_case(9)
+        n += 1
+        causal()
+    finally:
+        selected_triton.DQ_ATOMIC, selected_triton.PAD_HEADS, selected_triton.ROWS = False, True, 16
     print(f"OK {n} cases")
 
 
@@ -147,15 +160,17 @@ def test_op_matches_reference_and_is_causal_under_interpreter():
     from tests.ops.triton_harness import run_interpreted
 
     r = run_interpreted(__file__, timeout=900)
-    assert r.returncode == 0 and "OK 8 cases" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
+    assert r.returncode == 0 and "OK 12 cases" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
 
 
 @pytest.mark.skipif(not HAS_TRITON or triton_interpreted(), reason="needs triton, not interpreted")
 @pytest.mark.parametrize("shape", [(16, 2, 64, 64), (64, 4, 192, 128), (4, 4, 48, 32)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_kernels_compile_for_h100(monkeypatch, shape, dtype):
+@pytest.mark.parametrize("dq_atomic", [False, True])
+def test_kernels_compile_for_h100(monkeypatch, shape, dtype, dq_atomic):
     """The forward, dQ and dK/dV kernels compile for sm_90 with the wrappers' launch arguments
-    (also with every Python float typed fp64, as Inductor passes it)."""
+    (also with every Python float typed fp64, as Inductor passes it); with DQ_ATOMIC the dK/dV
+    kernel also accumulates dQ and there is no dQ kernel."""
     from tests.ops.triton_harness import Launches, compile_for_h100, cuda_compiler, written_args
 
     cuda_compiler()
@@ -163,6 +178,7 @@ def test_kernels_compile_for_h100(monkeypatch, shape, dtype):
 
     calls = Launches()
     monkeypatch.setattr(M, "wrap_triton", calls.wrap)
+    monkeypatch.setattr(M, "DQ_ATOMIC", dq_atomic)
     H, Hkv, dk, dv = shape
     B, T, n, nqb, nkb = 1, 256, 4, 256, 4
     q = torch.randn(B, H, T, dk, dtype=dtype)
@@ -175,12 +191,15 @@ def test_kernels_compile_for_h100(monkeypatch, shape, dtype):
     o, lse = M.selected_attention_fwd._init_fn(q, k, v, sel, lo, hi, *lists, 0.125, 64, 16, 16, 256)
     M.selected_attention_bwd._init_fn(torch.randn_like(o), None, q, k, v, o, lse.normal_(), sel,
                                       lo, hi, *lists, 0.125, 64, 16, 16, 256)
-    assert [c[0].__name__ for c in calls] == ["_sel_fwd_kernel", "_sel_dq_kernel",
-                                              "_sel_dkv_kernel"]
+    names = ["_sel_fwd_kernel", "_sel_dkv_kernel"] if dq_atomic else \
+        ["_sel_fwd_kernel", "_sel_dq_kernel", "_sel_dkv_kernel"]
+    assert [c[0].__name__ for c in calls] == names
     for c in calls:
         compile_for_h100(*c)
     # torch's mutation analysis sees only the outputs written (else compile copies inputs back)
-    assert [written_args(*c) for c in calls] == [["LSE", "O"], ["DQ"], ["DK_", "DV_", "PK", "PV"]]
+    writes = [["LSE", "O"], ["DK_", "DQA", "DV_", "PK", "PV"]] if dq_atomic else \
+        [["LSE", "O"], ["DQ"], ["DK_", "DV_", "PK", "PV"]]
+    assert [written_args(*c) for c in calls] == writes
 
 
 def test_routing_and_errors():
