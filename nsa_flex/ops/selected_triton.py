@@ -11,7 +11,8 @@ block = l'):
     block's q-major lists (partial, then full blocks: the union of the P positions' selections),
     loading each selected K/V block once for all its rows;
   * dK/dV is KV-block-centric: one program per (kv block, batch, KV head) walks the kv-major lists
-    (the inverse index) and gathers DKV_ROWS rows of the q blocks that selected it per MMA step. No
+    (the inverse index) and gathers DKV_ROWS rows of the q blocks that selected it per MMA step
+    (each position's G heads unpadded there: 8 positions a step at G = 8). No
     atomics. The most-read blocks (block 0, popular blocks: `HEAVY` of them per head) are split into
     equal shares of their list; each share writes an fp32 partial that a sum finishes. With
     `DQ_ATOMIC` the same pass also adds each tile's dQ = dS @ K into an fp32 buffer (atomics) and
@@ -538,12 +539,16 @@ def selected_attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Ten
     # CSR starts of the kv-major lists (q_idx / full_q_idx: kv_major_csr's flat rows)
     q_off = (torch.cumsum(q_num, -1) - q_num).to(torch.int32)
     fq_off = (torch.cumsum(full_q_num, -1) - full_q_num).to(torch.int32)
+    # the gathered dK/dV tile takes a position's G heads unpadded (no tensor-core minimum per
+    # position there: the tile is NG q blocks deep), so at G = 8 a 64-row step holds 8 positions
+    gd = triton.next_power_of_2(G)
+    dkv = {**consts, "GP": gd, "BM": BT * gd}
     wrap_triton(_sel_dkv_kernel)[(nkb + nh * nsplit, B * Hkv)](
         q, k, v, do, lse, delta, sel, lo_, hi_, q_num, q_off, q_idx, full_q_num, fq_off, full_q_idx,
         hslot, heavy_idx, dk_pad, dv_pad, pk, pv, dqa,
         T, nkb * l_sel, Hkv, nkb, q_idx.shape[-1], full_q_idx.shape[-1], nh, nsplit, s_lb,
         QK_SCALE=scale * LOG2E,
-        SM_SCALE=scale, NG=max(1, DKV_ROWS // (BT * padded_group(G))), FUSE_DQ=DQ_ATOMIC, **consts)
+        SM_SCALE=scale, NG=max(1, DKV_ROWS // (BT * gd)), FUSE_DQ=DQ_ATOMIC, **dkv)
     if DQ_ATOMIC:
         dq = dqa.to(q.dtype)
     idx = heavy_idx.long().view(B * Hkv, nh, 1, 1)
