@@ -29,7 +29,8 @@
 #   LENGTHS (4096,8192,16384,32768,65536), DEPTHS (0,10,..,100), TRIALS (20), KINDS (passkey,multikey),
 #   FILLER (auto: the training data's kind), POS_SEQ (16384), POS_DOCS (16), SEL_LENGTHS (32768,65536), TOML, RUNS_DIR,
 #   TRAIN_ARGS (extra trainer flags --section.field=value / --section.no-flag, also given to every evaluation as
-#   --override), EVAL_ARGS (extra flags of every evaluation), PYTHON (python).
+#   --override), EVAL_ARGS (extra flags of every evaluation), EVALS (1; 0: done after training, e.g. a
+#   pre-training phase whose weights another run loads), PYTHON (python).
 set -uo pipefail
 USAGE="usage: quality_runs.sh VARIANT OUT DATA [EXPORT]"
 VARIANT=${1:?$USAGE}
@@ -59,6 +60,7 @@ TOML=${TOML:-titan_configs/quality_125m_16k.toml}
 RUNS_DIR=${RUNS_DIR:-/tmp/nsa_quality_runs}
 TRAIN_ARGS=${TRAIN_ARGS:-}
 EVAL_ARGS=${EVAL_ARGS:-}
+EVALS=${EVALS:-1}
 PY=${PYTHON:-python}
 [ -f "$TOML" ] || { echo "TOML=$TOML: no such file" >&2; exit 2; }
 for f in $TRAIN_ARGS; do
@@ -117,6 +119,7 @@ print(load_job_config(sys.argv[1], sys.argv[2:]).training.steps)" "$TOML" --nsa.
   [ "${ck##*step-}" = "$STEPS" ] || finish "training halted at ${ck:+$(basename "$ck")}"
   mark train
 fi
+if [ "$EVALS" = 0 ]; then date -u +%FT%TZ > "$D/DONE"; finish "done (training only: EVALS=0)"; fi
 CKPT=$(latest_ckpt)
 [ -n "$CKPT" ] || { note "no checkpoint in $DUMP/checkpoint (was this machine restarted? train again)"; exit 1; }
 

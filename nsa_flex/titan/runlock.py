@@ -134,10 +134,15 @@ def release_all() -> None:
         lock.release()
 
 
-def _writable(folder: str) -> str | None:
-    """Why ``folder`` cannot take a new file (None if it can)."""
+def _writable(folder: str, create: bool = True) -> str | None:
+    """Why ``folder`` cannot take a new file (None if it can). create=False leaves a missing
+    folder missing and tests the nearest existing folder above it, where it would be created."""
     try:
-        os.makedirs(folder, exist_ok=True)
+        if create:
+            os.makedirs(folder, exist_ok=True)
+        else:
+            while not os.path.exists(folder) and os.path.dirname(folder) != folder:
+                folder = os.path.dirname(folder)
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".nsa-write-test-"):
             pass
     except OSError as e:
@@ -155,7 +160,9 @@ def check_writable(job_config) -> None:
         folders.append(("checkpoint.folder", os.path.join(dump, ck.folder)))
     bad = []
     for name, folder in folders:
-        why = _writable(folder)
+        # the checkpoint folder is never created here: torchtitan loads checkpoint.initial_load_path
+        # only while that folder does not exist (an empty one would silently start from scratch)
+        why = _writable(folder, create=name == "job.dump_folder")
         if why:
             bad.append(f"{name} {folder} is not writable ({why})")
             break  # the checkpoint folder lies inside the dump folder

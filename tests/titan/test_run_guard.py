@@ -70,8 +70,9 @@ def _jc(dump, enable=True):
 
 
 def test_unwritable_folders_named(tmp_path):
-    check_writable(_jc(tmp_path / "new"))  # created
-    assert (tmp_path / "new" / "checkpoint").is_dir()
+    check_writable(_jc(tmp_path / "new"))  # the dump folder is created, the checkpoint folder not:
+    # torchtitan loads checkpoint.initial_load_path only while the checkpoint folder is missing
+    assert (tmp_path / "new").is_dir() and not (tmp_path / "new" / "checkpoint").exists()
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(FolderNotWritable, match=f"job.dump_folder {blocker}/run is not writable"):

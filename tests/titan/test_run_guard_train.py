@@ -132,3 +132,20 @@ def test_user_errors_before_training(tmp_path):
         err = [l for l in p.stderr.splitlines() if l.strip()]
         assert err[-1].startswith("nsa-train: error: ") and msg in err[-1], err
         assert "Traceback" not in p.stderr
+
+
+@pytest.mark.slow  # training runs
+def test_initial_load_path_is_loaded_into_a_new_dump_folder(tmp_path):
+    """Training from another run's weights (checkpoint.initial_load_path, model only) loads them:
+    the start-up checks must not create the new run's checkpoint folder, or torchtitan takes the
+    empty folder for the run's own and trains from scratch with only a warning."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    r = subprocess.run(_cmd(first, 2), cwd=ROOT, env=launch_env(), capture_output=True, text=True,
+                       timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    src = first / "checkpoint" / "step-2"
+    r = subprocess.run(_cmd(second, 1, "--checkpoint.initial_load_path", str(src)), cwd=ROOT,
+                       env=launch_env(), capture_output=True, text=True, timeout=240)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    assert f"Loading the checkpoint from {src}" in out and "checkpoint.folder exists" not in out
