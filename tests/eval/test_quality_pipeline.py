@@ -101,6 +101,7 @@ def test_quality_pipeline_end_to_end(tmp_path):
     if losses["nsa"]["val_loss"]:  # both variants logged the same validation loss: difference 0
         assert "difference +0.0000 nats: goal <= +0.02 MET" in md
     assert "NSA passkey at 400:" in md
+    assert "window below sliding_only's: not measured" in md
     r = subprocess.run([sys.executable, "experiments/quality_report.py", str(tmp_path / "none")], cwd=ROOT,
                        capture_output=True, text=True, env=_env(tmp_path))
     assert r.returncode == 2 and "quality_report: error: OUT" in r.stderr

@@ -49,3 +49,26 @@ def test_quality_toml():
     assert 0.1 <= t.passkey_mix <= 0.2 and c.validation.enable and c.validation.seq_len == 16384
     assert c.checkpoint.enable and c.checkpoint.interval < t.steps and c.ops.halt_on_sigterm
     assert c.nsa.telemetry_every > 0 and c.metrics.jsonl_file == "metrics.jsonl"
+
+
+def test_per_position_goal_from_the_paired_difference():
+    """The report's goal line for distant context: NSA's token-weighted loss minus sliding_only's
+    on the same buckets past the 512-token window (MET below 0); not measured without buckets
+    there."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("quality_report", ROOT / "experiments" / "quality_report.py")
+    qr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(qr)
+    rows = lambda shift, his: [{"bucket_lo": lo, "bucket_hi": hi, "n_tokens": hi - lo, "loss": 2.0 + shift}  # noqa: E731
+                               for lo, hi in his]
+    buckets = [(16, 512), (512, 1024), (1024, 4096)]
+    got = {"nsa": {"position": rows(0.0, buckets)}, "sliding_only": {"position": rows(0.1, buckets)}}
+    d = qr.paired(got, "nsa")
+    assert d["in"] == pytest.approx(-0.1) and d["out"] == pytest.approx(-0.1)
+    line = qr.goals([], {}, 16384, 65536, got)[-1]
+    assert "-0.1000 nats: goal < 0 MET" in line
+    got["sliding_only"]["position"] = rows(-0.05, buckets)
+    assert "+0.0500 nats: goal < 0 MISSED by 0.0500" in qr.goals([], {}, 16384, 65536, got)[-1]
+    short = {v: {"position": rows(0.0, buckets[:1])} for v in ("nsa", "sliding_only")}
+    assert "not measured" in qr.goals([], {}, 16384, 65536, short)[-1]
