@@ -10,7 +10,8 @@
 #           OUT/progress.txt (one line per finished part), OUT/ALL_DONE at the end
 #     DATA  folder with tiktoken_cache/ and the FineWeb sample (titan tokens/s runs)
 # Knobs: those of quality_runs.sh (TRAIN_ARGS, POS_DOCS, LENGTHS, DEPTHS, TRIALS, EVAL_ARGS, ...) and of
-# trained_selection_gpu.sh (LAYOUTS, TESTS, TEST_K, TITAN); PERF=0 skips the measurement.
+# trained_selection_gpu.sh (LAYOUTS, TESTS, TEST_K, TITAN); PERF=0 skips the measurement, PERF_FIRST=1
+# runs it on GPU 1 before the two variants there (while NSA trains on GPU 0).
 # PRE_ARGS: a first training phase per variant (its trainer flags, e.g. short sequences), trained
 # without evaluations into OUT/pre and RUNS_DIR/pre; the main run then starts from its final
 # weights (--checkpoint.initial_load_path; its own optimizer and schedule). Short-then-long:
@@ -46,11 +47,15 @@ variant() {  # VARIANT GPU: quality_runs.sh until DONE, three tries at most (aft
 }
 variant nsa 0 &
 gpu0=$!
-( variant sliding_only 1 & variant full_causal 1 & wait
+perf() {
   if [ "${PERF:-1}" = 1 ] && [ ! -f "$OUT/perf/DONE" ]; then
     CUDA_VISIBLE_DEVICES=1 bash "$HERE/trained_selection_gpu.sh" "$OUT/perf" "$DATA" 2>&1 | sed -u "s/^/[perf] /"
     touch "$OUT/perf/DONE"; progress "perf: done"
-  fi ) &
+  fi
+}
+( [ "${PERF_FIRST:-0}" = 1 ] && perf
+  variant sliding_only 1 & variant full_causal 1 & wait
+  perf ) &
 gpu1=$!
 wait $gpu0 $gpu1
 touch "$OUT/ALL_DONE"; progress "all done"
