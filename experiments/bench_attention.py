@@ -54,7 +54,7 @@ from masks import MaskContext, get_mask_builder
 from nsa_flex import NSAAttention, NSAConfig
 from nsa_flex.attention import attend_flex
 from nsa_flex.bench import (Clock, Lazy, PhaseTimeout, Rot, TimingLock, error_line, figure,
-                            first_call, kernel_overrides, median_ms, phase, write_csv as _write)
+                            first_call, kernel_ms, kernel_overrides, median_ms, phase, write_csv as _write)
 from nsa_flex.kernel_options import packed_block_size
 from nsa_flex.selection import select_topn
 
@@ -117,26 +117,13 @@ def write_csv(rows, path):
 
 
 def profile_kernels(fn, title, calls=3, top=25):
-    """Append the top GPU kernels of `calls` calls of fn (torch.profiler, CUDA time per call) to
-    PROFILE_PATH: where an item's time goes, kernel by kernel (e.g. a flex backward's share)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    tot = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            n, d = tot.get(e.name, (0, 0.0))
-            tot[e.name] = (n + 1, d + e.device_time_total / 1e3)
-    rows = sorted(tot.items(), key=lambda kv: -kv[1][1])
-    total = sum(d for _, d in tot.values()) / calls
+    """Append the top GPU kernels of `calls` calls of fn (CUDA time per call) to PROFILE_PATH:
+    where an item's time goes, kernel by kernel (e.g. a flex backward's share)."""
+    rows = kernel_ms(fn, calls)
     with open(PROFILE_PATH, "a") as f:
-        f.write(f"== {title}: {total:.2f} ms of kernels per call\n")
-        for name, (n, d) in rows[:top]:
-            f.write(f"  {d / calls:9.3f} ms  {n // calls:4d}x  {name[:150]}\n")
+        f.write(f"== {title}: {sum(ms for *_, ms in rows):.2f} ms of kernels per call\n")
+        for name, n, ms in rows[:top]:
+            f.write(f"  {ms:9.3f} ms  {n:4d}x  {name[:150]}\n")
 
 
 def timed(name, make, with_bwd, dev, rows, meta, modes=MODES, limit=0):

@@ -1,13 +1,19 @@
 """The selected-attention op on the GPU: correctness against the fp64 reference, then the selected
-branch's time (op vs FlexAttention's template, SDPA causal of the same shape beside), compiled.
+branch's time per q-block layout and dQ mode, on random and trained selections, compiled.
 
     python experiments/selected_gpu.py --out OUT                       # checks + default timings
-    python experiments/selected_gpu.py --out OUT --skip-check --shapes titan_125M:32768 --rows 32,64,128
+    python experiments/selected_gpu.py --out OUT --skip-check --shapes titan_125M:32768 \
+        --layouts 16:1,16:1:1,16:0,16:0:1 --trace experiments/results/quality/selection_traces/nsa_L32768.npz:6
 
-Writes OUT/selected_check.csv (relative errors of out, lse, dq, dk, dv per case) and
-OUT/selected_time.csv (fwd and fwd+bwd medians, ms, per shape / executor / rows / selection).
-Selections: `random` (uniform scores: the worst case for sharing loads across positions) or a
-trace file (`--trace PATH.npz`, int16 top-n indices [layers, Hkv, T, n] of a trained model).
+Writes OUT/selected_check.csv (relative errors of out, lse, dq, dk, dv per case and layout),
+OUT/selected_time.csv (fwd and fwd+bwd medians, ms: `branch` = mask build + op compiled as in the
+layer, `mask_build` alone, `op_only` on the prebuilt lists, SDPA causal of the same shape beside,
+flex's template with --flex) and OUT/selected_kernels.csv (the op-only fwd+bwd kernel by kernel).
+Layouts ROWS:PAD[:DQ]: the op's q-block rows, PAD_HEADS (1: a position's G < 16 heads padded to 16
+rows) and DQ_ATOMIC (1: dQ in the dK/dV pass). Selections: `random` (uniform scores: the worst case
+for sharing loads across positions) and, with --trace NPZ[:LAYER], a trained model's
+(`python -m nsa_flex.eval --task selection`; its first T positions). On a machine without CUDA it
+runs on the CPU under TRITON_INTERPRET=1 (tiny shapes only: a smoke test of the script).
 """
 
 import argparse
@@ -19,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from masks import MaskContext, get_mask_builder
-from nsa_flex.attention import attend_flex, attend_reference
-from nsa_flex.bench import kernel_overrides, median_ms, write_csv as _write
+from nsa_flex.attention import attend_flex, attend_reference, selected_lists
+from nsa_flex.bench import kernel_ms, kernel_overrides, median_ms, write_csv as _write
 from nsa_flex.config import NSAConfig
 from nsa_flex.ops import selected_triton
 from nsa_flex.rules import random_topn
@@ -32,6 +38,7 @@ SHAPES = {  # n_heads, n_kv_heads, d_qk, d_v
     "g1": (4, 4, 64, 64),
     "g2": (8, 4, 64, 64),
 }
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def log(*a):
@@ -44,16 +51,16 @@ def make_cfg(shape):
 
 
 def selection(cfg, B, T, docs, seed):
-    starts = torch.zeros(1, T, dtype=torch.long, device="cuda")
+    starts = torch.zeros(1, T, dtype=torch.long, device=DEV)
     if docs is not None:
         from masks.builders import doc_start
 
         starts = doc_start(docs)
-    return random_topn(cfg, B, T, starts, seed, "cuda")
+    return random_topn(cfg, B, T, starts, seed, DEV)
 
 
 def spec_of(cfg, B, T, idx, docs=None):
-    ctx = MaskContext(cfg, B, T, torch.device("cuda"), doc_ids=docs, topn=lambda: idx)
+    ctx = MaskContext(cfg, B, T, torch.device(DEV), doc_ids=docs, topn=lambda: idx)
     return get_mask_builder("topn")(ctx)
 
 
@@ -65,11 +72,13 @@ def rel(a, b):
     return ((a[fin] - b[fin]).norm() / b[fin].norm().clamp_min(1e-30)).item()
 
 
-def check(out_dir, only=None):
-    cases = [("titan_125M", 1000, False, torch.bfloat16), ("titan_125M", 1000, True, torch.float32),
-             ("paper", 777, True, torch.bfloat16), ("paper", 1024, False, torch.float32),
-             ("g8_d128", 900, True, torch.float16), ("g1", 700, False, torch.bfloat16),
-             ("g2", 640, True, torch.float32)]
+def check(out_dir, only=None, layouts=((16, True, False),), cases=None):
+    """Op vs fp64 reference per case, layout and dK/dV split (the default one, and 4 heavy blocks
+    in shares of 2 q blocks): relative errors of out, lse and every gradient."""
+    cases = cases or [("titan_125M", 1000, False, torch.bfloat16), ("titan_125M", 1000, True, torch.float32),
+                      ("paper", 777, True, torch.bfloat16), ("paper", 1024, False, torch.float32),
+                      ("g8_d128", 900, True, torch.float16), ("g1", 700, False, torch.bfloat16),
+                      ("g2", 640, True, torch.float32)]
     rows = []
     for shape, T, use_docs, dtype in cases:
         if only and shape not in only:
@@ -77,55 +86,70 @@ def check(out_dir, only=None):
         cfg = make_cfg(shape)
         B = 2
         torch.manual_seed(T)
-        docs = torch.sort(torch.randint(0, 4, (B, T), device="cuda"), -1).values if use_docs else None
+        docs = torch.sort(torch.randint(0, 4, (B, T), device=DEV), -1).values if use_docs else None
         idx = selection(cfg, B, T, docs, T)
         spec = spec_of(cfg, B, T, idx, docs)
         H, Hkv, dk, dv = SHAPES[shape]
-        x = [torch.randn(B, h, T, d, device="cuda", dtype=torch.float64)
+        x = [torch.randn(B, h, T, d, device=DEV, dtype=torch.float64)
              for h, d in ((H, dk), (Hkv, dk), (Hkv, dv))]
         ref_in = [t.clone().requires_grad_() for t in x]
         ro, rl = attend_reference(*ref_in, spec)
         do = torch.randn_like(ro)
         ro.backward(do)
+        if DEV != "cuda":  # Triton's interpreter computes in fp32 only
+            dtype = torch.float32
         op_in = [t.to(dtype).requires_grad_() for t in x]
-        for heavy, split in ((selected_triton.HEAVY, selected_triton.SPLIT_TILES), (4, 2)):
-            for t in op_in:
-                t.grad = None
-            o, l = attend_flex(*op_in, spec, sel_kernel="triton") if heavy == selected_triton.HEAVY \
-                else _op_with(op_in, spec, heavy, split)
-            o.backward(do.to(dtype))
-            r = dict(shape=shape, T=T, docs=use_docs, dtype=str(dtype).split(".")[-1],
-                     heavy=heavy, split_tiles=split, out=rel(o, ro), lse=rel(l, rl),
-                     dq=rel(op_in[0].grad, ref_in[0].grad), dk=rel(op_in[1].grad, ref_in[1].grad),
-                     dv=rel(op_in[2].grad, ref_in[2].grad))
-            tol = 2e-2 if dtype != torch.float32 else 1e-4
-            r["ok"] = all(r[k] <= tol for k in ("out", "lse", "dq", "dk", "dv"))
-            rows.append(r)
-            log(r)
+        for rows_, pad, dq in layouts:
+            for heavy, split in ((selected_triton.HEAVY, selected_triton.SPLIT_TILES), (4, 2)):
+                for t in op_in:
+                    t.grad = None
+                with kernel_overrides(sel_rows=rows_, sel_pad_heads=pad, sel_dq_atomic=dq, log=lambda m: None):
+                    o, l = _op_with(op_in, spec, heavy, split)
+                    o.backward(do.to(dtype))
+                r = dict(shape=shape, T=T, docs=use_docs, dtype=str(dtype).split(".")[-1],
+                         layout=f"{rows_}:{int(pad)}:{int(dq)}", heavy=heavy, split_tiles=split,
+                         out=rel(o, ro), lse=rel(l, rl), dq=rel(op_in[0].grad, ref_in[0].grad),
+                         dk=rel(op_in[1].grad, ref_in[1].grad), dv=rel(op_in[2].grad, ref_in[2].grad))
+                tol = 2e-2 if dtype != torch.float32 else 1e-4
+                r["ok"] = all(r[k] <= tol for k in ("out", "lse", "dq", "dk", "dv"))
+                rows.append(r)
+                log(r)
     _write(rows, os.path.join(out_dir, "selected_check.csv"))
     return all(r["ok"] for r in rows)
 
 
 def _op_with(xs, spec, heavy, split):
+    """The op on the lists the layer builds (`selected_lists`), with a given dK/dV split."""
     q, k, v = xs
-    sel, l_sel = spec.selection
-    G = q.shape[1] // k.shape[1]
-    P = selected_triton.tile_positions(G)
-    bm = spec.block_mask(q.shape[0], q.shape[2], k.shape[2], device="cuda",
-                         block_size=(P * G, l_sel), q_pack=G)
-    lo = hi = None
-    if spec.row_band is not None:
-        lo, hi = spec.row_band(torch.arange(q.shape[2], device="cuda"))
-    return selected_triton.selected_attention(q, k, v, sel, l_sel, bm, lo, hi, heavy=heavy,
+    sel, l_sel, lists, lo, hi = selected_lists(spec, q.shape[0], q.shape[2], k.shape[2],
+                                               q.shape[1] // k.shape[1], q.device)
+    return selected_triton.selected_attention(q, k, v, sel, l_sel, lists, lo, hi, heavy=heavy,
                                               split_tiles=split)
 
 
-def load_trace(path, T, Hkv, n, layer):
-    import numpy as np
+def parse_layouts(text: str) -> list[tuple[int, bool, bool]]:
+    """"16:1,16:0:1" -> [(rows, pad_heads, dq_atomic)]: a clear error for a bad entry."""
+    out = []
+    for item in [x for x in text.split(",") if x]:
+        parts = item.split(":")
+        if len(parts) not in (2, 3) or not all(p.isdigit() for p in parts) or int(parts[0]) % 16 \
+                or int(parts[0]) == 0 or any(p not in ("0", "1") for p in parts[1:]):
+            raise SystemExit(f"--layouts: {item!r} must be ROWS:PAD[:DQ] with ROWS a positive multiple "
+                             "of 16 and PAD, DQ 0 or 1 (e.g. 16:1 or 16:0:1)")
+        out.append((int(parts[0]), parts[1] == "1", len(parts) == 3 and parts[2] == "1"))
+    return out
 
-    a = np.load(path)["sel"][layer]  # [Hkv, T', n]
-    idx = torch.from_numpy(a.astype("int64"))[None, :Hkv, :T, :n].cuda()
-    return idx
+
+def trace_selection(spec: str, T: int, Hkv: int, n: int):
+    """The first T positions of a trained selection NPZ[:LAYER] ([1, Hkv, T, n] int64), or None
+    with the reason when it does not fit the shape."""
+    from nsa_flex.eval.selection_stats import load_trace
+
+    path, _, lay = spec.partition(":")
+    idx, info = load_trace(path, int(lay) if lay else None)
+    if idx.shape[1] != Hkv or idx.shape[3] != n or idx.shape[2] < T:
+        return None, f"trace {idx.shape[1:]} (Hkv, T, n) does not fit Hkv={Hkv}, T={T}, n={n}"
+    return idx[:, :, :T].to(DEV), f"trained:{os.path.basename(path)}:layer{info['layer']}"
 
 
 def _timed(fn, mode, tag, qkv, do, run):
@@ -136,7 +160,8 @@ def _timed(fn, mode, tag, qkv, do, run):
                 fn(*qkv[0])
         else:
             fn(*qkv[0]).backward(do)
-        torch.cuda.synchronize()
+        if DEV == "cuda":
+            torch.cuda.synchronize()
         first = time.time() - t0
         ms, err = run(fn, mode), ""
     except Exception as e:  # keep the sweep going; the row says why
@@ -149,77 +174,87 @@ def _timed(fn, mode, tag, qkv, do, run):
     return r
 
 
-def timing(out_dir, shapes, rows_list, trace):
-    res = []
+def timing(out_dir, shapes, layouts, trace, flex=False):
+    res, kernels = [], []
+    path = os.path.join(out_dir, "selected_time.csv")
     for item in shapes:
         shape, T = item.split(":")
         T = int(T)
         cfg = make_cfg(shape)
         H, Hkv, dk, dv = SHAPES[shape]
-        B = 1
+        G, B = H // Hkv, 1
         sels = [("random", selection(cfg, B, T, None, 1))]
         if trace:
-            sels.append(("trained", load_trace(trace, T, Hkv, cfg.n_sel, 0)))
-        qkv = [[torch.randn(B, h, T, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            idx, name = trace_selection(trace, T, Hkv, cfg.n_sel)
+            if idx is None:
+                log(f"{shape} T={T}: no trained selection ({name})")
+            else:
+                sels.append((name, idx))
+        dt = torch.bfloat16 if DEV == "cuda" else torch.float32
+        qkv = [[torch.randn(B, h, T, d, device=DEV, dtype=dt, requires_grad=True)
                 for h, d in ((H, dk), (Hkv, dk), (Hkv, dv))] for _ in range(3)]
-        do = torch.randn(B, H, T, dv, device="cuda", dtype=torch.bfloat16)
+        do = torch.randn(B, H, T, dv, device=DEV, dtype=dt)
         it = [0]
 
-        def nxt():
+        def nxt():  # a fresh input set per call (three rotate: no cache-warm repeats)
             it[0] = (it[0] + 1) % len(qkv)
             return qkv[it[0]]
 
         def run(fn, mode):
             if mode == "fwd":
                 with torch.no_grad():
-                    return median_ms(lambda: fn(*nxt()), "cuda", warmup=50, rep_ms=300)
+                    return median_ms(lambda: fn(*nxt()), DEV, warmup=50, rep_ms=300)
 
             def step():
-                o = fn(*nxt())
-                o.backward(do)
-            return median_ms(step, "cuda", warmup=50, rep_ms=300)
+                fn(*nxt()).backward(do)
+            return median_ms(step, DEV, warmup=50, rep_ms=300)
 
-        sd = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=True), fullgraph=True)
-        for mode in ("fwd", "fwd_bwd"):
-            ms = run(sd, mode)
-            res.append(dict(shape=shape, T=T, executor="sdpa_causal", rows="", selection="",
-                            mode=mode, ms=ms))
-            log(res[-1])
+        if DEV == "cuda":
+            sd = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=True), fullgraph=True)
+            for mode in ("fwd", "fwd_bwd"):
+                res.append(dict(shape=shape, T=T, executor="sdpa_causal", layout="", selection="",
+                                mode=mode, ms=run(sd, mode)))
+                log(res[-1])
         for sname, idx in sels:
-            for ex in ["flex"] + [f"triton{r}" for r in rows_list]:
+            base = dict(shape=shape, T=T, selection=sname)
+            if flex:
                 torch._dynamo.reset()
-                rows_ = int(ex[6:]) if ex.startswith("triton") else 0
-                # the op's q-block rows for this executor, restored after
-                with kernel_overrides(sel_rows=rows_, log=log):
-                    kern = "flex" if ex == "flex" else "triton"
-                    tag = dict(shape=shape, T=T, executor=kern,
-                               rows=ex[6:] if kern == "triton" else "", selection=sname)
-
-                    def f(q, k, v, idx_, kern=kern):  # the mask build inside, as in the layer
-                        return attend_flex(q, k, v, spec_of(cfg, B, T, idx_), sel_kernel=kern)[0]
-
-                    cf = torch.compile(f, fullgraph=True, dynamic=False)
-                    for mode in ("fwd", "fwd_bwd"):
-                        res.append(_timed(lambda q, k, v: cf(q, k, v, idx), mode, tag, qkv, do, run))
-                        _write(res, os.path.join(out_dir, "selected_time.csv"))
-                    if kern == "triton":  # the op alone on a prebuilt BlockMask (eager), and the build
-                        spec = spec_of(cfg, B, T, idx)
-                        G = H // Hkv
-                        P = selected_triton.tile_positions(G)
-                        build = torch.compile(lambda i: spec_of(cfg, B, T, i).block_mask(
-                            B, T, T, device="cuda", block_size=(P * G, cfg.l_sel), q_pack=G),
+                cf = torch.compile(lambda q, k, v: attend_flex(q, k, v, spec_of(cfg, B, T, idx),
+                                                                 sel_kernel="flex")[0],
+                                   fullgraph=True, dynamic=False)
+                for mode in ("fwd", "fwd_bwd"):
+                    res.append(_timed(cf, mode, dict(base, executor="flex", layout=""), qkv, do, run))
+            for rows, pad, dq in layouts:
+                lay = f"{rows}:{int(pad)}:{int(dq)}"
+                tag = dict(base, layout=lay)
+                torch._dynamo.reset()
+                with kernel_overrides(sel_rows=rows, sel_pad_heads=pad, sel_dq_atomic=dq, log=log):
+                    if DEV == "cuda":  # the branch as the layer runs it: the mask build compiled in
+                        cf = torch.compile(lambda q, k, v: attend_flex(
+                            q, k, v, spec_of(cfg, B, T, idx), sel_kernel="triton")[0],
                             fullgraph=True, dynamic=False)
-                        bm = build(idx)
-                        ms = median_ms(lambda: build(idx), "cuda", warmup=20, rep_ms=100)
-                        res.append(dict(tag, executor="mask_build", mode="fwd", ms=ms))
-                        log(res[-1])
-                        sel = spec.selection[0]
                         for mode in ("fwd", "fwd_bwd"):
-                            res.append(_timed(lambda q, k, v: selected_triton.selected_attention(
-                                q, k, v, sel, cfg.l_sel, bm)[0], mode, dict(tag, executor="op_only"),
-                                qkv, do, run))
-                        _write(res, os.path.join(out_dir, "selected_time.csv"))
+                            res.append(_timed(cf, mode, dict(tag, executor="branch"), qkv, do, run))
+                        _write(res, path)
+                    # the mask build alone (compiled) and the op on its prebuilt lists (eager)
+                    build = torch.compile(lambda i: selected_lists(spec_of(cfg, B, T, i), B, T, T, G, DEV),
+                                          fullgraph=True, dynamic=False)
+                    sel, l_sel, lists, lo, hi = build(idx)
+                    res.append(dict(tag, executor="mask_build", mode="fwd",
+                                    ms=median_ms(lambda: build(idx), DEV, warmup=20, rep_ms=100)))
+                    log(res[-1])
+
+                    def op(q, k, v):
+                        return selected_triton.selected_attention(q, k, v, sel, l_sel, lists, lo, hi)[0]
+
+                    for mode in ("fwd", "fwd_bwd"):
+                        res.append(_timed(op, mode, dict(tag, executor="op_only"), qkv, do, run))
+                    _write(res, path)
+                    if DEV == "cuda":  # where the op's fwd+bwd goes, kernel by kernel
+                        for name, n, ms in kernel_ms(lambda: op(*nxt()).backward(do)):
+                            kernels.append(dict(tag, kernel=name[:120], launches=n, ms=ms))
+                        _write(kernels, os.path.join(out_dir, "selected_kernels.csv"))
     return res
 
 
@@ -228,17 +263,28 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--check-shapes", default="", help="comma list: check only these shapes")
+    ap.add_argument("--check-len", type=int, default=0,
+                    help="sequence length of every check case (default: each case's own, 640-1024)")
     ap.add_argument("--shapes", default="titan_125M:32768,paper:16384,paper:65536")
-    ap.add_argument("--rows", default="16,32", help="comma list of the op's q-block rows to time")
-    ap.add_argument("--trace", default="", help="selection trace .npz (key 'sel')")
+    ap.add_argument("--layouts", default="16:1,16:1:1,16:0,16:0:1",
+                    help="comma list of ROWS:PAD[:DQ] (the op's q-block rows, PAD_HEADS, DQ_ATOMIC) "
+                         "to time and to check")
+    ap.add_argument("--trace", default="", metavar="NPZ[:LAYER]",
+                    help="a trained selection (selection_L<T>.npz of python -m nsa_flex.eval --task "
+                         "selection): timed beside random selections")
+    ap.add_argument("--flex", action="store_true", help="also time FlexAttention's template")
     a = ap.parse_args()
+    layouts = parse_layouts(a.layouts)
     os.makedirs(a.out, exist_ok=True)
     ok = True
     if not a.skip_check:
-        ok = check(a.out, [x for x in a.check_shapes.split(",") if x])
+        cases = None
+        if a.check_len:
+            cases = [("titan_125M", a.check_len, False, torch.bfloat16), ("g2", a.check_len, True, torch.float32)]
+        ok = check(a.out, [x for x in a.check_shapes.split(",") if x], layouts, cases)
         log("CHECK", "PASS" if ok else "FAIL")
     if a.shapes:
-        timing(a.out, a.shapes.split(","), [int(r) for r in a.rows.split(",")], a.trace)
+        timing(a.out, a.shapes.split(","), layouts, a.trace, a.flex)
     raise SystemExit(0 if ok else 1)
 
 

@@ -139,14 +139,13 @@ def use_selected_op(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, sel_kernel:
     return False
 
 
-def attend_selected(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, scale: float | None = None
-                    ) -> tuple[Tensor, Tensor]:
-    """A per-position block selection through our Triton op, fed by the selection's BlockMask in
-    the packed layout (q block = `tile_positions(G)` positions x G heads, kv block = l')."""
+def selected_lists(spec: MaskSpec, B: int, T: int, S: int, G: int, device):
+    """What the selected op reads of a per-position block selection: (sel, l_sel, the eight block
+    lists, lo, hi) -- the selection's BlockMask in the packed layout (q block = `tile_positions(G)`
+    positions x G heads, kv block = l'), its q-major lists and their kv-major inverses in CSR form."""
     sel, l_sel = spec.selection
-    B, Hq, T, Dk, Hkv, S, G, scale = _dims(q, k, scale)
     P = tile_positions(G)
-    bm = spec.block_mask(B, T, S, device=q.device, block_size=(P * G, l_sel), q_pack=G,
+    bm = spec.block_mask(B, T, S, device=device, block_size=(P * G, l_sel), q_pack=G,
                          kv_major=False)
     # the lists through an opaque op (saved for the backward, never recomputed there). The
     # configuration every H100 measurement of the op ran with; the backward-graph codegen failure
@@ -160,7 +159,15 @@ def attend_selected(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, scale: floa
                                    *kv_major_csr(*q_major[2:], nkb))]
     lo = hi = None
     if spec.row_band is not None:
-        lo, hi = spec.row_band(torch.arange(T, device=q.device))
+        lo, hi = spec.row_band(torch.arange(T, device=device))
+    return sel, l_sel, lists, lo, hi
+
+
+def attend_selected(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, scale: float | None = None
+                    ) -> tuple[Tensor, Tensor]:
+    """A per-position block selection through our Triton op (`selected_lists`)."""
+    B, Hq, T, Dk, Hkv, S, G, scale = _dims(q, k, scale)
+    sel, l_sel, lists, lo, hi = selected_lists(spec, B, T, S, G, q.device)
     return selected_attention(q, k, v, sel, l_sel, lists, lo, hi, scale)
 
 

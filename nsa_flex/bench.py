@@ -137,6 +137,24 @@ def first_call(fn, dev) -> float:
     return time.perf_counter() - t0
 
 
+def kernel_ms(fn, calls: int = 3) -> list[tuple[str, int, float]]:
+    """GPU kernels of `calls` calls of fn (torch.profiler): (name, launches per call, ms per call),
+    largest first -- where a timed item's time goes, kernel by kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    tot = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            n, d = tot.get(e.name, (0, 0.0))
+            tot[e.name] = (n + 1, d + e.device_time_total / 1e3)
+    return [(name, n // calls, d / calls) for name, (n, d) in sorted(tot.items(), key=lambda kv: -kv[1][1])]
+
+
 def median_ms(fn, dev, reps: int = 3, warmup: int = 10, rep_ms: int | None = None,
               lock: TimingLock | None = None) -> float:
     """Median milliseconds of one fn() call. CUDA: triton's do_bench (`warmup`, `rep_ms` ms of

@@ -3,12 +3,16 @@ CSV columns, CPU timing and the tile-table overrides (set inside, restored after
 
 import csv
 import fcntl
+import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
 from nsa_flex import bench, kernel_options
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_timing_lock_shared_for_compile_exclusive_for_timing(tmp_path):
@@ -110,3 +114,46 @@ def test_kernel_overrides_sel_layout_and_dq_mode():
         assert (selected_triton.PAD_HEADS, selected_triton.DQ_ATOMIC) == (not before[0], not before[1])
     assert (selected_triton.PAD_HEADS, selected_triton.DQ_ATOMIC) == before
     assert f"DQ_ATOMIC {not before[1]}" in msgs[-1]
+
+
+def _selected_gpu():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("selected_gpu", ROOT / "experiments" / "selected_gpu.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_selected_gpu_layouts_parsed_or_refused():
+    pytest.importorskip("triton")
+    sg = _selected_gpu()
+    assert sg.parse_layouts("16:1,32:0:1") == [(16, True, False), (32, False, True)]
+    for bad in ("16", "20:1", "16:2", "0:1", "16:1:1:1", "x:1"):
+        with pytest.raises(SystemExit, match="must be ROWS:PAD"):
+            sg.parse_layouts(bad)
+
+
+@pytest.mark.slow
+def test_selected_gpu_runs_interpreted(tmp_path):
+    """experiments/selected_gpu.py end to end on the CPU (Triton's interpreter, tiny shapes): the
+    check against the reference for two layouts (padded heads; unpadded with dQ in the dK/dV
+    pass), then the timing rows, a trained selection that does not fit the shape skipped."""
+    pytest.importorskip("triton")
+    import subprocess
+    import sys
+
+    trace = ROOT / "experiments" / "results" / "quality" / "selection_traces" / "nsa_L32768.npz"
+    r = subprocess.run([sys.executable, "experiments/selected_gpu.py", "--out", str(tmp_path),
+                        "--check-len", "40", "--check-shapes", "g2", "--shapes", "g2:64",
+                        "--layouts", "16:1,16:0:1", "--trace", f"{trace}:6"], cwd=ROOT,
+                       env={**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""},
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    check = list(csv.DictReader(open(tmp_path / "selected_check.csv")))
+    assert {c["layout"] for c in check} == {"16:1:0", "16:0:1"} and all(c["ok"] == "True" for c in check)
+    times = list(csv.DictReader(open(tmp_path / "selected_time.csv")))
+    assert {(t["layout"], t["executor"], t["mode"]) for t in times} >= {
+        ("16:1:0", "op_only", "fwd_bwd"), ("16:0:1", "op_only", "fwd_bwd"), ("16:0:1", "mask_build", "fwd")}
+    assert all(t["error"] == "" for t in times if t["executor"] == "op_only")
+    assert "no trained selection" in r.stdout
