@@ -3,7 +3,7 @@ branch's time per q-block layout and dQ mode, on random and trained selections, 
 
     python experiments/selected_gpu.py --out OUT                       # checks + default timings
     python experiments/selected_gpu.py --out OUT --skip-check --shapes titan_125M:32768 \
-        --layouts 16:1,16:1:1,16:0,16:0:1 --trace experiments/results/quality/selection_traces/nsa_L32768.npz:6
+        --layouts 16:1,16:1:1,16:0:1,32:0:1 --trace experiments/results/quality/selection_traces/nsa_L32768.npz:6
 
 Writes OUT/selected_check.csv (relative errors of out, lse, dq, dk, dv per case and layout),
 OUT/selected_time.csv (fwd and fwd+bwd medians, ms: `branch` = mask build + op compiled as in the
@@ -266,7 +266,7 @@ def main():
     ap.add_argument("--check-len", type=int, default=0,
                     help="sequence length of every check case (default: each case's own, 640-1024)")
     ap.add_argument("--shapes", default="titan_125M:32768,paper:16384,paper:65536")
-    ap.add_argument("--layouts", default="16:1,16:1:1,16:0,16:0:1",
+    ap.add_argument("--layouts", default="16:1,16:1:1,16:0:1,32:0:1",
                     help="comma list of ROWS:PAD[:DQ] (the op's q-block rows, PAD_HEADS, DQ_ATOMIC) "
                          "to time and to check")
     ap.add_argument("--trace", default="", metavar="NPZ[:LAYER]",
