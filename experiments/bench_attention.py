@@ -554,11 +554,9 @@ def main(argv=None):
     LOCK = TimingLock(args.timing_lock)
     SEL_KERNEL = args.sel_kernel
     if args.selection_trace:
-        from nsa_flex.eval.selection_stats import load_trace
+        from nsa_flex.eval.selection_stats import load_trace_arg
 
-        path, _, lay = args.selection_trace.partition(":")
-        idx, info = load_trace(path, int(lay) if lay else None)
-        TRACE = (idx, f"trained:{os.path.basename(path)}:layer{info['layer']}")
+        TRACE = load_trace_arg(args.selection_trace)
     # items compile flex calls on their own, before any layer exists (the layer installs it too)
     from nsa_flex.kernel_options import install_flex_patches
 

@@ -143,13 +143,12 @@ def parse_layouts(text: str) -> list[tuple[int, bool, bool]]:
 def trace_selection(spec: str, T: int, Hkv: int, n: int):
     """The first T positions of a trained selection NPZ[:LAYER] ([1, Hkv, T, n] int64), or None
     with the reason when it does not fit the shape."""
-    from nsa_flex.eval.selection_stats import load_trace
+    from nsa_flex.eval.selection_stats import load_trace_arg
 
-    path, _, lay = spec.partition(":")
-    idx, info = load_trace(path, int(lay) if lay else None)
+    idx, label = load_trace_arg(spec)
     if idx.shape[1] != Hkv or idx.shape[3] != n or idx.shape[2] < T:
-        return None, f"trace {idx.shape[1:]} (Hkv, T, n) does not fit Hkv={Hkv}, T={T}, n={n}"
-    return idx[:, :, :T].to(DEV), f"trained:{os.path.basename(path)}:layer{info['layer']}"
+        return None, f"trace {tuple(idx.shape[1:])} (Hkv, T, n) does not fit Hkv={Hkv}, T={T}, n={n}"
+    return idx[:, :, :T].to(DEV), label
 
 
 def _timed(fn, mode, tag, qkv, do, run):

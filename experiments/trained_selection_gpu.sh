@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 24: choose the selected op's q-block layout on trained selections (experiments/NOTES.md 38,
-# 39, 41, 45) and check the memory fix. Each layout x selection takes ~75 s (compiles included; on
-# the H100 the 16:0 layout compiled its forward in 41 s against 9 s), TITAN=1 ~4 min more:
+# 39, 41, 45) and check the memory fix. Each layout x selection takes ~75 s or more (compiles
+# included; unpadded layouts compile longer), TITAN=1 ~4 min more:
 #   1. the GPU-marked tests of the layer and the op (TESTS=1);
 #   2. the 125M-shape selected branch and layer at 32k on the trained trace and on random
 #      selections, for each q-block layout ROWS:PAD[:DQ] (rows, PAD_HEADS, DQ_ATOMIC): 16:1 = today

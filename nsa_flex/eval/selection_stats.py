@@ -139,6 +139,14 @@ def load_trace(path: str, layer: int | None = None) -> tuple[torch.Tensor, dict]
     return idx, info
 
 
+def load_trace_arg(spec: str) -> tuple[torch.Tensor, str]:
+    """`load_trace` of a command-line argument NPZ[:LAYER]: (picks, a label for result rows,
+    "trained:<file>:layer<i>")."""
+    path, _, lay = spec.partition(":")
+    idx, info = load_trace(path, int(lay) if lay else None)
+    return idx, f"trained:{os.path.basename(path)}:layer{info['layer']}"
+
+
 # ---------------------------------------------------------------------- recording
 @torch.no_grad()
 def record(model, tokens: torch.Tensor) -> tuple[dict[int, torch.Tensor], dict[int, list[float]]]:

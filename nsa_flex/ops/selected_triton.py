@@ -67,9 +67,9 @@ PAD_HEADS = True
 
 # True: dQ is accumulated in the dK/dV pass, which already computes every dS tile, by fp32 atomic
 # adds (FlashAttention-2's backward): no separate dQ pass re-reading the selected K/V blocks (the
-# forward's L2-bound gather, a third of the op's time), at the price of ~8 KB of atomics per
-# (position, selected block) and a dQ that is not bit-reproducible run to run. False: the dQ
-# kernel (deterministic). Default until an H100 measurement picks (experiments/NOTES.md 45).
+# same L2-bound gather as the forward), at the price of G x d_k x 4 bytes of atomics per (position,
+# selected block, KV head) and a dQ that is not bit-reproducible run to run. False: the dQ kernel
+# (deterministic), the default until the H100 measures both (experiments/NOTES.md 45).
 DQ_ATOMIC = False
 
 

@@ -37,6 +37,7 @@ from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.tools.logging import logger
 
 from nsa_flex.config import UserError
+from nsa_flex.titan.runlock import existing_folder
 
 DAMAGED = "damaged"  # sub-folder of the checkpoint folder (no "step-N" name: torchtitan ignores it)
 
@@ -64,9 +65,7 @@ def _gib(n: float) -> str:
 
 
 def _free(folder: str) -> int:
-    while folder and not os.path.isdir(folder):
-        folder = os.path.dirname(folder)
-    return shutil.disk_usage(folder or ".").free
+    return shutil.disk_usage(existing_folder(folder)).free
 
 
 def _folder_bytes(path: str) -> int:

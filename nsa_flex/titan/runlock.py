@@ -134,6 +134,14 @@ def release_all() -> None:
         lock.release()
 
 
+def existing_folder(path: str) -> str:
+    """``path`` if it exists (a file there stays: nothing can be made inside it), else the nearest
+    folder above it that exists (where a missing one would be made)."""
+    while path and not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path or "."
+
+
 def _writable(folder: str, create: bool = True) -> str | None:
     """Why ``folder`` cannot take a new file (None if it can). create=False leaves a missing
     folder missing and tests the nearest existing folder above it, where it would be created."""
@@ -141,8 +149,7 @@ def _writable(folder: str, create: bool = True) -> str | None:
         if create:
             os.makedirs(folder, exist_ok=True)
         else:
-            while not os.path.exists(folder) and os.path.dirname(folder) != folder:
-                folder = os.path.dirname(folder)
+            folder = existing_folder(folder)
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".nsa-write-test-"):
             pass
     except OSError as e:

@@ -174,6 +174,11 @@ def test_selection_trace_replaces_the_random_picks(bench, tmp_path, monkeypatch)
         load_trace(str(path), 0)
     with pytest.raises(EvalError, match="no such file"):
         load_trace(str(tmp_path / "none.npz"))
+    from nsa_flex.eval.selection_stats import load_trace_arg
+
+    same, label = load_trace_arg(f"{path}:3")
+    assert torch.equal(same, idx) and label == "trained:selection_L256.npz:layer3"
+    assert load_trace_arg(str(path))[1] == label  # no layer: the first saved
 
     monkeypatch.setattr(bench, "TRACE", (idx, "trained:test"))
     seen = []

@@ -73,6 +73,9 @@ def test_unwritable_folders_named(tmp_path):
     check_writable(_jc(tmp_path / "new"))  # the dump folder is created, the checkpoint folder not:
     # torchtitan loads checkpoint.initial_load_path only while the checkpoint folder is missing
     assert (tmp_path / "new").is_dir() and not (tmp_path / "new" / "checkpoint").exists()
+    from nsa_flex.titan.runlock import existing_folder
+
+    assert existing_folder(str(tmp_path / "new" / "checkpoint" / "step-1")) == str(tmp_path / "new")
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(FolderNotWritable, match=f"job.dump_folder {blocker}/run is not writable"):
