@@ -3,7 +3,7 @@ branch's time per q-block layout and dQ mode, on random and trained selections, 
 
     python experiments/selected_gpu.py --out OUT                       # checks + default timings
     python experiments/selected_gpu.py --out OUT --skip-check --shapes titan_125M:32768 \
-        --layouts 16:1,16:1:1,16:0:1,32:0:1 --trace experiments/results/quality/selection_traces/nsa_L32768.npz:6
+        --layouts 16:1,16:0,16:0:0,32:0 --trace experiments/results/quality/selection_traces/nsa_L32768.npz:6
 
 Writes OUT/selected_check.csv (relative errors of out, lse, dq, dk, dv per case and layout),
 OUT/selected_time.csv (fwd and fwd+bwd medians, ms: `branch` = mask build + op compiled as in the
@@ -107,7 +107,7 @@ def check(out_dir, only=None, layouts=((16, True, False),), cases=None):
                     o, l = _op_with(op_in, spec, heavy, split)
                     o.backward(do.to(dtype))
                 r = dict(shape=shape, T=T, docs=use_docs, dtype=str(dtype).split(".")[-1],
-                         layout=f"{rows_}:{int(pad)}:{int(dq)}", heavy=heavy, split_tiles=split,
+                         layout=layout_name(rows_, pad, dq), heavy=heavy, split_tiles=split,
                          out=rel(o, ro), lse=rel(l, rl), dq=rel(op_in[0].grad, ref_in[0].grad),
                          dk=rel(op_in[1].grad, ref_in[1].grad), dv=rel(op_in[2].grad, ref_in[2].grad))
                 tol = 2e-2 if dtype != torch.float32 else 1e-4
@@ -127,8 +127,14 @@ def _op_with(xs, spec, heavy, split):
                                               split_tiles=split)
 
 
-def parse_layouts(text: str) -> list[tuple[int, bool, bool]]:
-    """"16:1,16:0:1" -> [(rows, pad_heads, dq_atomic)]: a clear error for a bad entry."""
+def layout_name(rows: int, pad: bool, dq: bool | None) -> str:
+    """ROWS:PAD[:DQ] (no DQ: the op's choice by shape)."""
+    return f"{rows}:{int(pad)}" + ("" if dq is None else f":{int(dq)}")
+
+
+def parse_layouts(text: str) -> list[tuple[int, bool, bool | None]]:
+    """"16:1,16:0:1" -> [(rows, pad_heads, dq_atomic)] (dq_atomic None: DQ left out, the op
+    chooses by shape): a clear error for a bad entry."""
     out = []
     for item in [x for x in text.split(",") if x]:
         parts = item.split(":")
@@ -136,7 +142,7 @@ def parse_layouts(text: str) -> list[tuple[int, bool, bool]]:
                 or int(parts[0]) == 0 or any(p not in ("0", "1") for p in parts[1:]):
             raise SystemExit(f"--layouts: {item!r} must be ROWS:PAD[:DQ] with ROWS a positive multiple "
                              "of 16 and PAD, DQ 0 or 1 (e.g. 16:1 or 16:0:1)")
-        out.append((int(parts[0]), parts[1] == "1", len(parts) == 3 and parts[2] == "1"))
+        out.append((int(parts[0]), parts[1] == "1", parts[2] == "1" if len(parts) == 3 else None))
     return out
 
 
@@ -225,7 +231,7 @@ def timing(out_dir, shapes, layouts, trace, flex=False):
                 for mode in ("fwd", "fwd_bwd"):
                     res.append(_timed(cf, mode, dict(base, executor="flex", layout=""), qkv, do, run))
             for rows, pad, dq in layouts:
-                lay = f"{rows}:{int(pad)}:{int(dq)}"
+                lay = layout_name(rows, pad, dq)
                 tag = dict(base, layout=lay)
                 torch._dynamo.reset()
                 with kernel_overrides(sel_rows=rows, sel_pad_heads=pad, sel_dq_atomic=dq, log=log):
@@ -265,7 +271,7 @@ def main():
     ap.add_argument("--check-len", type=int, default=0,
                     help="sequence length of every check case (default: each case's own, 640-1024)")
     ap.add_argument("--shapes", default="titan_125M:32768,paper:16384,paper:65536")
-    ap.add_argument("--layouts", default="16:1,16:1:1,16:0:1,32:0:1",
+    ap.add_argument("--layouts", default="16:1,16:0,32:0",
                     help="comma list of ROWS:PAD[:DQ] (the op's q-block rows, PAD_HEADS, DQ_ATOMIC) "
                          "to time and to check")
     ap.add_argument("--trace", default="", metavar="NPZ[:LAYER]",

@@ -11,12 +11,12 @@
 #   3. torchtitan 125M at 32k, NSA and full attention: tokens/s and peak memory (TITAN=1; needs
 #      the torchtitan wheels on PYTHONPATH and DATA with the FineWeb sample).
 #   bash experiments/trained_selection_gpu.sh OUT [DATA]
-# Knobs: LAYOUTS ("16:1 16:1:1 16:0:1"), PROFILE (1), TRACE (the committed 32k trace, layer 6), TESTS (1),
+# Knobs: LAYOUTS ("16:1 16:0"), PROFILE (1), TRACE (the committed 32k trace, layer 6), TESTS (1),
 #   TEST_K (a pytest -k expression selecting among the GPU tests; all of them when empty), TITAN (0).
 set -uo pipefail
 OUT=${1:?usage: trained_selection_gpu.sh OUT [DATA]}
 DATA=${2:-../shared/data}
-LAYOUTS=${LAYOUTS:-16:1 16:1:1 16:0:1}
+LAYOUTS=${LAYOUTS:-16:1 16:0}
 TRACE=${TRACE:-experiments/results/quality/selection_traces/nsa_L32768.npz:6}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"

@@ -141,10 +141,10 @@ class MaskSpec:
 def _kv_major_sorted(num, idx, nkb):
     """The (kv block, q block) pairs of q-major lists sorted kv-major: (row [B, H, NQB*W] kv
     block of each pair, nkb for unlisted slots (sorted last), col [.., NQB*W] int32 q block,
-    counts [B, H, nkb + 1] pairs per kv block)."""
+    counts [B, H, nkb + 1] pairs per kv block). num None: the listed slots are those >= 0."""
     B, H, nqb, W = idx.shape
     dev = idx.device
-    listed = torch.arange(W, device=dev) < num.unsqueeze(-1)
+    listed = idx >= 0 if num is None else torch.arange(W, device=dev) < num.unsqueeze(-1)
     # a stable sort of the kv block alone, on the narrowest integer that holds it (a radix sort's
     # passes go with the key's width): the slots are in q-block order and a q block lists a kv
     # block at most once, so each kv block's q blocks come out ascending
@@ -163,7 +163,8 @@ def kv_major_csr(num, idx, nkb):
     ascending within one; a kv block's entries start at the exclusive cumsum of q_num, entries
     past sum(q_num) are padding). O(NQB * W) memory where a BlockMask's q_indices take
     [NKB, NQB]: the selected op's backward reads this (at 32k, one position per q block, 2 MB
-    instead of 134 MB per list and layer)."""
+    instead of 134 MB per list and layer). num None: idx's entries >= 0 are listed (e.g. a
+    selection [B, H, T, n], -1 unused: then the q blocks are positions)."""
     _, col, counts = _kv_major_sorted(num, idx, nkb)
     return counts[..., :nkb].to(torch.int32), col
 

@@ -26,7 +26,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import flex_attention
 
 from masks import MaskSpec
-from masks.core import captured, kv_major_csr
+from masks.core import captured
 
 from .config import resolve_backend
 from .ops import HAS_TRITON, selected_attention, selected_unsupported, tile_positions, triton_interpreted
@@ -140,23 +140,17 @@ def use_selected_op(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, sel_kernel:
 
 
 def selected_lists(spec: MaskSpec, B: int, T: int, S: int, G: int, device):
-    """What the selected op reads of a per-position block selection: (sel, l_sel, the eight block
-    lists, lo, hi) -- the selection's BlockMask in the packed layout (q block = `tile_positions(G)`
-    positions x G heads, kv block = l'), its q-major lists and their kv-major inverses in CSR form."""
+    """What the selected op reads of a per-position block selection: (sel, l_sel, the four
+    q-major block lists, lo, hi) -- the selection's BlockMask in the packed layout (q block =
+    `tile_positions(G)` positions x G heads, kv block = l'), without its kv-major lists (the op's
+    backward inverts `sel` itself, per position)."""
     sel, l_sel = spec.selection
     P = tile_positions(G)
     bm = spec.block_mask(B, T, S, device=device, block_size=(P * G, l_sel), q_pack=G,
                          kv_major=False)
-    # the lists through an opaque op (saved for the backward, never recomputed there). The
-    # configuration every H100 measurement of the op ran with; the backward-graph codegen failure
-    # it was meant for went away only with one position per q block (NOTES 33(c)), so whether it
-    # is still needed is open: remove it only with a GPU run of tests/layer/test_flex_gpu.py
-    # The kv-major lists in CSR form (O(NQB * W)), not the BlockMask's dense-width q_indices
-    # ([NKB, NQB] int32, 134 MB per list and layer at 32k; not built: kv_major=False).
-    nkb = -(-S // l_sel)
-    q_major = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
-    lists = [captured(x) for x in (*q_major, *kv_major_csr(*q_major[:2], nkb),
-                                   *kv_major_csr(*q_major[2:], nkb))]
+    # the lists through an opaque op: saved for the backward, never recomputed there
+    lists = [captured(x) for x in (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks,
+                                   bm.full_kv_indices)]
     lo = hi = None
     if spec.row_band is not None:
         lo, hi = spec.row_band(torch.arange(T, device=device))

@@ -4,19 +4,19 @@ Inputs: q [B, Hq, T, Dk], the branch's k [B, Hkv, T, Dk] and v [B, Hkv, T, Dv], 
 `sel` [B, Hkv, T, n] (block indices of l' keys, -1 unused; one list per position and GQA group,
 Eq. 10), a per-position key band `lo`, `hi` [B|1, T] (e.g. the document's first token; keys are
 also never after the query) and the selection BlockMask in the packed layout (query row r = token
-r // G, head r % G; q block = P positions x G heads, P = `tile_positions(G)`, 1 by default; kv
-block = l'):
+r // G, head r % G; q block = P positions x G heads, P = `tile_positions(G)`: 16 rows' worth,
+2 positions at G = 8; kv block = l'):
   * forward and dQ are query-centric: one program per (q block, batch, KV head) holds the G heads of
-    its P positions (each position's heads padded to 16 rows for the tensor cores) and walks the
+    its P positions (G < 16 heads as next_power_of_2(G) rows; PAD_HEADS pads them to 16) and walks the
     block's q-major lists (partial, then full blocks: the union of the P positions' selections),
     loading each selected K/V block once for all its rows;
-  * dK/dV is KV-block-centric: one program per (kv block, batch, KV head) walks the kv-major lists
-    (the inverse index) and gathers DKV_ROWS rows of the q blocks that selected it per MMA step
-    (each position's G heads unpadded there: 8 positions a step at G = 8). No
-    atomics. The most-read blocks (block 0, popular blocks: `HEAVY` of them per head) are split into
-    equal shares of their list; each share writes an fp32 partial that a sum finishes. With
-    `DQ_ATOMIC` the same pass also adds each tile's dQ = dS @ K into an fp32 buffer (atomics) and
-    the dQ kernel does not run.
+  * dK/dV is KV-block-centric: one program per (kv block, batch, KV head) walks the inverse of
+    the per-position selection (for each kv block, the positions that selected it: CSR, built from
+    `sel` in the backward) and gathers DKV_ROWS rows of them per MMA step (each position's G heads
+    unpadded there: 8 positions a step at G = 8). The most-read blocks (block 0,
+    popular blocks: `HEAVY` of them per head) are split into equal shares of their list; each
+    share writes an fp32 partial that a sum finishes. With atomics for dQ (`dq_atomic`) the same
+    pass also adds each tile's dQ = dS @ K into an fp32 buffer and the dQ kernel does not run.
 Inside a partial block every row keeps exactly its own selection: row r sees key s iff s's block
 is in sel[t] and lo[t] <= s <= min(hi[t], t). d_k that is not a power of two (192) runs as two
 dots (128 + 64), not padded to 256.
@@ -60,17 +60,22 @@ def head_split(d: int) -> tuple[int, int]:
 
 
 # True: a position's G heads are padded to 16 rows (G < 16), so a q block can hold one position
-# and its lists are the position's own selection. False: G heads take next_power_of_2(G) rows and
-# a 16-row q block holds 16 // G positions (the union of their selections, no padding rows):
-# fewer loads where adjacent positions pick the same blocks (trained selections, NOTES 38).
-PAD_HEADS = True
+# and its lists are the position's own selection. False (default): G heads take
+# next_power_of_2(G) rows and a 16-row q block holds 16 // G positions (the union of their
+# selections, no padding rows): fewer loads where adjacent positions pick the same blocks. H100,
+# 125M shape at 32k (NOTES 50): forward 2.58 -> 1.74 ms on a trained selection, 2.59 -> 2.33 on
+# random ones.
+PAD_HEADS = False
 
 # True: dQ is accumulated in the dK/dV pass, which already computes every dS tile, by fp32 atomic
 # adds (FlashAttention-2's backward): no separate dQ pass re-reading the selected K/V blocks (the
 # same L2-bound gather as the forward), at the price of G x d_k x 4 bytes of atomics per (position,
 # selected block, KV head) and a dQ that is not bit-reproducible run to run. False: the dQ kernel
-# (deterministic), the default until the H100 measures both (experiments/NOTES.md 45).
-DQ_ATOMIC = False
+# (deterministic). None (default): atomics where G x d_k <= ATOMIC_MAX_ROW. H100 (NOTES 50): at
+# the 125M shape (G x d_k = 512) the atomics cost 1.1 ms where the dQ pass took 2.5; at the paper
+# shape (3072) 10.8 ms where it took 7.8.
+DQ_ATOMIC: bool | None = None
+ATOMIC_MAX_ROW = 512
 
 
 def padded_group(G: int) -> int:
@@ -81,8 +86,8 @@ def padded_group(G: int) -> int:
 
 def tile_positions(G: int, rows: int | None = None) -> int:
     """Positions per q block: rows // padded_group(G), at least 1 and at least 16 rows. With one
-    position per q block (the default) the BlockMask's lists are the selection itself (no union
-    over positions)."""
+    position per q block (G >= 16, or PAD_HEADS) the BlockMask's lists are the selection itself
+    (no union over positions)."""
     gp = padded_group(G)
     return max(1, (rows or ROWS) // gp, -(-16 // gp))
 
@@ -324,35 +329,54 @@ def _sel_dq_kernel(Q, K, V, DO, LSE, DELTA, SEL, LO, HI, KVN, KVI, FKVN, FKVI, D
 
 # ---------------------------------------------------------------------- dK / dV
 @triton.jit
-def _dkv_step(dk1, dk2, dv_acc, k1, k2, v, kk, j, e, e_end, n_part, qi, fqi, Q, DO, LSE,
-              DELTA, SEL, LO, HI, DQA, bh, b, h, T, HKV, s_lb, qk_scale, sm_scale, NG: tl.constexpr,
-              G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, NSEL: tl.constexpr,
-              NP: tl.constexpr, DK: tl.constexpr, DK1: tl.constexpr, DK2: tl.constexpr,
+def _delta_kernel(O, DO, DLSE, DELTA, N, DV: tl.constexpr, DVP: tl.constexpr,
+                  HAS_DLSE: tl.constexpr, R: tl.constexpr):
+    """delta = rowsum(dO * O) in fp32 (FlashAttention's D_i), minus dlse when lse has a gradient."""
+    r = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
+    d = tl.arange(0, DVP)
+    ok = r < N
+    m = ok[:, None] & (d < DV)[None, :]
+    o = tl.load(O + (r * DV)[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
+    do = tl.load(DO + (r * DV)[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, 1)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + r, mask=ok, other=0.0).to(tl.float32)
+    tl.store(DELTA + r, delta, mask=ok)
+
+
+@triton.jit
+def _dkv_step(dk1, dk2, dv_acc, k1, k2, v, kk, e, e_end, qi, Q, DO, LSE, DELTA, LO, HI, DQA, b, h,
+              T, HKV, s_lb, qk_scale, sm_scale, NG: tl.constexpr, G: tl.constexpr,
+              GP: tl.constexpr, DK: tl.constexpr, DK1: tl.constexpr, DK2: tl.constexpr,
               DV: tl.constexpr, DVP: tl.constexpr, HAS_BAND: tl.constexpr, PREC: tl.constexpr,
               FUSE_DQ: tl.constexpr):
-    """NG entries e.. of kv block j's list (q blocks: partial ones, then full ones; qi / fqi
-    point at its CSR rows) gathered into one NG*BM-row tile: row r is row r % BM of the q block of
-    entry e + r // BM. FUSE_DQ: the tile's dQ = dS @ K is added to the fp32 DQA [B, Hq, T, DK]
-    (rows are distinct within a tile; other kv blocks' programs add to the same rows)."""
-    r = tl.arange(0, NG * BM)
-    ent = e + r // BM
-    in_part = ent < n_part
+    """Entries e .. e + NG of this kv block's list (positions that selected it; qi points at its
+    CSR row) gathered into one NG*GP-row tile: row r is head r % GP of the position of entry
+    e + r // GP. Every listed position selected the block, so only its key band masks (keys
+    after it, outside its document). FUSE_DQ: the tile's dQ = dS @ K is added to the fp32 DQA
+    [B, Hq, T, DK] (rows are distinct within a tile; other kv blocks' programs add to the same
+    rows)."""
+    r = tl.arange(0, NG * GP)
+    ent = e + r // GP
     ok = ent < e_end
-    tile = tl.load(qi + ent, mask=ok & in_part, other=0) + \
-        tl.load(fqi + ent - n_part, mask=ok & (ent >= n_part), other=0)
-    t = (tile * BT + (r % BM) // GP).to(tl.int64)
+    t = tl.load(qi + ent, mask=ok, other=0).to(tl.int64)
     g = (r % GP).to(tl.int64)
-    row_ok = ok & (t < T) & (g < G)
+    row_ok = ok & (g < G)
     qrow = ((b * HKV + h) * G + g) * T + t
     q1, q2 = _load_q(Q, qrow * DK, row_ok, DK, DK1, DK2)
     do, lse2, delta = _grad_rows(DO, LSE, DELTA, qrow, row_ok, DV, DVP)
-    s = _dot2(q1, q2, k1, k2, DK2, PREC) * qk_scale  # [NG*BM, BLOCK]
+    s = _dot2(q1, q2, k1, k2, DK2, PREC) * qk_scale  # [NG*GP, BLOCK]
     p = tl.math.exp2(s - lse2[:, None])
-    sel, lo, hi = _row_state(SEL, LO, HI, bh, b, t, row_ok, T, s_lb, NSEL, NP, HAS_BAND)
-    p = tl.where(_visible(kk, t, lo, hi, sel, j, row_ok), p, 0.0)
-    pt = tl.trans(p.to(do.dtype))  # [BLOCK, NG*BM]
+    if HAS_BAND:
+        lo = tl.load(LO + b * s_lb + t, mask=row_ok, other=0)
+        top = tl.minimum(tl.load(HI + b * s_lb + t, mask=row_ok, other=0), t)
+        vis = row_ok[:, None] & (kk[None, :] <= top[:, None]) & (kk[None, :] >= lo[:, None])
+    else:
+        vis = row_ok[:, None] & (kk[None, :] <= t[:, None])
+    p = tl.where(vis, p, 0.0)
+    pt = tl.trans(p.to(do.dtype))  # [BLOCK, NG*GP]
     dv_acc += tl.dot(pt, do, input_precision=PREC)
-    dp = tl.dot(do, tl.trans(v), input_precision=PREC)  # [NG*BM, BLOCK]
+    dp = tl.dot(do, tl.trans(v), input_precision=PREC)  # [NG*GP, BLOCK]
     ds = (p * (dp - delta[:, None])).to(q1.dtype)
     dst = tl.trans(ds)
     dk1 += tl.dot(dst, q1, input_precision=PREC)
@@ -372,13 +396,11 @@ def _dkv_step(dk1, dk2, dv_acc, k1, k2, v, kk, j, e, e_end, n_part, qi, fqi, Q, 
 
 
 @triton.jit
-def _sel_dkv_kernel(Q, K, V, DO, LSE, DELTA, SEL, LO, HI, QN, QOFF, QI, FQN, FQOFF, FQI, HSLOT,
-                    HEAVY, DK_, DV_, PK, PV, DQA,
-                    T, TP, HKV, NKB, WP, WF, NH, NSPLIT, s_lb,
+def _sel_dkv_kernel(Q, K, V, DO, LSE, DELTA, LO, HI, QN, QOFF, QI, HSLOT, HEAVY, DK_, DV_, PK, PV,
+                    DQA, T, TP, HKV, NKB, WP, NH, NSPLIT, s_lb,
                     QK_SCALE: tl.constexpr, SM_SCALE: tl.constexpr, NG: tl.constexpr,
-                    G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, NSEL: tl.constexpr,
-                    NP: tl.constexpr, BLOCK: tl.constexpr, DK: tl.constexpr, DK1: tl.constexpr,
-                    DK2: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
+                    G: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr, DK: tl.constexpr,
+                    DK1: tl.constexpr, DK2: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
                     HAS_BAND: tl.constexpr, PREC: tl.constexpr, FUSE_DQ: tl.constexpr):
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -394,10 +416,8 @@ def _sel_dkv_kernel(Q, K, V, DO, LSE, DELTA, SEL, LO, HI, QN, QOFF, QI, FQN, FQO
         share = w % NSPLIT
         j = tl.load(HEAVY + bh * NH + slot)
     lst = bh * NKB + j
-    n_part = tl.load(QN + lst)
-    n_all = n_part + tl.load(FQN + lst)
-    qi = QI + bh * WP + tl.load(QOFF + lst)  # this kv block's CSR rows (partial, full q blocks)
-    fqi = FQI + bh * WF + tl.load(FQOFF + lst)
+    n_all = tl.load(QN + lst)
+    qi = QI + bh * WP + tl.load(QOFF + lst)  # this kv block's CSR row: the positions that chose it
     if pid < NKB:
         e0 = n_all * 0
         e1 = tl.where(slot >= 0, 0, n_all)
@@ -414,10 +434,9 @@ def _sel_dkv_kernel(Q, K, V, DO, LSE, DELTA, SEL, LO, HI, QN, QOFF, QI, FQN, FQO
     dk2 = tl.zeros([BLOCK, DK2 if DK2 > 0 else DK1], tl.float32)
     dv_acc = tl.zeros([BLOCK, DVP], tl.float32)
     for e in range(e0, e1, NG):
-        dk1, dk2, dv_acc = _dkv_step(dk1, dk2, dv_acc, k1, k2, v, kk, j, e, e1, n_part, qi, fqi,
-                                     Q, DO, LSE, DELTA, SEL, LO, HI, DQA, bh, b, h, T, HKV,
-                                     s_lb, QK_SCALE, SM_SCALE, NG, G, GP, BT, BM, NSEL, NP, DK, DK1,
-                                     DK2, DV, DVP, HAS_BAND, PREC, FUSE_DQ)
+        dk1, dk2, dv_acc = _dkv_step(dk1, dk2, dv_acc, k1, k2, v, kk, e, e1, qi, Q, DO, LSE, DELTA,
+                                     LO, HI, DQA, b, h, T, HKV, s_lb, QK_SCALE, SM_SCALE, NG, G,
+                                     GP, DK, DK1, DK2, DV, DVP, HAS_BAND, PREC, FUSE_DQ)
     d1 = tl.arange(0, DK1)
     if pid < NKB:  # dK/dV are [B, HKV, TP, D]: T padded to whole blocks
         ooff_k = bh * TP * DK
@@ -466,11 +485,9 @@ def _prec(dtype) -> str:
 @triton_op("nsa_flex::selected_attention_fwd", mutates_args=())
 def selected_attention_fwd(q: Tensor, k: Tensor, v: Tensor, sel: Tensor, lo: Optional[Tensor],
                            hi: Optional[Tensor], kv_num: Tensor, kv_idx: Tensor, full_num: Tensor,
-                           full_idx: Tensor, q_num: Tensor, q_idx: Tensor, full_q_num: Tensor,
-                           full_q_idx: Tensor, scale: float, l_sel: int, rows: int,
+                           full_idx: Tensor, scale: float, l_sel: int, rows: int,
                            heavy: int, split_tiles: int) -> tuple[Tensor, Tensor]:
-    """(out [B, Hq, T, Dv], lse [B, Hq, T]); the kv-major lists (q_num, q_idx, full_q_num,
-    full_q_idx: CSR, `masks.core.kv_major_csr`) are for the backward."""
+    """(out [B, Hq, T, Dv], lse [B, Hq, T]) from the selection's q-major lists."""
     B, Hq, T, Dk = q.shape
     Hkv, Dv = k.shape[1], v.shape[-1]
     G = Hq // Hkv
@@ -491,18 +508,23 @@ def selected_attention_fwd(q: Tensor, k: Tensor, v: Tensor, sel: Tensor, lo: Opt
     return o, lse
 
 
+def dq_atomic(G: int, d_qk: int) -> bool:
+    """Whether the backward accumulates dQ in the dK/dV pass (DQ_ATOMIC, or by shape when None)."""
+    return DQ_ATOMIC if DQ_ATOMIC is not None else G * d_qk <= ATOMIC_MAX_ROW
+
+
 @triton_op("nsa_flex::selected_attention_bwd", mutates_args=())
 def selected_attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor,
                            o: Tensor, lse: Tensor, sel: Tensor, lo: Optional[Tensor],
                            hi: Optional[Tensor], kv_num: Tensor, kv_idx: Tensor, full_num: Tensor,
-                           full_idx: Tensor, q_num: Tensor, q_idx: Tensor, full_q_num: Tensor,
-                           full_q_idx: Tensor, scale: float, l_sel: int, rows: int,
+                           full_idx: Tensor, scale: float, l_sel: int, rows: int,
                            heavy: int, split_tiles: int) -> tuple[Tensor, Tensor, Tensor]:
     B, Hq, T, Dk = q.shape
     Hkv, Dv = k.shape[1], v.shape[-1]
     G = Hq // Hkv
     BT = tile_positions(G, rows)
-    nqb, nkb = kv_num.shape[-1], q_num.shape[-1]
+    nqb = kv_num.shape[-1]
+    nkb = -(-T // l_sel)
     dq = torch.empty_like(q)
     dk_pad = torch.empty(B, Hkv, nkb * l_sel, Dk, dtype=k.dtype, device=k.device)
     dv_pad = torch.empty(B, Hkv, nkb * l_sel, Dv, dtype=v.dtype, device=v.device)
@@ -510,46 +532,54 @@ def selected_attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Ten
         return dq, dk_pad[:, :, :T], dv_pad[:, :, :T]
     do = do.contiguous()
     # D_i = rowsum(dO * O) (FlashAttention's delta); a gradient on lse enters as -dlse
-    delta = (do.float() * o.float()).sum(-1)
-    if dlse is not None:
-        delta = delta - dlse.float()
+    delta = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
+    n_rows = B * Hq * T
+    dvp = max(16, triton.next_power_of_2(Dv))
+    wrap_triton(_delta_kernel)[(triton.cdiv(n_rows, 64),)](
+        o, do, dlse.float().contiguous() if dlse is not None else lse, delta, n_rows, DV=Dv, DVP=dvp,
+        HAS_DLSE=dlse is not None, R=64, num_warps=4)
     lo_, hi_, s_lb, has_band = _band(lo, hi, B, T, q.device)
     dk1, dk2 = head_split(Dk)
-    consts = dict(G=G, GP=padded_group(G), BT=BT, BM=BT * padded_group(G), NSEL=sel.shape[-1],
-                  NP=max(2, triton.next_power_of_2(sel.shape[-1])), BLOCK=l_sel, DK=Dk, DK1=dk1,
-                  DK2=dk2, DV=Dv, DVP=max(16, triton.next_power_of_2(Dv)), HAS_BAND=has_band,
-                  PREC=_prec(q.dtype), **_launch_opts(Dk, Dv, q.dtype))
-    if DQ_ATOMIC:  # accumulated by the dK/dV pass
+    opts = _launch_opts(Dk, Dv, q.dtype)
+    fuse_dq = dq_atomic(G, Dk)
+    if fuse_dq:  # accumulated by the dK/dV pass
         dqa = torch.zeros(B, Hq, T, Dk, dtype=torch.float32, device=q.device)
     else:
         dqa = dq  # not written by the dK/dV pass
         wrap_triton(_sel_dq_kernel)[(nqb, B * Hkv)](
             q, k, v, do, lse, delta, sel, lo_, hi_, kv_num, kv_idx, full_num, full_idx, dq,
-            T, Hkv, nqb, kv_idx.shape[-1], s_lb, QK_SCALE=scale * LOG2E, SM_SCALE=scale, **consts)
+            T, Hkv, nqb, kv_idx.shape[-1], s_lb, QK_SCALE=scale * LOG2E, SM_SCALE=scale,
+            G=G, GP=padded_group(G), BT=BT, BM=BT * padded_group(G), NSEL=sel.shape[-1],
+            NP=max(2, triton.next_power_of_2(sel.shape[-1])), BLOCK=l_sel, DK=Dk, DK1=dk1,
+            DK2=dk2, DV=Dv, DVP=dvp, HAS_BAND=has_band, PREC=_prec(q.dtype), **opts)
+    # dK/dV walk the inverse of the per-position selection (whatever the forward's q blocks):
+    # for each kv block, the positions that selected it (CSR), so no gathered row is wasted on a
+    # position that did not choose the block and no row needs the selection test
+    from masks.core import kv_major_csr
+
+    p_num, p_idx = kv_major_csr(None, sel, nkb)
     # the HEAVY most-read kv blocks of each head are split into NSPLIT shares of their lists
     nh = max(1, min(heavy, nkb))  # at least one slot: the shapes stay static
-    nsplit = max(1, min(64, -(-nqb // split_tiles)))
-    count = (q_num + full_q_num).view(B * Hkv, nkb)
+    nsplit = max(1, min(64, -(-T // split_tiles)))
+    count = p_num.view(B * Hkv, nkb)
     heavy_idx = torch.topk(count, nh, dim=-1).indices.to(torch.int32).contiguous()  # [BH, nh]
     hslot = torch.full((B * Hkv, nkb), -1, dtype=torch.int32, device=q.device)
     hslot.scatter_(1, heavy_idx.long(), torch.arange(nh, dtype=torch.int32, device=q.device)
                    .expand(B * Hkv, nh).contiguous())
     pk = torch.empty(B * Hkv, nh, nsplit, l_sel, Dk, dtype=torch.float32, device=q.device)
     pv = torch.empty(B * Hkv, nh, nsplit, l_sel, Dv, dtype=torch.float32, device=q.device)
-    # CSR starts of the kv-major lists (q_idx / full_q_idx: kv_major_csr's flat rows)
-    q_off = (torch.cumsum(q_num, -1) - q_num).to(torch.int32)
-    fq_off = (torch.cumsum(full_q_num, -1) - full_q_num).to(torch.int32)
-    # the gathered dK/dV tile takes a position's G heads unpadded (no tensor-core minimum per
-    # position there: the tile is NG q blocks deep), so at G = 8 a 64-row step holds 8 positions
+    p_off = (torch.cumsum(p_num, -1) - p_num).to(torch.int32)  # CSR row starts
+    # a position's G heads take next_power_of_2(G) rows of the gathered tile (no tensor-core
+    # minimum per position there: the tile is NG positions deep), so at G = 8 a 64-row step holds
+    # 8 positions
     gd = triton.next_power_of_2(G)
-    dkv = {**consts, "GP": gd, "BM": BT * gd}
     wrap_triton(_sel_dkv_kernel)[(nkb + nh * nsplit, B * Hkv)](
-        q, k, v, do, lse, delta, sel, lo_, hi_, q_num, q_off, q_idx, full_q_num, fq_off, full_q_idx,
-        hslot, heavy_idx, dk_pad, dv_pad, pk, pv, dqa,
-        T, nkb * l_sel, Hkv, nkb, q_idx.shape[-1], full_q_idx.shape[-1], nh, nsplit, s_lb,
-        QK_SCALE=scale * LOG2E,
-        SM_SCALE=scale, NG=max(1, DKV_ROWS // (BT * gd)), FUSE_DQ=DQ_ATOMIC, **dkv)
-    if DQ_ATOMIC:
+        q, k, v, do, lse, delta, lo_, hi_, p_num, p_off, p_idx, hslot, heavy_idx, dk_pad, dv_pad,
+        pk, pv, dqa, T, nkb * l_sel, Hkv, nkb, p_idx.shape[-1], nh, nsplit, s_lb,
+        QK_SCALE=scale * LOG2E, SM_SCALE=scale, NG=max(1, DKV_ROWS // gd), G=G, GP=gd,
+        BLOCK=l_sel, DK=Dk, DK1=dk1, DK2=dk2, DV=Dv, DVP=dvp, HAS_BAND=has_band,
+        PREC=_prec(q.dtype), FUSE_DQ=fuse_dq, **opts)
+    if fuse_dq:
         dq = dqa.to(q.dtype)
     idx = heavy_idx.long().view(B * Hkv, nh, 1, 1)
     dk_pad.view(B * Hkv, nkb, l_sel, Dk).scatter_(
@@ -560,17 +590,17 @@ def selected_attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Ten
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, sel, lo, hi, *lists = inputs[:14]
+    q, k, v, sel, lo, hi, *lists = inputs[:10]
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, sel, lo, hi, *lists)
-    ctx.extra = inputs[14:]
+    ctx.extra = inputs[10:]
 
 
 def _backward(ctx, do, dlse):
     q, k, v, o, lse, sel, lo, hi, *lists = ctx.saved_tensors
     dq, dk, dv = torch.ops.nsa_flex.selected_attention_bwd(
         do, dlse, q, k, v, o, lse, sel, lo, hi, *lists, *ctx.extra)
-    return (dq, dk, dv) + (None,) * 16
+    return (dq, dk, dv) + (None,) * 12
 
 
 selected_attention_fwd.register_autograd(_backward, setup_context=_setup)
@@ -582,26 +612,21 @@ def selected_attention(q: Tensor, k: Tensor, v: Tensor, sel: Tensor, l_sel: int,
                        heavy: int | None = None, split_tiles: int | None = None
                        ) -> tuple[Tensor, Tensor]:
     """Attention of q to the selected blocks: (out [B, Hq, T, Dv], lse [B, Hq, T] fp32, natural
-    log). sel [B, Hkv, T, n] block indices (-1: unused); lo, hi [B|1, T]: the keys each position
-    may see at most (None: all up to itself); block_mask: the selection's BlockMask in the packed
-    layout with q blocks of `tile_positions(G, rows)` positions and kv blocks of l_sel
-    (`masks.MaskSpec.block_mask(..., block_size=(P * G, l_sel), q_pack=G)`), or eight lists: its
-    q-major ones (kv_num_blocks, kv_indices, full_kv_*) and their kv-major inverses in CSR form
-    (`masks.core.kv_major_csr` of each; not the BlockMask's dense-width q_indices). heavy / split_tiles:
-    the dK/dV pass's split of the most-read blocks (default HEAVY / SPLIT_TILES)."""
+    log). sel [B, Hkv, T, n] block indices (-1: unused; a position lists a block at most once);
+    lo, hi [B|1, T]: the keys each position may see at most (None: all up to itself); block_mask:
+    the selection's BlockMask in the packed layout with q blocks of `tile_positions(G, rows)`
+    positions and kv blocks of l_sel (`masks.MaskSpec.block_mask(..., block_size=(P * G, l_sel),
+    q_pack=G)`), or its four q-major lists (kv_num_blocks, kv_indices, full_kv_*). The backward's
+    kv-major index is the inverse of `sel` itself (`masks.core.kv_major_csr`), built there.
+    heavy / split_tiles: the dK/dV pass's split of the most-read blocks (default HEAVY /
+    SPLIT_TILES)."""
     bm = block_mask
     rows = rows or ROWS
     if not isinstance(bm, (list, tuple)):
-        from masks.core import kv_major_csr
-
-        nkb = -(-k.shape[2] // l_sel)
-        bm = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
-              *kv_major_csr(bm.kv_num_blocks, bm.kv_indices, nkb),
-              *kv_major_csr(bm.full_kv_num_blocks, bm.full_kv_indices, nkb))
+        bm = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
     lists = [x.to(torch.int32).contiguous() for x in bm]
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     return torch.ops.nsa_flex.selected_attention_fwd(
         q.contiguous(), k.contiguous(), v.contiguous(), sel.to(torch.int32).contiguous(), lo, hi,
         *lists, scale, l_sel, rows, HEAVY if heavy is None else heavy,
         split_tiles or SPLIT_TILES)
-

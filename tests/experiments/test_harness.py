@@ -128,7 +128,7 @@ def _selected_gpu():
 def test_selected_gpu_layouts_parsed_or_refused():
     pytest.importorskip("triton")
     sg = _selected_gpu()
-    assert sg.parse_layouts("16:1,32:0:1") == [(16, True, False), (32, False, True)]
+    assert sg.parse_layouts("16:1,32:0:1") == [(16, True, None), (32, False, True)]
     for bad in ("16", "20:1", "16:2", "0:1", "16:1:1:1", "x:1"):
         with pytest.raises(SystemExit, match="must be ROWS:PAD"):
             sg.parse_layouts(bad)
@@ -151,9 +151,27 @@ def test_selected_gpu_runs_interpreted(tmp_path):
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     check = list(csv.DictReader(open(tmp_path / "selected_check.csv")))
-    assert {c["layout"] for c in check} == {"16:1:0", "16:0:1"} and all(c["ok"] == "True" for c in check)
+    assert {c["layout"] for c in check} == {"16:1", "16:0:1"} and all(c["ok"] == "True" for c in check)
     times = list(csv.DictReader(open(tmp_path / "selected_time.csv")))
     assert {(t["layout"], t["executor"], t["mode"]) for t in times} >= {
-        ("16:1:0", "op_only", "fwd_bwd"), ("16:0:1", "op_only", "fwd_bwd"), ("16:0:1", "mask_build", "fwd")}
+        ("16:1", "op_only", "fwd_bwd"), ("16:0:1", "op_only", "fwd_bwd"), ("16:0:1", "mask_build", "fwd")}
     assert all(t["error"] == "" for t in times if t["executor"] == "op_only")
     assert "no trained selection" in r.stdout
+
+
+def test_saved_memory_runs_on_cpu(tmp_path):
+    """experiments/saved_memory.py on the CPU (reference backend, tiny shape): one summary row per
+    layer, NSA's saved tensors listed and more of them than full attention's."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "experiments/saved_memory.py", "--out", str(tmp_path),
+                        "--configs", "tiny", "--T", "256"], cwd=ROOT,
+                       env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    summary = {s["layer"]: s for s in csv.DictReader(open(tmp_path / "saved_memory.csv"))}
+    assert set(summary) == {"nsa", "full_causal"}
+    assert float(summary["nsa"]["saved_MiB"]) > float(summary["full_causal"]["saved_MiB"]) > 0
+    rows = list(csv.DictReader(open(tmp_path / "saved_tensors.csv")))
+    assert sum(r["layer"] == "nsa" for r in rows) == int(summary["nsa"]["saved_tensors"])

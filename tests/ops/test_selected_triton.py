@@ -11,6 +11,7 @@ for an H100 (sm_90) with the launch arguments the wrappers pass (fp64-typed scal
 passes them). On CUDA (`gpu`): the same comparisons in bf16 and fp32 at the paper and 125M shapes.
 """
 
+import contextlib
 import random
 
 import pytest
@@ -109,13 +110,31 @@ def check_causal(seed: int, device="cpu"):
     assert torch.equal(o2[:, :, : t0 + 1], o.detach()[:, :, : t0 + 1])
 
 
+@contextlib.contextmanager
+def op_settings(**kw):
+    """The op's module settings (PAD_HEADS, ROWS, DQ_ATOMIC) for a block, restored after."""
+    from nsa_flex.ops import selected_triton
+
+    old = {k: getattr(selected_triton, k) for k in kw}
+    for k, v in kw.items():
+        setattr(selected_triton, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(selected_triton, k, v)
+
+
 def _interpreter_main():
     torch.set_num_threads(1)
     assert triton_interpreted(), "run with TRITON_INTERPRET=1"
     from hypothesis import given, settings, strategies as st
 
     n = 0
-    for seed in range(6):  # default dK/dV split, every block its own program, tiny shares
+    # the defaults (G < 16 heads unpadded: 16 // G positions per q block, the union of their
+    # blocks; dQ by atomics where G x d_k is small): default dK/dV split, every block its own
+    # program, tiny shares
+    for seed in range(5):
         check_case(seed, heavy=(None, (0, 256), (3, 1))[seed % 3])
         n += 1
 
@@ -125,32 +144,24 @@ def _interpreter_main():
         check_causal(seed)
 
     causal()
-    # G < 16 heads unpadded: 16 // G positions per 16-row q block (their union of blocks), and
-    # 32-row blocks; the same comparison and causality
-    from nsa_flex.ops import selected_triton
-
-    selected_triton.PAD_HEADS = False
-    try:
-        for seed, rows in ((9, 16), (7, 32)):  # G = 8: 2 positions a block; G = 4: 8
-            selected_triton.ROWS = rows
+    with op_settings(PAD_HEADS=True):  # one position per 16-row q block (G heads padded)
+        for seed in (9, 5):
             check_case(seed)
             n += 1
         causal()
-    finally:
-        selected_triton.PAD_HEADS, selected_triton.ROWS = True, 16
-    # dQ accumulated by the dK/dV pass (atomics): default split, every block its own program, tiny
-    # shares (heavy blocks' rows added by several programs), unpadded heads
-    selected_triton.DQ_ATOMIC = True
-    try:
+    with op_settings(ROWS=32):  # G = 4: 8 positions a block
+        check_case(7)
+        n += 1
+    # dQ by atomics in the dK/dV pass forced on (heavy blocks' rows added by several programs)
+    # and off (the dQ kernel), whatever the shape
+    with op_settings(DQ_ATOMIC=True):
         for seed in (11, 12, 13):
             check_case(seed, heavy=(None, (0, 256), (3, 1))[seed % 3])
             n += 1
-        selected_triton.PAD_HEADS, selected_triton.ROWS = False, 16
-        check_case(9)
-        n += 1
         causal()
-    finally:
-        selected_triton.DQ_ATOMIC, selected_triton.PAD_HEADS, selected_triton.ROWS = False, True, 16
+    with op_settings(DQ_ATOMIC=False):
+        check_case(9, heavy=(3, 1))
+        n += 1
     print(f"OK {n} cases")
 
 
@@ -178,7 +189,7 @@ def test_kernels_compile_for_h100(monkeypatch, shape, dtype, dq_atomic):
 
     calls = Launches()
     monkeypatch.setattr(M, "wrap_triton", calls.wrap)
-    monkeypatch.setattr(M, "DQ_ATOMIC", dq_atomic)
+    monkeypatch.setattr(M, "DQ_ATOMIC", dq_atomic)  # forced, whatever the shape
     H, Hkv, dk, dv = shape
     B, T, n, nqb, nkb = 1, 256, 4, 256, 4
     q = torch.randn(B, H, T, dk, dtype=dtype)
@@ -186,19 +197,18 @@ def test_kernels_compile_for_h100(monkeypatch, shape, dtype, dq_atomic):
     sel = torch.zeros(B, Hkv, T, n, dtype=torch.int32)
     lo = hi = torch.zeros(B, T, dtype=torch.int64)
     i32 = lambda *s: torch.zeros(*s, dtype=torch.int32)  # noqa: E731
-    lists = (i32(B, Hkv, nqb), i32(B, Hkv, nqb, n), i32(B, Hkv, nqb), i32(B, Hkv, nqb, n),
-             i32(B, Hkv, nkb), i32(B, Hkv, nqb * n), i32(B, Hkv, nkb), i32(B, Hkv, nqb * n))  # CSR
+    lists = (i32(B, Hkv, nqb), i32(B, Hkv, nqb, n), i32(B, Hkv, nqb), i32(B, Hkv, nqb, n))
     o, lse = M.selected_attention_fwd._init_fn(q, k, v, sel, lo, hi, *lists, 0.125, 64, 16, 16, 256)
     M.selected_attention_bwd._init_fn(torch.randn_like(o), None, q, k, v, o, lse.normal_(), sel,
                                       lo, hi, *lists, 0.125, 64, 16, 16, 256)
-    names = ["_sel_fwd_kernel", "_sel_dkv_kernel"] if dq_atomic else \
-        ["_sel_fwd_kernel", "_sel_dq_kernel", "_sel_dkv_kernel"]
+    names = ["_sel_fwd_kernel", "_delta_kernel", "_sel_dkv_kernel"] if dq_atomic else \
+        ["_sel_fwd_kernel", "_delta_kernel", "_sel_dq_kernel", "_sel_dkv_kernel"]
     assert [c[0].__name__ for c in calls] == names
     for c in calls:
         compile_for_h100(*c)
     # torch's mutation analysis sees only the outputs written (else compile copies inputs back)
-    writes = [["LSE", "O"], ["DK_", "DQA", "DV_", "PK", "PV"]] if dq_atomic else \
-        [["LSE", "O"], ["DQ"], ["DK_", "DV_", "PK", "PV"]]
+    writes = [["LSE", "O"], ["DELTA"], ["DK_", "DQA", "DV_", "PK", "PV"]] if dq_atomic else \
+        [["LSE", "O"], ["DELTA"], ["DQ"], ["DK_", "DV_", "PK", "PV"]]
     assert [written_args(*c) for c in calls] == writes
 
 
@@ -227,17 +237,26 @@ def test_head_split_and_tiles():
 
     assert head_split(192) == (128, 64) and head_split(64) == (64, 0)
     assert head_split(48) == (32, 16) and head_split(24) == (32, 0) and head_split(8) == (16, 0)
-    assert padded_group(8) == 16 and padded_group(16) == 16 and padded_group(24) == 32
-    assert tile_positions(8) == 1 and tile_positions(4, 64) == 4 and tile_positions(64, 16) == 1
-    import nsa_flex.ops.selected_triton as M
-
-    M.PAD_HEADS = False
-    try:  # unpadded heads: a power of two per position, q blocks of at least 16 rows
+    with op_settings(PAD_HEADS=True):  # a position's heads padded to 16 rows: one per q block
+        assert padded_group(8) == 16 and padded_group(16) == 16 and padded_group(24) == 32
+        assert tile_positions(8) == 1 and tile_positions(4, 64) == 4 and tile_positions(64, 16) == 1
+    with op_settings(PAD_HEADS=False):  # a power of two per position, q blocks of >= 16 rows
         assert padded_group(8) == 8 and padded_group(3) == 4 and padded_group(24) == 32
         assert tile_positions(8) == 2 and tile_positions(2) == 8 and tile_positions(8, 64) == 8
         assert tile_positions(1, 16) == 16 and tile_positions(32) == 1
-    finally:
-        M.PAD_HEADS = True
+
+
+def test_dq_mode_by_shape():
+    """dQ by atomics where G x d_k <= ATOMIC_MAX_ROW (the 125M shape), the dQ kernel above (the
+    paper's), unless DQ_ATOMIC forces one."""
+    from nsa_flex.ops.selected_triton import dq_atomic
+
+    with op_settings(DQ_ATOMIC=None):
+        assert dq_atomic(8, 64) and not dq_atomic(16, 192) and not dq_atomic(16, 64)
+    with op_settings(DQ_ATOMIC=True):
+        assert dq_atomic(16, 192)
+    with op_settings(DQ_ATOMIC=False):
+        assert not dq_atomic(8, 64)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Issue 24 measurements on a machine with two GPUs, as one background job that outlives a device
+# call (later calls only wait and collect; experiments/NOTES.md 44): two queues of named steps,
+# Q0 on GPU 0 and Q1 on GPU 1, each step into OUT/STEP/ with its log OUT/STEP.log. A step that
+# finished (OUT/STEP/DONE) is skipped when the job is started again.
+#   Q0="sel125 paperprof" Q1="titan32k selpaper" bash experiments/perf_x2.sh OUT DATA
+# Steps (each capped by `timeout`):
+#   sel125     selected_gpu.py at the 125M shape, 32k: check + layouts x (random, trained trace)
+#   selpaper   selected_gpu.py at the paper shape, 16k, random selections
+#   titan32k   torchtitan 125M at 32k, NSA and full attention: tokens/s, peak memory
+#   titan8k    the same at 8k
+#   paperprof  bench_attention.py, paper shape at 16k: every stage and the layer, kernel profiles
+#   layers125  layer.csv rows: 125M shape at 8k and 32k, trained and random selections
+#   layerspaper layer.csv rows: paper shape at 8k, 16k, 64k (random selections), fla beside
+#   memory     saved_memory.py: what the 125M-shape layer keeps for its backward at 32k, NSA and full
+#   gputests   the GPU-marked tests of the op and the layer (tests/ops, tests/layer)
+# Knobs: LAYOUTS (selected_gpu.py --layouts), TRACE (NPZ:LAYER), PYTHON.
+set -uo pipefail
+OUT=${1:?usage: perf_x2.sh OUT DATA}
+DATA=${2:?usage: perf_x2.sh OUT DATA}
+mkdir -p "$OUT"
+echo $$ > "$OUT/driver.pid"
+PY=${PYTHON:-python3}
+TRACE=${TRACE:-experiments/results/quality/selection_traces/nsa_L32768.npz:6}
+LAYOUTS=${LAYOUTS:-16:1,16:0,32:0}
+B="$PY experiments/bench_attention.py"
+progress() { echo "[$(date -u +%FT%TZ)] $*" | tee -a "$OUT/progress.txt"; }
+step() {  # STEP: run it unless done
+  local s=$1 o=$OUT/$1 rc
+  [ -f "$o/DONE" ] && return
+  mkdir -p "$o"; progress "$s: start (GPU $CUDA_VISIBLE_DEVICES)"
+  case $s in
+    sel125) timeout 900 $PY experiments/selected_gpu.py --out "$o" --check-shapes titan_125M \
+              --check-len 1000 --shapes titan_125M:32768 --trace "$TRACE" --layouts "$LAYOUTS" ;;
+    selpaper) timeout 900 $PY experiments/selected_gpu.py --out "$o" --skip-check \
+              --shapes paper:16384 --layouts "${PAPER_LAYOUTS:-16:1,16:1:1,32:0:1}" ;;
+    titan32k) bash experiments/titan_perf_runs.sh "$o" "$DATA" "32768:125M" 40 240 ;;
+    titan8k) bash experiments/titan_perf_runs.sh "$o" "$DATA" "8192:125M" 40 240 ;;
+    paperprof) timeout 900 $B --configs paper --T 16384 --stages-at 16384 --no-baselines --profile \
+              --only projections,compression,score_topn,mask_build,attn_compressed,attn_selected,attn_window,gate_out,nsa_layer \
+              --item-limit 200 --out "$o" ;;
+    layers125) for sel in random trained; do A=""; [ $sel = trained ] && A="--selection-trace $TRACE --profile"
+                 # shellcheck disable=SC2086
+                 timeout 600 $B --configs titan_125M --T 8192,32768 --stages-at 0 $A --item-limit 200 \
+                   --only sdpa_causal,full_layer,fla_parallel_nsa_w0,nsa_layer --out "$o/$sel"; done ;;
+    layerspaper) timeout 1200 $B --configs paper --T 8192,16384,65536 --stages-at 0 --item-limit 200 \
+              --only sdpa_causal,full_layer,fla_parallel_nsa_w0,nsa_layer --out "$o" ;;
+    memory) timeout 600 $PY experiments/saved_memory.py --out "$o" --configs titan_125M --T 32768 ;;
+    gputests) timeout 420 $PY -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
+              tests/ops/test_selected_triton.py tests/layer/test_flex_gpu.py ;;
+    *) echo "unknown step $s"; return ;;
+  esac > "$o.log" 2>&1
+  rc=$?; touch "$o/DONE"; progress "$s: rc=$rc"
+}
+queue() { local gpu=$1 s; shift; for s in "$@"; do CUDA_VISIBLE_DEVICES=$gpu step "$s"; done; }
+# shellcheck disable=SC2086
+queue 0 ${Q0:-sel125 paperprof} &
+# shellcheck disable=SC2086
+queue 1 ${Q1:-titan32k selpaper} &
+wait
+touch "$OUT/ALL_DONE"; progress "all done"

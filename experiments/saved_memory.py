@@ -1,0 +1,104 @@
+"""What one attention layer keeps for its backward: NSA against the same layer with full causal
+attention (SDPA), compiled as in training (issue 24 item 3: where NSA's extra training memory goes).
+
+    python experiments/saved_memory.py --out OUT                      # 125M shape at 32k, CUDA
+    python experiments/saved_memory.py --out OUT --configs titan_125M,paper --T 32768,16384
+
+For each layer: every tensor the autograd graph saves (a saved-tensors hook; one row per storage,
+its shape, dtype and MiB), the memory the forward leaves allocated (activations held for the
+backward, the output included) and the peak of forward + backward above the inputs and weights.
+Writes OUT/saved_tensors.csv (config, T, layer, shape, dtype, MiB) and OUT/saved_memory.csv (one
+row per layer: saved MiB, held MiB, peak MiB) and prints both. On a machine without CUDA it runs
+the reference backend eagerly at --T (tiny shapes only: a smoke test of the script).
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_attention
+from bench_attention import config_args  # noqa: E402
+
+from nsa_flex.bench import write_csv  # noqa: E402
+from nsa_flex.config import NSAConfig  # noqa: E402
+from nsa_flex.layer import NSAAttention  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+MiB = 2 ** 20
+
+
+def log(*a):
+    print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
+
+
+def measure(cname: str, T: int, masks: str | None):
+    """(saved-tensor rows, summary row) of one layer (masks None: NSA, else that preset)."""
+    extra = {} if masks is None else {"masks": masks}
+    cfg = NSAConfig(**config_args(cname), backend="flex" if DEV == "cuda" else "reference",
+                    **extra)
+    dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
+    layer = NSAAttention(cfg).to(DEV, dtype)
+    layer.init_weights(0.02)
+    f = torch.compile(layer, fullgraph=True, dynamic=False) if DEV == "cuda" else layer
+    x = torch.randn(1, T, cfg.dim, device=DEV, dtype=dtype, requires_grad=True)
+    g = torch.randn(1, T, cfg.dim, device=DEV, dtype=dtype)
+    f(x).backward(g)  # compile, warm up
+    x.grad = None
+    layer.zero_grad(set_to_none=False)  # weight grads stay allocated: not counted as activations
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        seen.setdefault(st.data_ptr(), (tuple(t.shape), str(t.dtype).replace("torch.", ""),
+                                        st.nbytes() / MiB))
+        return t
+
+    sync = torch.cuda.synchronize if DEV == "cuda" else (lambda: None)
+    sync()
+    if DEV == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    m0 = torch.cuda.memory_allocated() if DEV == "cuda" else 0
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = f(x)
+    sync()
+    held = (torch.cuda.memory_allocated() - m0) / MiB if DEV == "cuda" else float("nan")
+    out.backward(g)
+    sync()
+    peak = (torch.cuda.max_memory_allocated() - m0) / MiB if DEV == "cuda" else float("nan")
+    name = "nsa" if masks is None else masks
+    rows = [dict(config=cname, T=T, layer=name, shape="x".join(map(str, s)), dtype=dt,
+                 MiB=round(mb, 2)) for s, dt, mb in sorted(seen.values(), key=lambda r: -r[2])]
+    summary = dict(config=cname, T=T, layer=name, saved_tensors=len(rows),
+                   saved_MiB=round(sum(r["MiB"] for r in rows), 1), held_MiB=round(held, 1),
+                   peak_MiB=round(peak, 1))
+    return rows, summary
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--configs", default="titan_125M", help="comma list (bench_attention.py's)")
+    ap.add_argument("--T", default="32768", help="comma list of sequence lengths")
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    tensors, summary = [], []
+    for cname in a.configs.split(","):
+        for T in (int(t) for t in a.T.split(",")):
+            for masks in (None, "full_causal"):
+                rows, s = measure(cname, T, masks)
+                tensors += rows
+                summary.append(s)
+                log(s)
+                for r in rows:
+                    print(f"    {r['MiB']:9.2f} MiB  {r['dtype']:9s} {r['shape']}")
+                write_csv(tensors, os.path.join(a.out, "saved_tensors.csv"))
+                write_csv(summary, os.path.join(a.out, "saved_memory.csv"))
+                torch._dynamo.reset()
+
+
+if __name__ == "__main__":
+    main()
