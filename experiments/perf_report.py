@@ -1,16 +1,18 @@
 """Issue 14 figures from the committed H100 results (experiments/results/perf/):
 
-  layer.csv   T,item,fwd_ms,fwd_bwd_ms,peak_GiB,compile_s,device: the NSA layer, the full-attention
-              layer (same projections, SDPA causal with GQA), SDPA alone, flex causal and fla's
-              parallel_nsa (window 0) per T
-  perf.png    left: speed-up over the full-attention layer against T (NSA layer and fla, fwd and
-              fwd+bwd); right: where the NSA layer's time goes at T=65536, stage by stage
+  layer.csv   config,T,item,fwd_ms,fwd_bwd_ms,peak_GiB,compile_s,selection,sel_kernel,run,device:
+              the NSA layer (selection random / trained), the full-attention layer (same
+              projections, SDPA causal with GQA), SDPA alone, flex causal and fla's parallel_nsa
+              (window 0) per config (paper, titan_125M) and T
+  perf.png    left: speed-up over the full-attention layer against T (NSA layer per config and
+              selection, fla; fwd and fwd+bwd); right: where the paper-shape NSA layer's time goes
+              at T=65536, stage by stage (each stage from the latest run that timed it)
 
     python experiments/perf_report.py --out experiments/results/perf \
         experiments/results/perf/run9/{l64,s8_16,st16,j8,j32,j64b,j128}.csv
 
-Inputs are bench_attention.py CSVs (one per process), oldest first: each (T, item) is taken from
-the last file that timed it, so a re-measured row replaces an older one (session 9: the rows timed
+Inputs are bench_attention.py CSVs (one per process), oldest first: each (config, T, item,
+selection) is taken from the last file that timed it, so a re-measured row replaces an older one (session 9: the rows timed
 while other processes compiled, before the shared/exclusive timing lock, were re-run).
 """
 
@@ -33,13 +35,21 @@ def num(x):
         return None
 
 
+def selection_of(r) -> str:
+    """random / trained (a trace's label starts with "trained") for the NSA layer, "" else."""
+    if r["stage"] != "nsa_layer":
+        return ""
+    return "trained" if (r.get("selection") or "").startswith("trained") else "random"
+
+
 def latest(runs):
-    """{(T, stage): row} of the last run that timed the stage at T (fwd or fwd+bwd); a stage no
-    run timed keeps its last row (its error), so a failed item stays visible."""
+    """{(config, T, stage, selection): row} of the last run that timed the stage (fwd or
+    fwd+bwd); a stage no run timed keeps its last row (its error), so a failed item stays
+    visible."""
     got, timed = {}, set()
     for rows in runs:
         for r in rows:
-            key = (int(r["T"]), r["stage"])
+            key = (r.get("config") or "paper", int(r["T"]), r["stage"], selection_of(r))
             if num(r.get("fwd_ms")) is not None or num(r.get("fwd_bwd_ms")) is not None:
                 got[key] = r
                 timed.add(key)
@@ -48,22 +58,27 @@ def latest(runs):
     return got
 
 
+CONFIG_ORDER = ["paper", "titan_125M"]
+
+
 def layer_rows(runs):
-    """layer.csv rows: per T and layer item, the last run that timed it."""
+    """layer.csv rows: per config, T, layer item and selection, the last run that timed it."""
     out = []
-    for (T, stage), r in sorted(latest(runs).items(), key=lambda kv: (
-            kv[0][0], list(LAYER_ITEMS).index(kv[0][1]) if kv[0][1] in LAYER_ITEMS else 99)):
+    order = lambda kv: (CONFIG_ORDER.index(kv[0][0]) if kv[0][0] in CONFIG_ORDER else 9, kv[0][1],
+                        list(LAYER_ITEMS).index(kv[0][2]) if kv[0][2] in LAYER_ITEMS else 99,
+                        kv[0][3])
+    for (config, T, stage, selection), r in sorted(latest(runs).items(), key=order):
         if stage not in LAYER_ITEMS:
             continue
         first = num(r.get("fwd_bwd_first_s")) or num(r.get("fwd_first_s"))
         f = lambda k: "" if num(r.get(k)) is None else f"{num(r.get(k)):.2f}"
         # runs before the selected-attention op timed the selection on flex's template
         kern = (r.get("sel_kernel") or "flex") if stage == "nsa_layer" else ""
-        out.append(dict(T=T, item=LAYER_ITEMS[stage], fwd_ms=f("fwd_ms"),
+        out.append(dict(config=config, T=T, item=LAYER_ITEMS[stage], fwd_ms=f("fwd_ms"),
                         fwd_bwd_ms=f("fwd_bwd_ms"), peak_GiB=f("peak_GiB"),
                         compile_s="" if first is None else f"{first:.1f}",
-                        selection=r.get("selection") or "random" if stage == "nsa_layer" else "",
-                        sel_kernel=kern, run=r["run"], device=r.get("device", "")))
+                        selection=selection, sel_kernel=kern, run=r["run"],
+                        device=r.get("device", "")))
     return out
 
 
@@ -75,33 +90,38 @@ def plot(layer, runs, path):
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.8))
 
-    def speedups(item, mode):
+    def speedups(config, item, mode, selection=""):
         pts = {}
-        for T in sorted({r["T"] for r in layer}):
-            get = lambda it: next((num(r[mode]) for r in layer if r["T"] == T and r["item"] == it),
-                                  None)
-            n, f = get(item), get("full_layer")
+        for T in sorted({r["T"] for r in layer if r["config"] == config}):
+            get = lambda it, sel="": next((num(r[mode]) for r in layer if r["config"] == config
+                                           and r["T"] == T and r["item"] == it
+                                           and r["selection"] == sel), None)
+            n, f = get(item, selection), get("full_layer")
             if n and f:
                 pts[T] = f / n
         return pts
 
-    for item, color in (("nsa_layer", "tab:blue"), ("fla_parallel_nsa", "tab:green")):
+    lines = [("paper", "nsa_layer", "random", "tab:blue", "NSA layer, paper shape"),
+             ("paper", "fla_parallel_nsa", "", "tab:green", "fla parallel_nsa (no window/proj.)"),
+             ("titan_125M", "nsa_layer", "random", "tab:purple", "NSA layer, 125M shape"),
+             ("titan_125M", "nsa_layer", "trained", "tab:red", "NSA layer, 125M, trained sel.")]
+    for config, item, sel, color, name in lines:
         for mode, style in (("fwd_ms", "o--"), ("fwd_bwd_ms", "o-")):
-            pts = speedups(item, mode)
+            pts = speedups(config, item, mode, sel)
             if not pts:
                 continue
-            name = "NSA layer" if item == "nsa_layer" else "fla parallel_nsa (no window/proj.)"
             a.plot(list(pts), list(pts.values()), style, color=color, alpha=1 if
                    item == "nsa_layer" else 0.6, label=f"{name}, {mode[:-3].replace('_', '+')}")
             if item == "nsa_layer" and mode == "fwd_bwd_ms":
                 for T, v in pts.items():  # rows timed before the op: the selection on flex
-                    k = next((r["sel_kernel"] for r in layer if r["T"] == T and
-                              r["item"] == "nsa_layer"), "")
+                    k = next((r["sel_kernel"] for r in layer if r["config"] == config and
+                              r["T"] == T and r["item"] == "nsa_layer"), "")
                     a.annotate(f"{v:.2f}x" + (" (flex sel.)" if k == "flex" else ""), (T, v),
                                textcoords="offset points", xytext=(6, -12), fontsize=8)
     a.axhline(1, color="gray", lw=1)
     a.plot([65536, 16384, 8192], [4, 1.3, 1.0], "r*", ms=10,
-           label="targets (fwd+bwd): 4x at 64k, 1.3x at 16k, 1x at 8k")
+           label="paper-shape targets (fwd+bwd): 4x at 64k, 1.3x at 16k, 1x at 8k")
+    a.plot([32768], [1.5], "*", color="tab:purple", ms=10, label="125M-shape target: 1.5x at 32k")
     a.set_xscale("log", base=2)
     a.set_xlim(6000, 180000)
     a.set_ylim(0, 4.4)
@@ -117,7 +137,7 @@ def plot(layer, runs, path):
              "full_layer"]
     bars = []
     for st in order:
-        r = got.get((65536, st))
+        r = got.get(("paper", 65536, st, "random" if st == "nsa_layer" else ""))
         if r is None:
             continue
         fb, fw = num(r.get("fwd_bwd_ms")), num(r.get("fwd_ms"))
@@ -132,7 +152,7 @@ def plot(layer, runs, path):
     for i, (_, v, _) in enumerate(bars):
         b.text(v, i, f" {v:.0f}", va="center", fontsize=8)
     b.set_xlabel("ms, fwd+bwd (score_topn, mask_build: fwd only, no gradient)")
-    b.set_title("T=65536: NSA stages (orange), layers (blue/gray)", fontsize=10)
+    b.set_title("paper shape, T=65536: NSA stages (orange), layers (blue/gray)", fontsize=10)
     b.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -148,7 +168,7 @@ def main(argv=None):
     layer = layer_rows(runs)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "layer.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["T", "item", "fwd_ms", "fwd_bwd_ms", "peak_GiB",
+        w = csv.DictWriter(f, fieldnames=["config", "T", "item", "fwd_ms", "fwd_bwd_ms", "peak_GiB",
                                            "compile_s", "selection", "sel_kernel", "run",
                                            "device"])
         w.writeheader()
