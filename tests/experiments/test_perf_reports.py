@@ -57,3 +57,35 @@ def test_layer_csv_takes_each_T_from_the_run_that_timed_the_layer(tmp_path):
     assert rows[2]["fwd_bwd_ms"] == "6.00" and rows[2]["compile_s"] == "80.0"
     assert rows[3]["fwd_bwd_ms"] == "12.00"  # run 3's failure does not hide run 1's time
     assert rows[0]["fwd_ms"] == ""  # the timed-out layer stays visible, without a time
+
+
+def test_layer_csv_keeps_configs_and_selections_apart(tmp_path):
+    """A trained-selection NSA row does not replace the random one (nor a 125M row a paper row);
+    baselines have no selection and the last run that timed them wins."""
+    m = load_script("perf_report")
+    fields = ["config", "T", "stage", "fwd_ms", "fwd_bwd_ms", "device", "selection"]
+
+    def run(name, rows):
+        p = tmp_path / name
+        with p.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=fields)
+            w.writeheader()
+            for r in rows:
+                w.writerow({"device": "H100", **r})
+        return m.read(str(p))
+
+    r1 = run("random.csv", [dict(config="titan_125M", T=64, stage="nsa_layer", fwd_ms=2,
+                                 fwd_bwd_ms=9, selection="random"),
+                            dict(config="titan_125M", T=64, stage="full_layer", fwd_ms=3,
+                                 fwd_bwd_ms=12, selection="random"),
+                            dict(config="paper", T=64, stage="nsa_layer", fwd_ms=5, fwd_bwd_ms=20)])
+    r2 = run("trained.csv", [dict(config="titan_125M", T=64, stage="nsa_layer", fwd_ms=1,
+                                  fwd_bwd_ms=8, selection="trained:x.npz:layer6"),
+                             dict(config="titan_125M", T=64, stage="full_layer", fwd_ms=3,
+                                  fwd_bwd_ms=11, selection="trained:x.npz:layer6")])
+    rows = m.layer_rows([r1, r2])
+    got = [(r["config"], r["item"], r["selection"], r["fwd_bwd_ms"]) for r in rows]
+    assert got == [("paper", "nsa_layer", "random", "20.00"),
+                   ("titan_125M", "nsa_layer", "random", "9.00"),
+                   ("titan_125M", "nsa_layer", "trained", "8.00"),
+                   ("titan_125M", "full_layer", "", "11.00")]
