@@ -26,19 +26,27 @@ def test_titan_csv_median_after_warmup_and_peak(tmp_path):
                         peak_GiB="21.5", device="NVIDIA H100 80GB HBM3")]
 
 
-def test_layer_csv_takes_each_T_from_the_run_that_timed_the_layer(tmp_path):
-    m = load_script("perf_report")
-    fields = ["config", "T", "stage", "fwd_ms", "fwd_bwd_ms", "peak_GiB", "fwd_first_s",
-              "fwd_bwd_first_s", "device", "error"]
+FIELDS = ["config", "T", "stage", "fwd_ms", "fwd_bwd_ms", "peak_GiB", "fwd_first_s",
+          "fwd_bwd_first_s", "device", "error", "selection"]
 
+
+def bench_runs(tmp_path, m):
+    """run(name, rows): a bench_attention.py CSV of those rows (paper config, H100 by default),
+    read back by perf_report.read."""
     def run(name, rows):
         p = tmp_path / name
         with p.open("w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=fields)
+            w = csv.DictWriter(f, fieldnames=FIELDS)
             w.writeheader()
             for r in rows:
                 w.writerow({"config": "paper", "device": "H100", **r})
         return m.read(str(p))
+    return run
+
+
+def test_layer_csv_takes_each_T_from_the_run_that_timed_the_layer(tmp_path):
+    m = load_script("perf_report")
+    run = bench_runs(tmp_path, m)
 
     r1 = run("run1.csv", [dict(T=64, stage="nsa_layer", fwd_ms=2, fwd_bwd_ms=9),
                           dict(T=64, stage="full_layer", fwd_ms=3, fwd_bwd_ms=12),
@@ -63,17 +71,7 @@ def test_layer_csv_keeps_configs_and_selections_apart(tmp_path):
     """A trained-selection NSA row does not replace the random one (nor a 125M row a paper row);
     baselines have no selection and the last run that timed them wins."""
     m = load_script("perf_report")
-    fields = ["config", "T", "stage", "fwd_ms", "fwd_bwd_ms", "device", "selection"]
-
-    def run(name, rows):
-        p = tmp_path / name
-        with p.open("w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=fields)
-            w.writeheader()
-            for r in rows:
-                w.writerow({"device": "H100", **r})
-        return m.read(str(p))
-
+    run = bench_runs(tmp_path, m)
     r1 = run("random.csv", [dict(config="titan_125M", T=64, stage="nsa_layer", fwd_ms=2,
                                  fwd_bwd_ms=9, selection="random"),
                             dict(config="titan_125M", T=64, stage="full_layer", fwd_ms=3,
