@@ -162,9 +162,8 @@ def kv_major_csr(num, idx, nkb):
     blocks listing each kv block; q_flat [B, H, NQB*W] int32, those q blocks kv block by kv block,
     ascending within one; a kv block's entries start at the exclusive cumsum of q_num, entries
     past sum(q_num) are padding). O(NQB * W) memory where a BlockMask's q_indices take
-    [NKB, NQB]: the selected op's backward reads this (at 32k, one position per q block, 2 MB
-    instead of 134 MB per list and layer). num None: idx's entries >= 0 are listed (e.g. a
-    selection [B, H, T, n], -1 unused: then the q blocks are positions)."""
+    [NKB, NQB]. num None: idx's entries >= 0 are listed (e.g. a selection [B, H, T, n], -1
+    unused: then the q blocks are positions; the selected op's backward index)."""
     _, col, counts = _kv_major_sorted(num, idx, nkb)
     return counts[..., :nkb].to(torch.int32), col
 
