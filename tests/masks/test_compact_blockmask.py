@@ -69,3 +69,23 @@ def test_kv_major_csr_holds_the_transposed_lists():
                 s, c = int(start[b, h, j]), int(q_num[b, h, j])
                 assert q_flat[b, h, s:s + c].tolist() == d_idx[b, h, j, :c].tolist()
     assert int(q_num.sum()) == int(num.sum())
+
+
+def test_kv_major_csr_of_a_selection_lists_the_positions_that_picked_each_block():
+    """num None (the selected op's backward index): from a selection [B, H, T, n] with -1 for
+    unused slots anywhere in a row, kv block j's CSR row is every position that picked j, ascending."""
+    from masks.core import kv_major_csr
+
+    torch.manual_seed(1)
+    B, H, T, n, nkb = 2, 2, 29, 4, 7
+    sel = torch.stack([torch.randperm(nkb)[:n] for _ in range(B * H * T)]).view(B, H, T, n)
+    sel = torch.where(torch.rand(B, H, T, n) < 0.3, -1, sel)
+    p_num, p_idx = kv_major_csr(None, sel, nkb)
+    start = torch.cumsum(p_num, -1) - p_num
+    for b in range(B):
+        for h in range(H):
+            for j in range(nkb):
+                want = [t for t in range(T) if j in sel[b, h, t].tolist()]
+                s = int(start[b, h, j])
+                assert p_idx[b, h, s:s + int(p_num[b, h, j])].tolist() == want
+    assert int(p_num.sum()) == int((sel >= 0).sum())
