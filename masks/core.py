@@ -201,7 +201,7 @@ def band_block_flags(lo: Tensor, hi: Tensor, Q_LEN: int, KV_LEN: int,
 
     A kv block is listed ("any") when some row of the q block sees some key in it, and "full"
     when every row of the q block sees every key of it (and both lie wholly inside the lengths).
-    Flags are [B, 1, NQB, NKB]; cost is O(NQB * NKB), never O(Q_LEN * KV_LEN).
+    Flags are [B, 1, NQB, NKB]; cost is O(Q_LEN + NQB * NKB), never O(Q_LEN * KV_LEN).
     """
     QB, KB = block_size
     rows = Q_LEN * q_pack
@@ -215,24 +215,29 @@ def band_block_flags(lo: Tensor, hi: Tensor, Q_LEN: int, KV_LEN: int,
     lo = lo.clamp_min(0)
     hi = hi.clamp_max(KV_LEN - 1)
     empty = hi < lo
+    # "any", exactly: each row covers kv blocks lo // KB .. hi // KB; +1 / -1 at the ends of that
+    # run in its q block's row of a difference table, then a cumsum (rows of one q block in
+    # different documents can see runs with a gap between them: no [min lo, max hi] hull)
+    qb = (torch.arange(rows, device=lo.device) // QB).expand(Bm, rows)
+    first = torch.where(empty, 0, lo // KB)
+    last = torch.where(empty, 0, hi // KB + 1)
+    on = (~empty).long()
+    diff = torch.zeros(Bm, nqb * (nkb + 1), dtype=torch.long, device=lo.device)
+    diff.scatter_add_(1, qb * (nkb + 1) + first, on)
+    diff.scatter_add_(1, qb * (nkb + 1) + last, -on)
+    any_ = diff.view(Bm, nqb, nkb + 1).cumsum(-1)[..., :nkb] > 0
+    # "full": padded or empty rows make the block not full
     big = torch.iinfo(torch.long).max // 4
-    lo_any = torch.where(empty, big, lo)
-    hi_any = torch.where(empty, -1, hi)
-    # for "full": padded or empty rows make the block not full
     lo_full = torch.where(empty, big, lo)
     hi_full = torch.where(empty, -1, hi)
     if pad:
         fill = lambda t, v: torch.cat([t, t.new_full((Bm, pad), v)], dim=-1)
-        lo_any, hi_any = fill(lo_any, big), fill(hi_any, -1)
         lo_full, hi_full = fill(lo_full, big), fill(hi_full, -1)
-    a0 = lo_any.view(Bm, nqb, QB).amin(-1)
-    a1 = hi_any.view(Bm, nqb, QB).amax(-1)
     f0 = lo_full.view(Bm, nqb, QB).amax(-1)
     f1 = hi_full.view(Bm, nqb, QB).amin(-1)
     kb = torch.arange(nkb, device=lo.device).view(1, 1, nkb)
     k_start = kb * KB
     k_end = k_start + KB - 1  # inclusive
-    any_ = (k_start <= a1.unsqueeze(-1)) & (k_end >= a0.unsqueeze(-1))
     full = (k_start >= f0.unsqueeze(-1)) & (k_end <= f1.unsqueeze(-1)) & (k_end < KV_LEN)
     return any_.unsqueeze(1), full.unsqueeze(1)
 
