@@ -44,8 +44,8 @@ LOG2E = 1.4426950408889634
 # selections (experiments/NOTES.md 33: one position per block won; bench_attention.py --sel-rows).
 ROWS = 16
 HEAVY = 16
-SPLIT_TILES = 256  # q blocks per share of a heavy block's list (at most), sets the share count
-DKV_ROWS = 64  # rows of the dK/dV pass's gathered q tile (several q blocks of one kv block's list)
+SPLIT_TILES = 256  # positions per share of a heavy block's list (at most), sets the share count
+DKV_ROWS = 64  # rows of the dK/dV pass's gathered tile (several positions of one kv block's list)
 
 
 def head_split(d: int) -> tuple[int, int]:
@@ -63,8 +63,8 @@ def head_split(d: int) -> tuple[int, int]:
 # and its lists are the position's own selection. False (default): G heads take
 # next_power_of_2(G) rows and a 16-row q block holds 16 // G positions (the union of their
 # selections, no padding rows): fewer loads where adjacent positions pick the same blocks. H100,
-# 125M shape at 32k (NOTES 50): forward 2.58 -> 1.74 ms on a trained selection, 2.59 -> 2.33 on
-# random ones.
+# 125M shape at 32k (NOTES 50): forward 1.74 ms against 2.58 padded on a trained selection, 2.33
+# against 2.59 on random ones.
 PAD_HEADS = False
 
 # True: dQ is accumulated in the dK/dV pass, which already computes every dS tile, by fp32 atomic
@@ -482,29 +482,36 @@ def _prec(dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _q_block_consts(q: Tensor, v: Tensor, sel: Tensor, l_sel: int, rows: int,
+                    has_band: bool) -> dict:
+    """The constexprs and launch options of the query-centric kernels (forward, dQ)."""
+    G, Dk, Dv = q.shape[1] // v.shape[1], q.shape[-1], v.shape[-1]
+    BT, gp = tile_positions(G, rows), padded_group(G)
+    dk1, dk2 = head_split(Dk)
+    return dict(G=G, GP=gp, BT=BT, BM=BT * gp, NSEL=sel.shape[-1],
+                NP=max(2, triton.next_power_of_2(sel.shape[-1])), BLOCK=l_sel, DK=Dk, DK1=dk1,
+                DK2=dk2, DV=Dv, DVP=max(16, triton.next_power_of_2(Dv)), HAS_BAND=has_band,
+                PREC=_prec(q.dtype), **_launch_opts(Dk, Dv, q.dtype))
+
+
 @triton_op("nsa_flex::selected_attention_fwd", mutates_args=())
 def selected_attention_fwd(q: Tensor, k: Tensor, v: Tensor, sel: Tensor, lo: Optional[Tensor],
                            hi: Optional[Tensor], kv_num: Tensor, kv_idx: Tensor, full_num: Tensor,
                            full_idx: Tensor, scale: float, l_sel: int, rows: int,
                            heavy: int, split_tiles: int) -> tuple[Tensor, Tensor]:
     """(out [B, Hq, T, Dv], lse [B, Hq, T]) from the selection's q-major lists."""
-    B, Hq, T, Dk = q.shape
+    B, Hq, T, _ = q.shape
     Hkv, Dv = k.shape[1], v.shape[-1]
-    G = Hq // Hkv
-    BT = tile_positions(G, rows)
     nqb = kv_num.shape[-1]
     o = torch.empty(B, Hq, T, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
     if T == 0 or B == 0:
         return o, lse
     lo_, hi_, s_lb, has_band = _band(lo, hi, B, T, q.device)
-    dk1, dk2 = head_split(Dk)
     wrap_triton(_sel_fwd_kernel)[(nqb, B * Hkv)](
         q, k, v, sel, lo_, hi_, kv_num, kv_idx, full_num, full_idx, o, lse,
         T, Hkv, nqb, kv_idx.shape[-1], s_lb, QK_SCALE=scale * LOG2E,
-        G=G, GP=padded_group(G), BT=BT, BM=BT * padded_group(G), NSEL=sel.shape[-1], NP=max(2, triton.next_power_of_2(sel.shape[-1])),
-        BLOCK=l_sel, DK=Dk, DK1=dk1, DK2=dk2, DV=Dv, DVP=max(16, triton.next_power_of_2(Dv)),
-        HAS_BAND=has_band, PREC=_prec(q.dtype), **_launch_opts(Dk, Dv, q.dtype))
+        **_q_block_consts(q, v, sel, l_sel, rows, has_band))
     return o, lse
 
 
@@ -522,7 +529,6 @@ def selected_attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Ten
     B, Hq, T, Dk = q.shape
     Hkv, Dv = k.shape[1], v.shape[-1]
     G = Hq // Hkv
-    BT = tile_positions(G, rows)
     nqb = kv_num.shape[-1]
     nkb = -(-T // l_sel)
     dq = torch.empty_like(q)
@@ -549,9 +555,7 @@ def selected_attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Ten
         wrap_triton(_sel_dq_kernel)[(nqb, B * Hkv)](
             q, k, v, do, lse, delta, sel, lo_, hi_, kv_num, kv_idx, full_num, full_idx, dq,
             T, Hkv, nqb, kv_idx.shape[-1], s_lb, QK_SCALE=scale * LOG2E, SM_SCALE=scale,
-            G=G, GP=padded_group(G), BT=BT, BM=BT * padded_group(G), NSEL=sel.shape[-1],
-            NP=max(2, triton.next_power_of_2(sel.shape[-1])), BLOCK=l_sel, DK=Dk, DK1=dk1,
-            DK2=dk2, DV=Dv, DVP=dvp, HAS_BAND=has_band, PREC=_prec(q.dtype), **opts)
+            **_q_block_consts(q, v, sel, l_sel, rows, has_band))
     # dK/dV walk the inverse of the per-position selection (whatever the forward's q blocks):
     # for each kv block, the positions that selected it (CSR), so no gathered row is wasted on a
     # position that did not choose the block and no row needs the selection test
