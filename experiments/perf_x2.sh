@@ -9,6 +9,7 @@
 #   selpaper   selected_gpu.py at the paper shape, 16k, random selections
 #   titan32k   torchtitan 125M at 32k, NSA and full attention: tokens/s, peak memory
 #   titan8k    the same at 8k
+#   titan32krc torchtitan 125M at 32k, NSA with recompute = cmp_win (memory for compute)
 #   paperprof  bench_attention.py, paper shape at 16k: every stage and the layer, kernel profiles
 #   layers125  layer.csv rows: 125M shape at 8k and 32k, trained and random selections
 #   layerspaper layer.csv rows: paper shape at 8k, 16k, 64k (random selections), fla beside
@@ -17,6 +18,7 @@
 #              (is the NSA layer bound by per-call costs there? experiments/NOTES.md 50(e))
 #   memory     saved_memory.py: what the 125M-shape layer keeps for its backward at 32k, NSA and full
 #   gputests   the GPU-marked tests of the op and the layer (tests/ops, tests/layer)
+#   gpurecompute the GPU tests of NSAConfig.recompute and the compiled layer in every dtype
 # Knobs: LAYOUTS (selected_gpu.py --layouts), TRACE (NPZ:LAYER), PYTHON.
 set -uo pipefail
 OUT=${1:?usage: perf_x2.sh OUT DATA}
@@ -39,6 +41,8 @@ step() {  # STEP: run it unless done
               --shapes paper:16384 --layouts "${PAPER_LAYOUTS:-16:1,16:1:1,32:0:1}" ;;
     titan32k) bash experiments/titan_perf_runs.sh "$o" "$DATA" "32768:125M" 40 240 ;;
     titan8k) bash experiments/titan_perf_runs.sh "$o" "$DATA" "8192:125M" 40 240 ;;
+    titan32krc) ATTNS=nsa NSA_EXTRA="--nsa.recompute cmp_win" bash experiments/titan_perf_runs.sh \
+              "$o" "$DATA" "32768:125M" 40 240 ;;
     titan1B) TITAN_EXTRA="--activation_checkpoint.mode full" bash experiments/titan_perf_runs.sh \
               "$o" "$DATA" "8192:1B 32768:1B" 40 300 ;;
     prof8k) timeout 600 $B --configs titan_125M --T 8192 --stages-at 8192 --profile \
@@ -53,9 +57,12 @@ step() {  # STEP: run it unless done
                    --only sdpa_causal,full_layer,fla_parallel_nsa_w0,nsa_layer --out "$o/$sel"; done ;;
     layerspaper) timeout 1200 $B --configs paper --T 8192,16384,65536 --stages-at 0 --item-limit 200 \
               --only sdpa_causal,full_layer,fla_parallel_nsa_w0,nsa_layer --out "$o" ;;
-    memory) timeout 600 $PY experiments/saved_memory.py --out "$o" --configs titan_125M --T 32768 ;;
+    memory) timeout 600 $PY experiments/saved_memory.py --out "$o" --configs titan_125M --T 32768 \
+              --recompute none,win,cmp_win ;;
     gputests) timeout 420 $PY -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
               tests/ops/test_selected_triton.py tests/layer/test_flex_gpu.py ;;
+    gpurecompute) timeout 420 $PY -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
+              tests/layer/test_flex_gpu.py -k "recompute or compiles_and_matches" ;;
     *) echo "unknown step $s"; return ;;
   esac > "$o.log" 2>&1
   rc=$?; touch "$o/DONE"; progress "$s: rc=$rc"

@@ -3,6 +3,7 @@ attention (SDPA), compiled as in training (issue 24 item 3: where NSA's extra tr
 
     python experiments/saved_memory.py --out OUT                      # 125M shape at 32k, CUDA
     python experiments/saved_memory.py --out OUT --configs titan_125M,paper --T 32768,16384
+    python experiments/saved_memory.py --out OUT --recompute none,win,cmp_win   # NSAConfig.recompute
 
 For each layer: every tensor the autograd graph saves (a saved-tensors hook; one row per storage,
 its shape, dtype and MiB), the memory the forward leaves allocated (activations held for the
@@ -34,9 +35,10 @@ def log(*a):
     print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
 
 
-def measure(cname: str, T: int, masks: str | None):
-    """(saved-tensor rows, summary row) of one layer (masks None: NSA, else that preset)."""
-    extra = {} if masks is None else {"masks": masks}
+def measure(cname: str, T: int, masks: str | None, recompute: str = "none"):
+    """(saved-tensor rows, summary row) of one layer (masks None: NSA with NSAConfig.recompute
+    `recompute`, else that preset)."""
+    extra = {"recompute": recompute} if masks is None else {"masks": masks}
     cfg = NSAConfig(**config_args(cname), backend="flex" if DEV == "cuda" else "reference",
                     **extra)
     dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
@@ -68,7 +70,7 @@ def measure(cname: str, T: int, masks: str | None):
     out.backward(g)
     sync()
     peak = (torch.cuda.max_memory_allocated() - m0) / MiB if DEV == "cuda" else float("nan")
-    name = "nsa" if masks is None else masks
+    name = masks if masks is not None else "nsa" if recompute == "none" else f"nsa_recompute_{recompute}"
     rows = [dict(config=cname, T=T, layer=name, shape="x".join(map(str, s)), dtype=dt,
                  MiB=round(mb, 2)) for s, dt, mb in sorted(seen.values(), key=lambda r: -r[2])]
     summary = dict(config=cname, T=T, layer=name, saved_tensors=len(rows),
@@ -83,13 +85,16 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--configs", default="titan_125M", help="comma list (bench_attention.py's)")
     ap.add_argument("--T", default="32768", help="comma list of sequence lengths")
+    ap.add_argument("--recompute", default="none",
+                    help="comma list of NSAConfig.recompute values: one NSA row each")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     tensors, summary = [], []
     for cname in a.configs.split(","):
         for T in (int(t) for t in a.T.split(",")):
-            for masks in (None, "full_causal"):
-                rows, s = measure(cname, T, masks)
+            runs = [(None, rc) for rc in a.recompute.split(",")] + [("full_causal", "none")]
+            for masks, rc in runs:
+                rows, s = measure(cname, T, masks, rc)
                 tensors += rows
                 summary.append(s)
                 log(s)

@@ -8,6 +8,8 @@
 #   bash experiments/titan_perf_runs.sh OUT DATA_DIR ["32768:125M 8192:125M"] [STEPS] [LIMIT_S]
 # TITAN_EXTRA: more torchtitan flags for every run of the sweep (both attentions), e.g.
 #   TITAN_EXTRA="--activation_checkpoint.mode full" for the 1B flavor at 32k.
+# NSA_EXTRA: flags for the NSA runs only (e.g. "--nsa.recompute cmp_win"); ATTNS: which of
+#   "nsa full" to run (default both).
 set -uo pipefail
 OUT=${1:?out dir}; DATA=${2:?data dir}; PLAN=${3:-"32768:125M 8192:125M"}; STEPS=${4:-40}
 LIMIT=${5:-200}
@@ -15,7 +17,8 @@ mkdir -p "$OUT"
 export TIKTOKEN_CACHE_DIR=$DATA/tiktoken_cache PYTHONUNBUFFERED=1
 for item in $PLAN; do
   seq=${item%%:*}; flavor=${item##*:}
-  for attn in nsa full; do
+  for attn in ${ATTNS:-nsa full}; do
+    extra=${TITAN_EXTRA:-}; [ "$attn" = nsa ] && extra="$extra ${NSA_EXTRA:-}"
     cfg=titan_configs/nsa_125m_fineweb_edu.toml
     [ "$attn" = full ] && cfg=titan_configs/full_attn_125m_fineweb_edu.toml
     name=${attn}_${flavor}_${seq}
@@ -24,7 +27,7 @@ for item in $PLAN; do
       --model.flavor "$flavor" --training.seq_len "$seq" --training.local_batch_size 1 \
       --training.dataset_path "$DATA/fineweb_sample_2800.parquet" --training.steps "$STEPS" \
       --lr_scheduler.warmup_steps 5 --metrics.log_freq 1 \
-      --job.dump_folder "/tmp/runs/$name" ${TITAN_EXTRA:-} > "$OUT/$name.log" 2>&1
+      --job.dump_folder "/tmp/runs/$name" $extra > "$OUT/$name.log" 2>&1
     echo "   rc=$? t=${SECONDS}s"; grep -a "step:" "$OUT/$name.log" | tail -2 | cut -c1-200
     # after every run, so a cut-off sweep still leaves its table
     python experiments/titan_perf_csv.py "$OUT"/*_*_*.log --out "$OUT/titan.csv"

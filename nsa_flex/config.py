@@ -18,6 +18,7 @@ PHI_CHOICES = ("avg", "mlp")
 BACKEND_CHOICES = ("auto", "flex", "reference")
 SCORER_CHOICES = ("auto", "torch", "triton")
 SEL_KERNEL_CHOICES = ("auto", "flex", "triton")
+RECOMPUTE_CHOICES = ("none", "win", "cmp_win")
 
 
 class UserError(Exception):
@@ -114,6 +115,11 @@ class NSAConfig:
                                    "selected-attention op where it runs: CUDA, bf16/fp16/fp32, l_sel "
                                    "16-128; else flex) | flex (FlexAttention's template) | triton "
                                    "(the op; an error where it cannot run)")
+    recompute: str = knob("none", "branches whose keys, values and output the backward rebuilds "
+                                  "from x and q instead of keeping them (activation memory for "
+                                  "compute): none | win (the sliding window) | cmp_win (the "
+                                  "compressed and window branches: the layer then keeps about what "
+                                  "full attention keeps, the selected branch's K/V and output aside)")
     seed: int = knob(0, "seed of the random_selection ablation (a fresh draw per step, reproducible "
                         "per seed)")
 
@@ -169,6 +175,8 @@ class NSAConfig:
             errs.append(f"scorer={self.scorer!r}: allowed values are {SCORER_CHOICES}")
         if self.sel_kernel not in SEL_KERNEL_CHOICES:
             errs.append(f"sel_kernel={self.sel_kernel!r}: allowed values are {SEL_KERNEL_CHOICES}")
+        if self.recompute not in RECOMPUTE_CHOICES:
+            errs.append(f"recompute={self.recompute!r}: allowed values are {RECOMPUTE_CHOICES}")
         if not isinstance(self.rope_theta, (int, float)) or self.rope_theta <= 0:
             errs.append(f"rope_theta={self.rope_theta!r}: must be a positive number")
         # mask names are checked against the registry, after the user's builder modules have

@@ -7,6 +7,7 @@ The projections are methods (`project_q`, `project_kv`) so decode projects one t
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from masks import MaskContext, doc_start, get_mask_builder
 
@@ -18,6 +19,10 @@ from .rope import apply_rope, rope_cos_sin
 from .rules import BRANCHES, random_draw_step
 from .selection import select_topn
 from .telemetry import STATS_SIZE, layer_stats
+
+
+# NSAConfig.recompute -> the branches run under activation checkpointing (NSAAttention.branch)
+RECOMPUTED = {"none": (), "win": ("win",), "cmp_win": ("cmp", "win")}
 
 
 def check_inputs(x: Tensor, doc_ids: Tensor | None, dim: int) -> None:
@@ -87,7 +92,10 @@ class NSAAttention(nn.Module):
     def project_q(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """x [B, T, dim] -> q [B, H, T, d_qk] with RoPE (cos, sin broadcastable to it)."""
         B, T, _ = x.shape
-        return apply_rope(self.wq(x).view(B, T, self.cfg.n_heads, -1).transpose(1, 2), cos, sin)
+        # contiguous: every branch reads (and saves for its backward) this one tensor; the
+        # selected op would otherwise keep a contiguous copy beside flex's strided view
+        q = self.wq(x).view(B, T, self.cfg.n_heads, -1).transpose(1, 2)
+        return apply_rope(q, cos, sin).contiguous()
 
     def project_kv(self, x: Tensor, branch: str, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         """x [B, T, dim] -> the branch's own k [B, Hkv, T, d_qk] (with RoPE; keys are rotated
@@ -97,6 +105,21 @@ class NSAAttention(nn.Module):
         k = self.wk[branch](x).view(B, T, Hkv, -1).transpose(1, 2)
         v = self.wv[branch](x).view(B, T, Hkv, -1).transpose(1, 2)
         return apply_rope(k, cos, sin), v
+
+    def branch(self, b: str, spec, x: Tensor, q: Tensor, cos: Tensor, sin: Tensor):
+        """One branch's attention: its own keys and values (compressed by phi for "cmp"), then
+        the attention call -> (out, lse, k). A branch named by `cfg.recompute` runs under
+        activation checkpointing: its backward rebuilds k, v and out from x and q (kept anyway)."""
+        def run(x, q):
+            k, v = self.project_kv(x, b, cos, sin)
+            if b == "cmp":
+                k, v = self.phi_k(k), self.phi_v(v)
+            o, lse = attend(q, k, v, spec, self.cfg.backend, sel_kernel=self.cfg.sel_kernel)
+            return o, lse, k
+
+        if b in RECOMPUTED[self.cfg.recompute] and torch.is_grad_enabled():
+            return checkpoint(run, x, q, use_reentrant=False)
+        return run(x, q)
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: Tensor, doc_ids: Tensor | None = None) -> Tensor:
@@ -122,20 +145,17 @@ class NSAAttention(nn.Module):
         # compressed branch (§3.3.1): phi over blocks of l keys / values, attend; its lse feeds
         # the scorer. The top-n selection also needs the compressed keys when the branch is off.
         if names["cmp"] != "none" or names["sel"] == "topn":
-            k, v = self.project_kv(x, "cmp", cos, sin)
-            k_cmp, v_cmp = self.phi_k(k), self.phi_v(v)
             spec = self.builders["cmp"](ctx) if names["cmp"] != "none" else \
                 get_mask_builder("compressed_causal")(ctx)
-            o, lse_cmp = attend(q, k_cmp, v_cmp, spec, cfg.backend, sel_kernel=cfg.sel_kernel)
+            o, lse_cmp, k_cmp = self.branch("cmp", spec, x, q, cos, sin)
             if names["cmp"] != "none":
                 out["cmp"], specs["cmp"] = o, (spec, k_cmp.shape[2])
 
         # selected (§3.3.2) and sliding-window (§3.3.3) branches
         for b in ("sel", "win"):
             if names[b] != "none":
-                k, v = self.project_kv(x, b, cos, sin)
                 specs[b] = (self.builders[b](ctx), T)
-                out[b], _ = attend(q, k, v, specs[b][0], cfg.backend, sel_kernel=cfg.sel_kernel)
+                out[b], _, _ = self.branch(b, specs[b][0], x, q, cos, sin)
 
         # gate (Eq. 5): per head, per branch sigmoid, mixing the branch outputs
         g = torch.sigmoid(self.gate(x)).view(B, T, -1, 3).permute(0, 2, 1, 3)  # [B, H, T, 3]

@@ -161,17 +161,19 @@ def test_selected_gpu_runs_interpreted(tmp_path):
 
 def test_saved_memory_runs_on_cpu(tmp_path):
     """experiments/saved_memory.py on the CPU (reference backend, tiny shape): one summary row per
-    layer, NSA's saved tensors listed and more of them than full attention's."""
+    layer, NSA's saved tensors listed and more of them than full attention's; recompute cmp_win
+    keeps less than none."""
     import subprocess
     import sys
 
     r = subprocess.run([sys.executable, "experiments/saved_memory.py", "--out", str(tmp_path),
-                        "--configs", "tiny", "--T", "256"], cwd=ROOT,
+                        "--configs", "tiny", "--T", "256", "--recompute", "none,cmp_win"], cwd=ROOT,
                        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = {s["layer"]: s for s in csv.DictReader(open(tmp_path / "saved_memory.csv"))}
-    assert set(summary) == {"nsa", "full_causal"}
+    assert set(summary) == {"nsa", "nsa_recompute_cmp_win", "full_causal"}
     assert float(summary["nsa"]["saved_MiB"]) > float(summary["full_causal"]["saved_MiB"]) > 0
+    assert float(summary["nsa"]["saved_MiB"]) > float(summary["nsa_recompute_cmp_win"]["saved_MiB"])
     rows = list(csv.DictReader(open(tmp_path / "saved_tensors.csv")))
     assert sum(r["layer"] == "nsa" for r in rows) == int(summary["nsa"]["saved_tensors"])

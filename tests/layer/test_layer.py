@@ -263,3 +263,49 @@ def test_autocast_keeps_attention_in_low_precision(monkeypatch):
     assert y.dtype == torch.bfloat16 and torch.isfinite(y.float()).all()
     y.float().sum().backward()  # gradients reach the fp32 weights
     assert layer.wq.weight.grad is not None and layer.wq.weight.grad.dtype == torch.float32
+
+
+def _saved_bytes_and_grads(layer, x, compiled):
+    """(output, grad of x, parameter grads, bytes the autograd graph saved in the forward)."""
+    # aot_eager: dynamo's checkpoint region and AOT autograd's partition, without inductor's CPU
+    # codegen
+    f = torch.compile(layer, fullgraph=True, dynamic=False, backend="aot_eager") if compiled \
+        else layer
+    saved = [0]
+
+    def pack(t):
+        saved[0] += t.numel() * t.element_size()
+        return t
+
+    x = x.clone().requires_grad_(True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = f(x)
+    (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+    return y.detach(), x.grad, [p.grad for p in layer.parameters()], saved[0]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_recompute_same_function_less_memory(compiled):
+    """NSAConfig.recompute: the checkpointed branches give the same output and gradients, and
+    the forward keeps less for the backward (win < none, cmp_win < win)."""
+    torch._dynamo.reset()
+    x = torch.randn(2, 70, BASE["dim"])
+    recorded = {}  # one selection for every run: rounding must not flip a near-tie of the top-n
+
+    def record(*a, **k):
+        recorded.setdefault("idx", select_topn(*a, **k))
+        return recorded["idx"]
+
+    runs = {}
+    for rc in ("none", "win", "cmp_win"):
+        layer = make_layer(seed=3, recompute=rc)
+        layer.select_topn = record
+        runs[rc] = _saved_bytes_and_grads(layer, x, compiled)
+    y0, gx0, gp0, saved0 = runs["none"]
+    for rc in ("win", "cmp_win"):
+        y, gx, gp, _ = runs[rc]
+        torch.testing.assert_close(y, y0, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(gx, gx0, rtol=1e-5, atol=1e-6)
+        for a, b in zip(gp, gp0):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert runs["cmp_win"][3] < runs["win"][3] < saved0, {k: v[3] for k, v in runs.items()}
