@@ -18,7 +18,7 @@
 #              (is the NSA layer bound by per-call costs there? experiments/NOTES.md 50(e))
 #   memory     saved_memory.py: what the 125M-shape layer keeps for its backward at 32k, NSA and full
 #   gputests   the GPU-marked tests of the op and the layer (tests/ops, tests/layer)
-#   gpurecompute the GPU tests of NSAConfig.recompute and the compiled layer in every dtype
+#   gpurecompute the GPU tests of NSAConfig.recompute and of the compressed flex call
 # Knobs: LAYOUTS (selected_gpu.py --layouts), TRACE (NPZ:LAYER), PYTHON.
 set -uo pipefail
 OUT=${1:?usage: perf_x2.sh OUT DATA}
@@ -62,7 +62,7 @@ step() {  # STEP: run it unless done
     gputests) timeout 420 $PY -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
               tests/ops/test_selected_triton.py tests/layer/test_flex_gpu.py ;;
     gpurecompute) timeout 420 $PY -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
-              tests/layer/test_flex_gpu.py -k "recompute or compiles_and_matches" ;;
+              tests/layer/test_flex_gpu.py -k "recompute or compressed" ;;
     *) echo "unknown step $s"; return ;;
   esac > "$o.log" 2>&1
   rc=$?; touch "$o/DONE"; progress "$s: rc=$rc"

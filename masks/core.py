@@ -201,41 +201,41 @@ def band_block_flags(lo: Tensor, hi: Tensor, Q_LEN: int, KV_LEN: int,
 
     A kv block is listed ("any") when some row of the q block sees some key in it, and "full"
     when every row of the q block sees every key of it (and both lie wholly inside the lengths).
-    Flags are [B, 1, NQB, NKB]; cost is O(Q_LEN + NQB * NKB), never O(Q_LEN * KV_LEN).
+    Flags are [B, 1, NQB, NKB]; cost is O(Q_LEN * NKB) compares (a q block's QB // q_pack
+    positions, not QB packed rows, when q_pack divides QB), never O(Q_LEN * KV_LEN).
     """
     QB, KB = block_size
-    rows = Q_LEN * q_pack
-    if q_pack > 1:
+    if q_pack > 1 and QB % q_pack == 0:  # a q block is QB // q_pack whole positions
+        R, n = QB // q_pack, Q_LEN
+    else:  # rows of one position may straddle q blocks: one entry per packed row
         lo = lo.repeat_interleave(q_pack, dim=-1)
         hi = hi.repeat_interleave(q_pack, dim=-1)
-    nqb = -(-rows // QB)
+        R, n = QB, Q_LEN * q_pack
+    nqb = -(-n // R)
     nkb = max(1, -(-KV_LEN // KB))
-    pad = nqb * QB - rows
+    pad = nqb * R - n
     Bm = lo.shape[0]
     lo = lo.clamp_min(0)
     hi = hi.clamp_max(KV_LEN - 1)
     empty = hi < lo
-    # "any", exactly: each row covers kv blocks lo // KB .. hi // KB; +1 / -1 at the ends of that
-    # run in its q block's row of a difference table, then a cumsum (rows of one q block in
-    # different documents can see runs with a gap between them: no [min lo, max hi] hull)
-    qb = (torch.arange(rows, device=lo.device) // QB).expand(Bm, rows)
-    first = torch.where(empty, 0, lo // KB)
-    last = torch.where(empty, 0, hi // KB + 1)
-    on = (~empty).long()
-    diff = torch.zeros(Bm, nqb * (nkb + 1), dtype=torch.long, device=lo.device)
-    diff.scatter_add_(1, qb * (nkb + 1) + first, on)
-    diff.scatter_add_(1, qb * (nkb + 1) + last, -on)
-    any_ = diff.view(Bm, nqb, nkb + 1).cumsum(-1)[..., :nkb] > 0
-    # "full": padded or empty rows make the block not full
     big = torch.iinfo(torch.long).max // 4
-    lo_full = torch.where(empty, big, lo)
+    # per row: the run of kv blocks it sees (first > last when empty); padded rows see nothing
+    first = torch.where(empty, big, lo // KB)
+    last = torch.where(empty, -1, hi // KB)
+    lo_full = torch.where(empty, big, lo)  # "full": padded or empty rows make no block full
     hi_full = torch.where(empty, -1, hi)
     if pad:
         fill = lambda t, v: torch.cat([t, t.new_full((Bm, pad), v)], dim=-1)
-        lo_full, hi_full = fill(lo_full, big), fill(hi_full, -1)
-    f0 = lo_full.view(Bm, nqb, QB).amax(-1)
-    f1 = hi_full.view(Bm, nqb, QB).amin(-1)
+        first, last, lo_full, hi_full = (fill(first, big), fill(last, -1), fill(lo_full, big),
+                                         fill(hi_full, -1))
     kb = torch.arange(nkb, device=lo.device).view(1, 1, nkb)
+    # "any", exactly: some row's run contains the block (rows of one q block in different
+    # documents can see runs with a gap between them: no [min lo, max hi] hull). A reduction over
+    # the block's rows (compiled: one fused kernel, nothing of size rows x NKB is stored)
+    any_ = ((first.view(Bm, nqb, R, 1) <= kb.unsqueeze(-2)) &
+            (last.view(Bm, nqb, R, 1) >= kb.unsqueeze(-2))).any(-2)
+    f0 = lo_full.view(Bm, nqb, R).amax(-1)
+    f1 = hi_full.view(Bm, nqb, R).amin(-1)
     k_start = kb * KB
     k_end = k_start + KB - 1  # inclusive
     full = (k_start >= f0.unsqueeze(-1)) & (k_end <= f1.unsqueeze(-1)) & (k_end < KV_LEN)
