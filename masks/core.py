@@ -44,6 +44,24 @@ def captured(x: Tensor) -> Tensor:
 @captured.register_fake
 def _(x):
     return torch.empty_like(x)
+
+
+@torch.library.custom_op("nsa_masks::row_cumsum", mutates_args=())
+def row_cumsum(x: Tensor) -> Tensor:
+    """x.cumsum(-1) (int64) of an integer tensor; under torch.compile an opaque op that runs
+    aten's scan. Inductor lowers a scan of few rows over a long axis to its split-scan kernel,
+    whose codegen failed on the block lists' cumsum (torch 2.11, the compressed mask's kv-major
+    lists at T=32k, rows [1, 1, 16] x 256 q blocks, fwd+bwd graph: "TypeError: list indices must
+    be integers or slices, not NoneType" in TritonSymbols.get_block_shape; experiments/NOTES.md
+    52)."""
+    return x.cumsum(-1)
+
+
+@row_cumsum.register_fake
+def _(x):
+    return x.new_empty(x.shape, dtype=torch.int64)
+
+
 Interval = Callable[[Tensor], tuple[Tensor, Tensor]]
 
 
@@ -267,10 +285,10 @@ def _flags_to_indices(flags: Tensor) -> tuple[Tensor, Tensor]:
     (the NSA layer's first forward at T=16k: 352 s on an H100, experiments/NOTES.md 25)."""
     f = flags.to(torch.int32)
     num = f.sum(-1, dtype=torch.int32)
-    before_set = f.cumsum(-1) - f  # set flags left of each column
-    before_unset = (1 - f).cumsum(-1) - (1 - f)
-    dest = torch.where(flags, before_set, num.unsqueeze(-1).long() + before_unset)
     cols = torch.arange(flags.shape[-1], device=flags.device, dtype=torch.int32)
+    before_set = row_cumsum(f) - f  # set flags left of each column
+    before_unset = cols - before_set  # unset flags left of it
+    dest = torch.where(flags, before_set, num.unsqueeze(-1).long() + before_unset)
     idx = torch.empty(flags.shape, device=flags.device, dtype=torch.int32)
     idx.scatter_(-1, dest, cols.expand(flags.shape).contiguous())
     return num.contiguous(), idx
