@@ -27,7 +27,7 @@ for item in $PLAN; do
       --model.flavor "$flavor" --training.seq_len "$seq" --training.local_batch_size 1 \
       --training.dataset_path "$DATA/fineweb_sample_2800.parquet" --training.steps "$STEPS" \
       --lr_scheduler.warmup_steps 5 --metrics.log_freq 1 \
-      --job.dump_folder "/tmp/runs/$name" $extra > "$OUT/$name.log" 2>&1
+      --job.dump_folder "/tmp/runs/$(basename "$OUT")/$name" $extra > "$OUT/$name.log" 2>&1
     echo "   rc=$? t=${SECONDS}s"; grep -a "step:" "$OUT/$name.log" | tail -2 | cut -c1-200
     # after every run, so a cut-off sweep still leaves its table
     python experiments/titan_perf_csv.py "$OUT"/*_*_*.log --out "$OUT/titan.csv"
