@@ -70,7 +70,8 @@ step() {  # STEP: run it unless done
   esac > "$o.log" 2>&1
   rc=$?; touch "$o/DONE"; progress "$s: rc=$rc"
 }
-queue() { local gpu=$1 s; shift; for s in "$@"; do CUDA_VISIBLE_DEVICES=$gpu step "$s"; done; }
+# one rendezvous port per GPU: two torchtitan runs at once must not meet on torchrun's default
+queue() { local gpu=$1 s; shift; for s in "$@"; do CUDA_VISIBLE_DEVICES=$gpu MASTER_PORT=$((29500 + gpu)) step "$s"; done; }
 # shellcheck disable=SC2086
 queue 0 ${Q0:-sel125 paperprof} &
 # shellcheck disable=SC2086

@@ -8,6 +8,7 @@
 #   bash experiments/titan_perf_runs.sh OUT DATA_DIR ["32768:125M 8192:125M"] [STEPS] [LIMIT_S]
 # TITAN_EXTRA: more torchtitan flags for every run of the sweep (both attentions), e.g.
 #   TITAN_EXTRA="--activation_checkpoint.mode full" for the 1B flavor at 32k.
+# MASTER_PORT: torchrun's rendezvous port (default 29500; two sweeps at once need two ports).
 # NSA_EXTRA: flags for the NSA runs only (e.g. "--nsa.recompute cmp_win"); ATTNS: which of
 #   "nsa full" to run (default both).
 set -uo pipefail
@@ -23,7 +24,7 @@ for item in $PLAN; do
     [ "$attn" = full ] && cfg=titan_configs/full_attn_125m_fineweb_edu.toml
     name=${attn}_${flavor}_${seq}
     echo "== $name (t=${SECONDS}s)"
-    timeout "$LIMIT" torchrun --nproc_per_node=1 -m nsa_flex.titan.train --job.config_file $cfg \
+    timeout "$LIMIT" torchrun --nproc_per_node=1 --master_port "${MASTER_PORT:-29500}" -m nsa_flex.titan.train --job.config_file $cfg \
       --model.flavor "$flavor" --training.seq_len "$seq" --training.local_batch_size 1 \
       --training.dataset_path "$DATA/fineweb_sample_2800.parquet" --training.steps "$STEPS" \
       --lr_scheduler.warmup_steps 5 --metrics.log_freq 1 \
