@@ -25,7 +25,8 @@ from bench_attention import LAYER_ITEMS  # experiments/ is on sys.path: a script
 
 def read(path):
     with open(path) as f:
-        return [dict(r, run=os.path.basename(path)) for r in csv.DictReader(f)]
+        run = os.path.join(os.path.basename(os.path.dirname(path)), os.path.basename(path))
+        return [dict(r, run=run) for r in csv.DictReader(f)]  # run: RUN_DIR/FILE
 
 
 def num(x):
