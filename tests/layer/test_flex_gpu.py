@@ -206,3 +206,22 @@ def test_recompute_compiled_same_function_less_memory():
                 **{n: rel(g, gp0[n]) for n, g in gp.items() if g is not None}}
         assert max(errs.values()) < 1e-2, (rc, errs)
     assert runs["none"][3] > runs["win"][3] > runs["cmp_win"][3], {k: v[3] for k, v in runs.items()}
+
+
+def test_layer_fwd_bwd_compiles_at_32k():
+    """The 125M-shape layer's training graph at T=32768 compiles and runs (bf16): inductor picks
+    other kernels for the block lists at long T than at the 4k of the tests above (its split-scan
+    codegen once failed on the kv-major lists' cumsum there, which only the fwd+bwd graph holds;
+    experiments/NOTES.md 52). Output and gradients finite, gradient of x non-zero."""
+    torch._dynamo.reset()
+    cfg = NSAConfig(n_heads=16, n_kv_heads=2, d_qk=64, d_v=64, dim=768, backend="flex")
+    torch.manual_seed(0)
+    layer = NSAAttention(cfg).to(DEV)
+    layer.init_weights(0.02)
+    layer = layer.to(torch.bfloat16)
+    x = torch.randn(1, 32768, cfg.dim, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    y = torch.compile(layer, fullgraph=True, dynamic=False)(x)
+    y.float().square().mean().backward()
+    assert torch.isfinite(y).all() and torch.isfinite(x.grad).all()
+    assert x.grad.abs().amax() > 0
+    assert all(torch.isfinite(p.grad).all() for p in layer.parameters() if p.grad is not None)
