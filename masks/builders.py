@@ -103,10 +103,17 @@ def selection(sel_idx: Tensor, l_sel: int) -> MaskSpec:
     sel_idx = captured(unique)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        blk = kv_idx // l_sel
-        hit = sel_idx[b, h, q_idx, 0] == blk
-        for i in range(1, n):
-            hit = hit | (sel_idx[b, h, q_idx, i] == blk)
+        # kv_idx lies in block j iff j l' <= kv_idx < (j + 1) l' (an unused slot, -1, matches no
+        # key >= 0). Not `kv_idx // l_sel == j`: Inductor's CPU loop split (torch 2.13,
+        # CppScheduling.try_loop_split) turns a pointwise kernel indexed by kv // c, c > 8, into
+        # loops of KV_LEN // c x c and drops the last KV_LEN % c keys: the compiled training
+        # graph's dense mask (reference backend) kept uninitialized memory there
+        # (pytorch/pytorch#195582)
+        hit = None
+        for i in range(n):
+            start = sel_idx[b, h, q_idx, i] * l_sel
+            m = (kv_idx >= start) & (kv_idx < start + l_sel)
+            hit = m if hit is None else hit | m
         return hit & (kv_idx <= q_idx)
 
     def kv_blocks(Bq, Q_LEN, KV_LEN, block_size, q_pack, device, lo, hi):

@@ -267,10 +267,7 @@ def test_autocast_keeps_attention_in_low_precision(monkeypatch):
 
 def _saved_bytes_and_grads(layer, x, compiled):
     """(output, grad of x, parameter grads, bytes the autograd graph saved in the forward)."""
-    # aot_eager: dynamo's checkpoint region and AOT autograd's partition, without inductor's CPU
-    # codegen
-    f = torch.compile(layer, fullgraph=True, dynamic=False, backend="aot_eager") if compiled \
-        else layer
+    f = torch.compile(layer, fullgraph=True, dynamic=False) if compiled else layer
     saved = [0]
 
     def pack(t):
@@ -309,3 +306,26 @@ def test_recompute_same_function_less_memory(compiled):
         for a, b in zip(gp, gp0):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert runs["cmp_win"][3] < runs["win"][3] < saved0, {k: v[3] for k, v in runs.items()}
+
+
+@pytest.mark.parametrize("masks", ["nsa", "local_selection"])
+@pytest.mark.parametrize("T", [45, 70])
+def test_compiled_training_graph_equals_eager(masks, T):
+    """The layer compiled by inductor with grad enabled (the training graph, where the dense
+    selection mask is its own kernel, saved for the backward) equals eager, output and gradient,
+    at T not a multiple of l_sel: inductor's CPU loop split once left the last T % l_sel keys of
+    that kernel unwritten for a mask_mod indexed by kv_idx // l_sel (pytorch/pytorch#195582)."""
+    torch._dynamo.reset()
+    layer = make_layer(seed=5, masks=masks)
+    x = torch.randn(2, T, BASE["dim"])
+    recorded = {}  # one selection for both: rounding must not flip a near-tie of the top-n
+
+    def record(*a, **k):
+        recorded.setdefault("idx", select_topn(*a, **k))
+        return recorded["idx"]
+
+    layer.select_topn = record
+    want = _saved_bytes_and_grads(layer, x, compiled=False)
+    got = _saved_bytes_and_grads(layer, x, compiled=True)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
