@@ -20,14 +20,17 @@ import os
 FILE = "run_config.json"
 SECTIONS = ("model", "nsa", "training", "optimizer", "lr_scheduler")
 # fields that make another model or another data stream ("section.field"; "nsa.*": every [nsa]
-# field but the telemetry ones)
+# field but NOT_MODEL's)
 MODEL_DATA = (
     "model.name", "model.flavor", "model.tokenizer", "nsa.*",
     "training.dataset", "training.dataset_path", "training.dataset_config", "training.dataset_text_column",
     "training.dataset_seed", "training.passkey_mix", "training.passkey_questions", "training.seq_len",
     "training.local_batch_size", "training.global_batch_size",
 )
-NOT_MODEL = ("nsa.telemetry_every", "nsa.gate_collapse_threshold", "nsa.gate_collapse_steps")
+# [nsa] fields that choose how the same function is computed (executors, recomputation, chunking)
+# or what is logged: a resume may change them (e.g. recompute after an out-of-memory)
+NOT_MODEL = ("nsa.telemetry_every", "nsa.gate_collapse_threshold", "nsa.gate_collapse_steps",
+             "nsa.backend", "nsa.scorer", "nsa.sel_kernel", "nsa.recompute", "nsa.score_chunk")
 
 
 def _plain(v):
