@@ -17,9 +17,10 @@
 #   titan1B32k titan1B at 32k only
 #   prof8k     bench_attention.py, 125M shape at 8k: every stage and the layer, kernel profiles
 #              (is the NSA layer bound by per-call costs there? experiments/NOTES.md 50(e))
-#   memory     saved_memory.py: what the 125M-shape layer keeps for its backward at 32k, NSA and full
+#   memory     saved_memory.py: what the 125M-shape layer keeps for its backward at 32k: NSA with
+#              recompute none / win / cmp_win, and full attention
 #   gputests   the GPU-marked tests of the op and the layer (tests/ops, tests/layer)
-#   gpurecompute the GPU tests of NSAConfig.recompute and of the compressed flex call
+#   gpurecompute the GPU tests of NSAConfig.recompute, the compressed flex call and the 32k compile
 # Knobs: LAYOUTS (selected_gpu.py --layouts), TRACE (NPZ:LAYER), PYTHON.
 set -uo pipefail
 OUT=${1:?usage: perf_x2.sh OUT DATA}
@@ -42,7 +43,7 @@ step() {  # STEP: run it unless done
               --shapes paper:16384 --layouts "${PAPER_LAYOUTS:-16:1,16:1:1,32:0:1}" ;;
     titan32k) bash experiments/titan_perf_runs.sh "$o" "$DATA" "32768:125M" 40 240 ;;
     titan8k) bash experiments/titan_perf_runs.sh "$o" "$DATA" "8192:125M" 40 240 ;;
-    titan32krc) ATTNS=nsa NSA_EXTRA="--nsa.recompute cmp_win" bash experiments/titan_perf_runs.sh \
+    titan32krc) ATTNS=nsa NSA_EXTRA="--nsa.recompute cmp_win" NSA_TAG=cmpwin bash experiments/titan_perf_runs.sh \
               "$o" "$DATA" "32768:125M" 40 240 ;;
     titan1B) TITAN_EXTRA="--activation_checkpoint.mode full" bash experiments/titan_perf_runs.sh \
               "$o" "$DATA" "8192:1B 32768:1B" 40 300 ;;
@@ -62,10 +63,10 @@ step() {  # STEP: run it unless done
               --only sdpa_causal,full_layer,fla_parallel_nsa_w0,nsa_layer --out "$o" ;;
     memory) timeout 600 $PY experiments/saved_memory.py --out "$o" --configs titan_125M --T 32768 \
               --recompute none,win,cmp_win ;;
-    gputests) timeout 420 $PY -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
+    gputests) timeout 900 $PY -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
               tests/ops/test_selected_triton.py tests/layer/test_flex_gpu.py ;;
-    gpurecompute) timeout 420 $PY -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
-              tests/layer/test_flex_gpu.py -k "recompute or compressed" ;;
+    gpurecompute) timeout 600 $PY -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
+              tests/layer/test_flex_gpu.py -k "recompute or compressed or compiles_at_32k" ;;
     *) echo "unknown step $s"; return ;;
   esac > "$o.log" 2>&1
   rc=$?; touch "$o/DONE"; progress "$s: rc=$rc"

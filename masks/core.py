@@ -54,6 +54,7 @@ def row_cumsum(x: Tensor) -> Tensor:
     lists at T=32k, rows [1, 1, 16] x 256 q blocks, fwd+bwd graph: "TypeError: list indices must
     be integers or slices, not NoneType" in TritonSymbols.get_block_shape; experiments/NOTES.md
     52)."""
+    assert not x.is_floating_point(), "row_cumsum: integer tensors only"
     return x.cumsum(-1)
 
 
@@ -213,6 +214,9 @@ def packed_mask_mod(mask_mod: MaskMod, q_pack: int) -> MaskMod:
     return packed
 
 
+BAND_FLAGS_CHUNK = 2 ** 24  # band_block_flags' eager temporaries, elements
+
+
 def band_block_flags(lo: Tensor, hi: Tensor, Q_LEN: int, KV_LEN: int,
                      block_size: tuple[int, int], q_pack: int = 1) -> tuple[Tensor, Tensor]:
     """Block flags of a band mask given per-token inclusive kv bounds lo, hi [B, Q_LEN].
@@ -220,7 +224,8 @@ def band_block_flags(lo: Tensor, hi: Tensor, Q_LEN: int, KV_LEN: int,
     A kv block is listed ("any") when some row of the q block sees some key in it, and "full"
     when every row of the q block sees every key of it (and both lie wholly inside the lengths).
     Flags are [B, 1, NQB, NKB]; cost is O(Q_LEN * NKB) compares (a q block's QB // q_pack
-    positions, not QB packed rows, when q_pack divides QB), never O(Q_LEN * KV_LEN).
+    positions, not QB packed rows, when q_pack divides QB); compiled, nothing of that size is
+    stored; eager, it is computed in chunks of kv blocks.
     """
     QB, KB = block_size
     if q_pack > 1 and QB % q_pack == 0:  # a q block is QB // q_pack whole positions
@@ -250,8 +255,15 @@ def band_block_flags(lo: Tensor, hi: Tensor, Q_LEN: int, KV_LEN: int,
     # "any", exactly: some row's run contains the block (rows of one q block in different
     # documents can see runs with a gap between them: no [min lo, max hi] hull). A reduction over
     # the block's rows (compiled: one fused kernel, nothing of size rows x NKB is stored)
-    any_ = ((first.view(Bm, nqb, R, 1) <= kb.unsqueeze(-2)) &
-            (last.view(Bm, nqb, R, 1) >= kb.unsqueeze(-2))).any(-2)
+    first, last = first.view(Bm, nqb, R, 1), last.view(Bm, nqb, R, 1)
+
+    def covered(k: Tensor) -> Tensor:  # [Bm, nqb, len(k)]: some row's run holds block k
+        return ((first <= k) & (last >= k)).any(-2)
+
+    # eager: kv blocks in chunks, so no temporary exceeds BAND_FLAGS_CHUNK elements (long prefills)
+    step = nkb if torch.compiler.is_compiling() else max(1, BAND_FLAGS_CHUNK // (Bm * nqb * R))
+    any_ = torch.cat([covered(kb[..., k0:k0 + step].unsqueeze(-2)) for k0 in range(0, nkb, step)],
+                     dim=-1)
     f0 = lo_full.view(Bm, nqb, R).amax(-1)
     f1 = hi_full.view(Bm, nqb, R).amin(-1)
     k_start = kb * KB

@@ -118,7 +118,8 @@ class NSAAttention(nn.Module):
             return o, lse, k
 
         if b in RECOMPUTED[self.cfg.recompute] and torch.is_grad_enabled():
-            return checkpoint(run, x, q, use_reentrant=False)
+            # nothing random inside a branch (a random selection is drawn before): no RNG state
+            return checkpoint(run, x, q, use_reentrant=False, preserve_rng_state=False)
         return run(x, q)
 
     # ------------------------------------------------------------------ forward

@@ -1,10 +1,14 @@
 """block_mask_from_flags builds kv- and q-major block lists without a sort (cumsum + scatter);
-they must equal what a stable sort / torch's from_kv_blocks gives."""
+they must equal what a stable sort / torch's from_kv_blocks gives. band_block_flags against the
+flags of the dense band."""
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import BlockMask
 
+from masks import core
 from masks.core import _flags_to_indices, block_mask_from_flags
 
 
@@ -34,3 +38,45 @@ def test_block_mask_from_flags_equals_from_kv_blocks():
                  "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
     assert got.BLOCK_SIZE == want.BLOCK_SIZE and got.seq_lengths == want.seq_lengths
+
+
+# ---------------------------------------------------------------------- band_block_flags
+def brute_band_flags(lo, hi, Q_LEN, KV_LEN, block_size, q_pack):
+    """The flags by definition, from the dense [rows, KV_LEN] band (row r is position r // q_pack):
+    "any" = some visible key in the tile, "full" = every element of the tile inside the lengths
+    and visible."""
+    QB, KB = block_size
+    B, rows = lo.shape[0], Q_LEN * q_pack
+    nqb, nkb = -(-rows // QB), max(1, -(-KV_LEN // KB))
+    pos = torch.arange(rows) // q_pack
+    kv = torch.arange(nkb * KB)
+    inside = torch.zeros(nqb * QB, nkb * KB, dtype=torch.bool)
+    inside[:rows, :KV_LEN] = True
+    dense = torch.zeros(B, nqb * QB, nkb * KB, dtype=torch.bool)
+    dense[:, :rows] = (kv >= lo[:, pos, None]) & (kv <= hi[:, pos, None])
+    dense &= inside
+    tiles = dense.view(B, nqb, QB, nkb, KB)
+    any_ = tiles.any(-1).any(-2)
+    full = tiles.all(-1).all(-2) & inside.view(nqb, QB, nkb, KB).all(-1).all(-2)
+    return any_.unsqueeze(1), full.unsqueeze(1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(B=st.integers(1, 3), Q_LEN=st.integers(1, 60), KV_LEN=st.integers(1, 60),
+       QB=st.sampled_from([1, 2, 3, 4, 5, 8, 12, 16, 24]), KB=st.sampled_from([1, 2, 3, 5, 8, 16]),
+       q_pack=st.sampled_from([1, 2, 3, 8, 16]), chunk=st.sampled_from([None, 1, 7]),
+       seed=st.integers(0, 2 ** 16))
+def test_band_block_flags_equal_the_dense_band(B, Q_LEN, KV_LEN, QB, KB, q_pack, chunk, seed):
+    """Exact flags for any band (runs with gaps across documents, empty rows, bounds outside the
+    lengths), block sizes that q_pack divides or not, and the eager chunking over kv blocks."""
+    g = torch.Generator().manual_seed(seed)
+    lo = torch.randint(-3, KV_LEN + 3, (B, Q_LEN), generator=g)
+    hi = lo + torch.randint(-4, KV_LEN, (B, Q_LEN), generator=g)  # hi < lo: an empty row
+    default = core.BAND_FLAGS_CHUNK
+    try:
+        core.BAND_FLAGS_CHUNK = chunk or default
+        got = core.band_block_flags(lo, hi, Q_LEN, KV_LEN, (QB, KB), q_pack)
+    finally:
+        core.BAND_FLAGS_CHUNK = default
+    want = brute_band_flags(lo, hi, Q_LEN, KV_LEN, (QB, KB), q_pack)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
