@@ -18,7 +18,9 @@ PHI_CHOICES = ("avg", "mlp")
 BACKEND_CHOICES = ("auto", "flex", "reference")
 SCORER_CHOICES = ("auto", "torch", "triton")
 SEL_KERNEL_CHOICES = ("auto", "flex", "triton")
-RECOMPUTE_CHOICES = ("none", "win", "cmp_win")
+# NSAConfig.recompute -> the branches run under activation checkpointing (NSAAttention.branch)
+RECOMPUTED = {"none": (), "win": ("win",), "cmp_win": ("cmp", "win")}
+RECOMPUTE_CHOICES = tuple(RECOMPUTED)
 
 
 class UserError(Exception):

@@ -13,16 +13,12 @@ from masks import MaskContext, doc_start, get_mask_builder
 
 from .attention import attend
 from .compression import PHI
-from .config import NSAConfig
+from .config import RECOMPUTED, NSAConfig
 from .kernel_options import install_flex_patches
 from .rope import apply_rope, rope_cos_sin
 from .rules import BRANCHES, random_draw_step
 from .selection import select_topn
 from .telemetry import STATS_SIZE, layer_stats
-
-
-# NSAConfig.recompute -> the branches run under activation checkpointing (NSAAttention.branch)
-RECOMPUTED = {"none": (), "win": ("win",), "cmp_win": ("cmp", "win")}
 
 
 def check_inputs(x: Tensor, doc_ids: Tensor | None, dim: int) -> None:

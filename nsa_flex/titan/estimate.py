@@ -9,6 +9,7 @@ exactly". Memory counts what autograd keeps for the backward pass:
 * the attention core: the ``reference`` backend (the CPU's) materializes each branch's scores and
   probabilities in fp32 and a boolean mask, ``[B, H, T, S]`` (S = T for the token branches, the
   number of compressed blocks for the compressed one); ``flex`` keeps only outputs and log-sum-exps;
+* ``nsa.recompute``: the branches it names are not kept; one block's backward holds them again;
 * the model: parameters, gradients and AdamW's two moments (fp32, sharded over the data-parallel
   ranks of FSDP), every block's activations (activation checkpointing keeps one block's plus each
   block's input), the fp32 logits and their gradient.
@@ -35,10 +36,10 @@ def _num_cmp(args, T: int) -> int:
     return 0 if T < args.l else (T - args.l) // args.d + 1
 
 
-def _branches(args, T: int) -> list[tuple[int, float]]:
-    """(key count S, mean keys a query reads) of each enabled branch: compressed blocks for the
-    compressed branch, tokens for the others (the selected blocks / the window bound the reach;
-    a branch of another builder is counted as causal)."""
+def _branches(args, T: int) -> list[tuple[str, int, float]]:
+    """(branch, key count S, mean keys a query reads) of each enabled branch: compressed blocks
+    for the compressed branch, tokens for the others (the selected blocks / the window bound the
+    reach; a branch of another builder is counted as causal)."""
     from masks import PRESETS
 
     cmp, sel, win = PRESETS[args.masks]
@@ -46,21 +47,36 @@ def _branches(args, T: int) -> list[tuple[int, float]]:
     reach = {"sliding_window": args.window, "topn": args.n_sel * args.l_sel,
              "random_selection": args.n_sel * args.l_sel, "local_selection": args.n_sel * args.l_sel}
     nc = _num_cmp(args, T)
-    out = [(nc, nc / 2)] if names[0] != "none" else []
-    return out + [(T, min(T / 2, reach.get(n, T))) for n in names[1:] if n != "none"]
+    out = [("cmp", nc, nc / 2)] if names[0] != "none" else []
+    return out + [(b, T, min(T / 2, reach.get(n, T)))
+                  for b, n in zip(("sel", "win"), names[1:]) if n != "none"]
 
 
-def block_activation_bytes(args, B: int, T: int, elem: int) -> float:
+def _recomputed(args) -> tuple[str, ...]:
+    from nsa_flex.config import RECOMPUTED
+
+    return RECOMPUTED[getattr(args, "recompute", None) or "none"]
+
+
+def block_activation_bytes(args, B: int, T: int, elem: int, recomputed: bool = False) -> float:
     """Bytes one decoder block keeps for its backward pass (plus the attention core's transient
-    scores on the reference backend) at batch B, length T, activations of ``elem`` bytes."""
+    scores on the reference backend) at batch B, length T, activations of ``elem`` bytes.
+    ``recomputed``: instead, the bytes of the branches ``recompute`` names, which a block keeps
+    only while its own backward rebuilds them."""
     H, Hkv = args.n_heads, args.n_kv_heads
-    per_token = (6 * args.dim + 2 * H * args.d_qk + 2 * Hkv * (args.d_qk + args.d_v) + 5 * H * args.d_v
-                 + 3 * H + 3 * ffn_hidden(args))
-    linear = B * T * per_token * elem
+    again = _recomputed(args)
+    rebuilt = [b for b in _branches(args, T) if b[0] in again]
+    if recomputed:
+        branches, linear = rebuilt, 0
+    else:
+        branches = [b for b in _branches(args, T) if b[0] not in again]
+        per_token = (6 * args.dim + 2 * H * args.d_qk + 2 * Hkv * (args.d_qk + args.d_v)
+                     + (5 - len(rebuilt)) * H * args.d_v + 3 * H + 3 * ffn_hidden(args))
+        linear = B * T * per_token * elem
     if args.backend == "reference":  # fp32 scores + probabilities (+ their gradient) and a bool mask
-        core = sum(B * H * T * S * (3 * 4) + B * Hkv * T * S for S, _ in _branches(args, T))
+        core = sum(B * H * T * S * (3 * 4) + B * Hkv * T * S for _, S, _ in branches)
     else:  # flex: outputs and log-sum-exps per branch
-        core = len(_branches(args, T)) * B * H * T * (args.d_v * elem + 4)
+        core = len(branches) * B * H * T * (args.d_v * elem + 4)
     return linear + core
 
 
@@ -71,7 +87,8 @@ def block_flops(args, B: int, T: int) -> float:
                + 3 * args.dim * ffn_hidden(args) + 3 * H * args.dim)
     linear = 2 * B * T * weights
     dense = args.backend == "reference"  # every (query, key) pair; flex: the pairs a query reads
-    core = sum(2 * B * H * T * (S if dense else r) * (args.d_qk + args.d_v) for S, r in _branches(args, T))
+    core = sum(2 * B * H * T * (S if dense else r) * (args.d_qk + args.d_v)
+               for _, S, r in _branches(args, T))
     return 3 * (linear + core)
 
 
@@ -79,12 +96,13 @@ def training_bytes(args, nparams: int, B: int, T: int, elem: int, ac_mode: str, 
     """Per-rank bytes of one training step: parameter/gradient/AdamW states, activations, logits."""
     states = nparams * (4 + 4 + 8) / max(1, shards)
     block = block_activation_bytes(args, B, T, elem)
+    again = block_activation_bytes(args, B, T, elem, recomputed=True)  # one block's backward
     if ac_mode == "full":
-        acts = args.n_layers * B * T * args.dim * elem + block
+        acts = args.n_layers * B * T * args.dim * elem + block + again
     elif ac_mode in ("selective", "memory_budget"):
-        acts = args.n_layers * block / 2 + block / 2
+        acts = args.n_layers * block / 2 + block / 2 + again
     else:
-        acts = args.n_layers * block
+        acts = args.n_layers * block + again
     logits = B * T * args.vocab_size * (4 + 4 + elem)
     return {"states": states, "activations": acts, "logits": logits, "total": states + acts + logits}
 
