@@ -13,15 +13,15 @@
 #   paperprof  bench_attention.py, paper shape at 16k: every stage and the layer, kernel profiles
 #   layers125  layer.csv rows: 125M shape at 8k and 32k, trained and random selections
 #   layerspaper layer.csv rows: paper shape at 8k, 16k, 64k (random selections), fla beside
-#   titan1B    torchtitan 1B at 8k and 32k, full activation checkpointing for both attentions
-#   titan1B32k titan1B at 32k only
+#   titan1B    torchtitan 1B at 8k and 32k (PLAN_1B, e.g. "32768:1B"), full activation
+#              checkpointing for both attentions
 #   prof8k     bench_attention.py, 125M shape at 8k: every stage and the layer, kernel profiles
 #              (is the NSA layer bound by per-call costs there? experiments/NOTES.md 50(e))
 #   memory     saved_memory.py: what the 125M-shape layer keeps for its backward at 32k: NSA with
 #              recompute none / win / cmp_win, and full attention
 #   gputests   the GPU-marked tests of the op and the layer (tests/ops, tests/layer)
 #   gpurecompute the GPU tests of NSAConfig.recompute, the compressed flex call and the 32k compile
-# Knobs: LAYOUTS (selected_gpu.py --layouts), TRACE (NPZ:LAYER), PYTHON.
+# Knobs: LAYOUTS (selected_gpu.py --layouts), TRACE (NPZ:LAYER), PLAN_1B, PYTHON.
 set -uo pipefail
 OUT=${1:?usage: perf_x2.sh OUT DATA}
 DATA=${2:?usage: perf_x2.sh OUT DATA}
@@ -46,9 +46,7 @@ step() {  # STEP: run it unless done
     titan32krc) ATTNS=nsa NSA_EXTRA="--nsa.recompute cmp_win" NSA_TAG=cmpwin bash experiments/titan_perf_runs.sh \
               "$o" "$DATA" "32768:125M" 40 240 ;;
     titan1B) TITAN_EXTRA="--activation_checkpoint.mode full" bash experiments/titan_perf_runs.sh \
-              "$o" "$DATA" "8192:1B 32768:1B" 40 300 ;;
-    titan1B32k) TITAN_EXTRA="--activation_checkpoint.mode full" bash experiments/titan_perf_runs.sh \
-              "$o" "$DATA" "32768:1B" 40 300 ;;
+              "$o" "$DATA" "${PLAN_1B:-8192:1B 32768:1B}" 40 300 ;;
     prof8k) timeout 600 $B --configs titan_125M --T 8192 --stages-at 8192 --profile \
               --only projections,compression,score_topn,mask_build,attn_compressed,attn_selected,attn_window,gate_out,full_layer,nsa_layer \
               --item-limit 200 --out "$o" ;;

@@ -50,10 +50,9 @@ def _(x):
 def row_cumsum(x: Tensor) -> Tensor:
     """x.cumsum(-1) (int64) of an integer tensor; under torch.compile an opaque op that runs
     aten's scan. Inductor lowers a scan of few rows over a long axis to its split-scan kernel,
-    whose codegen failed on the block lists' cumsum (torch 2.11, the compressed mask's kv-major
-    lists at T=32k, rows [1, 1, 16] x 256 q blocks, fwd+bwd graph: "TypeError: list indices must
-    be integers or slices, not NoneType" in TritonSymbols.get_block_shape; experiments/NOTES.md
-    52)."""
+    whose codegen fails on the block lists' cumsum (torch 2.11: the compressed mask's kv-major
+    lists at T=32k, rows [1, 1, 16] x 256 q blocks, in the fwd+bwd graph raise "TypeError: list
+    indices must be integers or slices, not NoneType"; experiments/NOTES.md 52)."""
     assert not x.is_floating_point(), "row_cumsum: integer tensors only"
     return x.cumsum(-1)
 

@@ -65,11 +65,12 @@ def block_activation_bytes(args, B: int, T: int, elem: int, recomputed: bool = F
     only while its own backward rebuilds them."""
     H, Hkv = args.n_heads, args.n_kv_heads
     again = _recomputed(args)
-    rebuilt = [b for b in _branches(args, T) if b[0] in again]
+    parts = _branches(args, T)
+    rebuilt = [b for b in parts if b[0] in again]
     if recomputed:
         branches, linear = rebuilt, 0
     else:
-        branches = [b for b in _branches(args, T) if b[0] not in again]
+        branches = [b for b in parts if b[0] not in again]
         per_token = (6 * args.dim + 2 * H * args.d_qk + 2 * Hkv * (args.d_qk + args.d_v)
                      + (5 - len(rebuilt)) * H * args.d_v + 3 * H + 3 * ffn_hidden(args))
         linear = B * T * per_token * elem

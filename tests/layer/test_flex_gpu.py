@@ -211,8 +211,8 @@ def test_recompute_compiled_same_function_less_memory():
 def test_layer_fwd_bwd_compiles_at_32k():
     """The 125M-shape layer's training graph at T=32768 compiles and runs (bf16): inductor picks
     other kernels for the block lists at long T than at the 4k of the tests above (its split-scan
-    codegen once failed on the kv-major lists' cumsum there, which only the fwd+bwd graph holds;
-    experiments/NOTES.md 52). Output and gradients finite, gradient of x non-zero."""
+    codegen fails on a scan of the kv-major lists, which only the fwd+bwd graph holds, unless
+    masks.core.row_cumsum keeps it opaque; experiments/NOTES.md 52). Output and gradients finite, gradient of x non-zero."""
     torch._dynamo.reset()
     cfg = NSAConfig(n_heads=16, n_kv_heads=2, d_qk=64, d_v=64, dim=768, backend="flex")
     torch.manual_seed(0)

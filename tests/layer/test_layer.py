@@ -265,6 +265,18 @@ def test_autocast_keeps_attention_in_low_precision(monkeypatch):
     assert layer.wq.weight.grad is not None and layer.wq.weight.grad.dtype == torch.float32
 
 
+def fixed_selection():
+    """A select_topn stand-in that returns its first call's picks on every call: the runs a test
+    compares use one selection (rounding must not flip a near-tie of the top-n)."""
+    recorded = {}
+
+    def record(*a, **k):
+        recorded.setdefault("idx", select_topn(*a, **k))
+        return recorded["idx"]
+
+    return record
+
+
 def _saved_bytes_and_grads(layer, x, compiled):
     """(output, grad of x, parameter grads, bytes the autograd graph saved in the forward)."""
     f = torch.compile(layer, fullgraph=True, dynamic=False) if compiled else layer
@@ -287,12 +299,7 @@ def test_recompute_same_function_less_memory(compiled):
     the forward keeps less for the backward (win < none, cmp_win < win)."""
     torch._dynamo.reset()
     x = torch.randn(2, 70, BASE["dim"])
-    recorded = {}  # one selection for every run: rounding must not flip a near-tie of the top-n
-
-    def record(*a, **k):
-        recorded.setdefault("idx", select_topn(*a, **k))
-        return recorded["idx"]
-
+    record = fixed_selection()
     runs = {}
     for rc in ("none", "win", "cmp_win"):
         layer = make_layer(seed=3, recompute=rc)
@@ -318,12 +325,7 @@ def test_compiled_training_graph_equals_eager(masks, T):
     torch._dynamo.reset()
     layer = make_layer(seed=5, masks=masks)
     x = torch.randn(2, T, BASE["dim"])
-    recorded = {}  # one selection for both: rounding must not flip a near-tie of the top-n
-
-    def record(*a, **k):
-        recorded.setdefault("idx", select_topn(*a, **k))
-        return recorded["idx"]
-
+    record = fixed_selection()
     layer.select_topn = record
     want = _saved_bytes_and_grads(layer, x, compiled=False)
     got = _saved_bytes_and_grads(layer, x, compiled=True)
