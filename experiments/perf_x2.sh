@@ -4,6 +4,7 @@
 # Q0 on GPU 0 and Q1 on GPU 1, each step into OUT/STEP/ with its log OUT/STEP.log. A step that
 # finished (OUT/STEP/DONE) is skipped when the job is started again.
 #   Q0="sel125 paperprof" Q1="titan32k selpaper" bash experiments/perf_x2.sh OUT DATA
+# (Q1= empty on a one-GPU machine: nothing for GPU 1.)
 # Steps (each capped by `timeout`):
 #   sel125     selected_gpu.py at the 125M shape, 32k: check + layouts x (random, trained trace)
 #   selpaper   selected_gpu.py at the paper shape, 16k, random selections
@@ -21,6 +22,10 @@
 #              recompute none / win / cmp_win, and full attention
 #   gputests   the GPU-marked tests of the op and the layer (tests/ops, tests/layer)
 #   gpurecompute the GPU tests of NSAConfig.recompute, the compressed flex call and the 32k compile
+#   gpuflex    every GPU test of the flex backend and the layer (tests/layer/test_flex_gpu.py)
+#   paper16k   bench_attention.py, paper shape at 16k: the NSA and full-attention layers with
+#              kernel profiles
+#   cmpprobe   experiments/cmp_sdpa_probe.py (the compressed branch on SDPA's kernels vs flex)
 # Knobs: LAYOUTS (selected_gpu.py --layouts), TRACE (NPZ:LAYER), PLAN_1B, PYTHON.
 set -uo pipefail
 OUT=${1:?usage: perf_x2.sh OUT DATA}
@@ -65,6 +70,11 @@ step() {  # STEP: run it unless done
               tests/ops/test_selected_triton.py tests/layer/test_flex_gpu.py ;;
     gpurecompute) timeout 600 $PY -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
               tests/layer/test_flex_gpu.py -k "recompute or compressed or compiles_at_32k" ;;
+    gpuflex) timeout 900 $PY -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
+              tests/layer/test_flex_gpu.py ;;
+    paper16k) timeout 600 $B --configs paper --T 16384 --stages-at 0 --profile --item-limit 200 \
+              --only full_layer,nsa_layer --out "$o" ;;
+    cmpprobe) timeout 600 $PY experiments/cmp_sdpa_probe.py --out "$o" ;;
     *) echo "unknown step $s"; return ;;
   esac > "$o.log" 2>&1
   rc=$?; touch "$o/DONE"; progress "$s: rc=$rc"
@@ -72,8 +82,8 @@ step() {  # STEP: run it unless done
 # one rendezvous port per GPU: two torchtitan runs at once must not meet on torchrun's default
 queue() { local gpu=$1 s; shift; for s in "$@"; do CUDA_VISIBLE_DEVICES=$gpu MASTER_PORT=$((29500 + gpu)) step "$s"; done; }
 # shellcheck disable=SC2086
-queue 0 ${Q0:-sel125 paperprof} &
+queue 0 ${Q0-sel125 paperprof} &
 # shellcheck disable=SC2086
-queue 1 ${Q1:-titan32k selpaper} &
+queue 1 ${Q1-titan32k selpaper} &
 wait
 touch "$OUT/ALL_DONE"; progress "all done"

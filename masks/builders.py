@@ -47,7 +47,8 @@ def compressed_causal(l: int, d: int) -> MaskSpec:
         hi = torch.div(q - l + 1, d, rounding_mode="floor")
         return torch.zeros_like(q).unsqueeze(0), hi.unsqueeze(0)
 
-    return MaskSpec(mask_mod, interval=interval, name=f"compressed_causal({l},{d})")
+    return MaskSpec(mask_mod, interval=interval, name=f"compressed_causal({l},{d})",
+                    cmp_causal=(l, d))
 
 
 def document(doc_ids: Tensor, kv_stride: int = 1, kv_span: int = 1) -> MaskSpec:

@@ -93,6 +93,10 @@ class MaskSpec:
     # plain causal attention (the `causal` factory alone): the flex backend on GPU hands it to
     # SDPA's fused causal kernels, what a user of full attention would otherwise run
     is_causal: bool = False
+    # the compressed-causal mask alone, (l, d) (the `compressed_causal` factory): query t sees
+    # compressed block i iff i d + l - 1 <= t. The flex backend on GPU runs it as plain causal
+    # attention over groups of d positions (`nsa_flex.attention.attend_compressed_sdpa`)
+    cmp_causal: tuple[int, int] | None = None
     # a per-(position, group) block selection (the `selection` factory): (sel_idx [B, H, T, n],
     # block length), read with the BlockMask by the selected-attention op
     # (nsa_flex.ops.selected_triton); `row_band`: the band the other masks of an `and_masks`

@@ -11,7 +11,11 @@
     is one flex call per part, merged exactly through the parts' log-sum-exps (`merge_parts`);
   * few keys for many queries (compressed keys, the 64-key sink) get one K/V copy per query head
     (`expand_kv_heads`): flex's dK/dV pass then has G times the programs, each G times shorter;
-  * the plain causal mask (the full_causal preset) runs SDPA, what full attention would run.
+  * the plain causal mask (the full_causal preset) runs SDPA, what full attention would run;
+  * the compressed-causal mask alone (no documents) is plain causal attention once the d
+    positions that see the same compressed blocks share one row: cuDNN's fused SDPA kernels
+    (`attend_compressed_sdpa`; flex's template pads d_k 192 to 256 and runs its dK/dV pass over
+    few, long kv tiles).
 
 Shapes: q [B, Hq, T, Dk], k [B, Hkv, S, Dk], v [B, Hkv, S, Dv] -> out [B, Hq, T, Dv],
 lse [B, Hq, T] (fp32, natural log; None from compiled CPU flex, which cannot return it: the
@@ -105,6 +109,62 @@ def attend_reference(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec,
     return out.reshape(B, Hq, T, -1), lse.reshape(B, Hq, T)
 
 
+# The compressed-causal mask on cuDNN's SDPA where it applies (`compressed_sdpa_ok`); False: flex's
+# template (the GPU tests check both against the reference).
+CMP_SDPA = True
+
+
+def compressed_sdpa_ok(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether cuDNN's SDPA can run the compressed branch on these tensors: CUDA, bf16 / fp16,
+    head dims multiples of 8 up to 256 (cuDNN's limits)."""
+    dims = (q.shape[-1], v.shape[-1])
+    # torch._C._has_cudnn: a constant that torch.compile traces (cudnn.is_available() it cannot)
+    return (CMP_SDPA and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+            and torch._C._has_cudnn
+            and all(x % 8 == 0 and x <= 256 for x in dims))
+
+
+def _causal_sdpa_lse(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """Causal attention with GQA (q heads a multiple of k's) and its lse [B, H, M] (natural log):
+    cuDNN's fused kernels on CUDA (the private op returns the lse that SDPA's public call does
+    not), fp32 math elsewhere (CPU tests of the packing)."""
+    if q.is_cuda:
+        out = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, True, False, scale=scale)
+        return out[0], out[1].squeeze(-1)
+    G = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+    s = (q @ k.transpose(-1, -2)).to(torch.promote_types(q.dtype, torch.float32)) * scale
+    M, S = q.shape[2], k.shape[2]
+    s = s.masked_fill(torch.ones(M, S, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    return (torch.exp(s - lse[..., None]).to(v.dtype) @ v), lse
+
+
+def attend_compressed_sdpa(q: Tensor, k: Tensor, v: Tensor, l: int, d: int,
+                           scale: float | None = None) -> tuple[Tensor, Tensor]:
+    """The compressed-causal mask (query t sees compressed block i iff i d + l - 1 <= t) as plain
+    causal attention. Position t = l - 1 + m d + r (0 <= r < d) sees blocks 0..m, so the d
+    positions of group m become d query rows at causal index m: q -> [B, Hq*d, M, Dk] (head
+    h*d + r; GQA onto the Hkv key heads keeps head h's group), M = num_cmp(T) groups (the last
+    one padded), key i at index i. Positions before l - 1 see nothing (0, lse -inf)."""
+    B, Hq, T, Dk, Hkv, S, G, scale = _dims(q, k, scale)
+    o = l - 1
+    M = -(-(T - o) // d)
+    if T <= o or S < M:
+        raise ValueError(f"attend_compressed_sdpa: {S} compressed keys for T={T}, l={l}, d={d} "
+                         f"(expected num_cmp(T) = {max(M, 0)})")
+    qp = F.pad(q[:, :, o:], (0, 0, 0, M * d - (T - o)))
+    qp = qp.view(B, Hq, M, d, Dk).transpose(2, 3).reshape(B, Hq * d, M, Dk)
+    out, lse = _causal_sdpa_lse(qp, k[:, :, :M], v[:, :, :M], scale)
+
+    def unpack(x, fill):  # [B, Hq*d, M, E] -> [B, Hq, T, E], rows before l - 1: fill
+        x = x.view(B, Hq, d, M, -1).transpose(2, 3).reshape(B, Hq, M * d, -1)[:, :, : T - o]
+        return F.pad(x, (0, 0, o, 0), value=fill)
+
+    return unpack(out, 0.0), unpack(lse.unsqueeze(-1), float("-inf")).squeeze(-1)
+
+
 def merge_parts(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
     """Attention over a union of disjoint key sets from the attention over each set:
     out = sum_i exp(lse_i - lse) out_i with lse = log sum_i exp(lse_i). Exact (no key is counted
@@ -183,6 +243,8 @@ def attend_flex(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, scale: float | 
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                              enable_gqa=Hq != Hkv)
         return out, None
+    if spec.cmp_causal is not None and compressed_sdpa_ok(q, k, v):
+        return attend_compressed_sdpa(q, k, v, *spec.cmp_causal, scale)
     if spec.per_group:
         # group-centric packing: [B, Hkv, G, T, D] -> [B, Hkv, T*G, D], row = t*G + g
         bs = packed_block_size(G, spec)

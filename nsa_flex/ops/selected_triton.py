@@ -15,8 +15,10 @@ r // G, head r % G; q block = P positions x G heads, P = `tile_positions(G)`: 16
     `sel` in the backward) and gathers DKV_ROWS rows of them per MMA step (each position's G heads
     unpadded there: 8 positions a step at G = 8). The most-read blocks (block 0,
     popular blocks: `HEAVY` of them per head) are split into equal shares of their list; each
-    share writes an fp32 partial that a sum finishes. With atomics for dQ (`dq_atomic`) the same
-    pass also adds each tile's dQ = dS @ K into an fp32 buffer and the dQ kernel does not run.
+    share adds its dK/dV into the block's fp32 accumulator by atomics (fp32 adds in arrival
+    order: a heavy block's dK/dV is not bit-reproducible run to run). With atomics for dQ
+    (`dq_atomic`) the same pass also adds each tile's dQ = dS @ K into an fp32 buffer and the dQ
+    kernel does not run.
 Inside a partial block every row keeps exactly its own selection: row r sees key s iff s's block
 is in sel[t] and lo[t] <= s <= min(hi[t], t). d_k that is not a power of two (192) runs as two
 dots (128 + 64), not padded to 256.
@@ -46,6 +48,11 @@ ROWS = 16
 HEAVY = 16
 SPLIT_TILES = 256  # positions per share of a heavy block's list (at most), sets the share count
 DKV_ROWS = 64  # rows of the dK/dV pass's gathered tile (several positions of one kv block's list)
+
+# Launch options per kernel ("fwd", "dq", "dkv": num_warps, num_stages) over those of
+# `_launch_opts` (None: its defaults), read at each launch: for tuning scripts
+# (experiments/tune_selected.py).
+LAUNCH: dict[str, dict | None] = {"fwd": None, "dq": None, "dkv": None}
 
 
 def head_split(d: int) -> tuple[int, int]:
@@ -396,8 +403,8 @@ def _dkv_step(dk1, dk2, dv_acc, k1, k2, v, kk, e, e_end, qi, Q, DO, LSE, DELTA, 
 
 
 @triton.jit
-def _sel_dkv_kernel(Q, K, V, DO, LSE, DELTA, LO, HI, QN, QOFF, QI, HSLOT, HEAVY, DK_, DV_, PK, PV,
-                    DQA, T, TP, HKV, NKB, WP, NH, NSPLIT, s_lb,
+def _sel_dkv_kernel(Q, K, V, DO, LSE, DELTA, LO, HI, QN, QOFF, QI, HSLOT, HEAVY, DK_, DV_, DKA,
+                    DVA, DQA, T, TP, HKV, NKB, WP, NH, NSPLIT, s_lb,
                     QK_SCALE: tl.constexpr, SM_SCALE: tl.constexpr, NG: tl.constexpr,
                     G: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr, DK: tl.constexpr,
                     DK1: tl.constexpr, DK2: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
@@ -450,21 +457,23 @@ def _sel_dkv_kernel(Q, K, V, DO, LSE, DELTA, LO, HI, QN, QOFF, QI, HSLOT, HEAVY,
                      (dk2 * SM_SCALE).to(DK_.dtype.element_ty), mask=ok[:, None])
         tl.store(DV_ + ooff_v + (kk * DV)[:, None] + dv[None, :], dv_acc.to(DV_.dtype.element_ty),
                  mask=ok[:, None] & (dv < DV)[None, :])
-    else:  # fp32 partials [B*HKV, NH, NSPLIT, BLOCK, D]
-        part = (bh * NH + slot) * NSPLIT + share
-        r = tl.arange(0, BLOCK).to(tl.int64)
-        tl.store(PK + (part * BLOCK + r)[:, None] * DK + d1[None, :], dk1 * SM_SCALE,
-                 mask=(d1 < DK)[None, :])
+    else:  # a share: added into its block's zeroed fp32 accumulators [B*HKV, NH, BLOCK, D]
+        r = (bh * NH + slot) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+        ok = (r * 0 + e0) < e1  # an empty share (a short list split NSPLIT ways) adds nothing
+        tl.atomic_add(DKA + (r * DK)[:, None] + d1[None, :], dk1 * SM_SCALE,
+                      mask=ok[:, None] & (d1 < DK)[None, :], sem="relaxed")
         if DK2 > 0:
             d2 = DK1 + tl.arange(0, DK2)
-            tl.store(PK + (part * BLOCK + r)[:, None] * DK + d2[None, :], dk2 * SM_SCALE)
-        tl.store(PV + (part * BLOCK + r)[:, None] * DV + dv[None, :], dv_acc,
-                 mask=(dv < DV)[None, :])
+            tl.atomic_add(DKA + (r * DK)[:, None] + d2[None, :], dk2 * SM_SCALE,
+                          mask=ok[:, None], sem="relaxed")
+        tl.atomic_add(DVA + (r * DV)[:, None] + dv[None, :], dv_acc,
+                      mask=ok[:, None] & (dv < DV)[None, :], sem="relaxed")
 
 
 # ---------------------------------------------------------------------- launchers
 def _launch_opts(dk: int, dv: int, dtype) -> dict:
-    """num_warps / num_stages of the three kernels (H100-measured where noted in NOTES.md)."""
+    """num_warps / num_stages of the three kernels by default (H100-measured where noted in
+    NOTES.md); LAUNCH overrides them per kernel."""
     wide = dk > 128 or dv > 128 or dtype == torch.float32
     return {"num_warps": 8 if wide else 4, "num_stages": 2}
 
@@ -483,15 +492,15 @@ def _prec(dtype) -> str:
 
 
 def _q_block_consts(q: Tensor, v: Tensor, sel: Tensor, l_sel: int, rows: int,
-                    has_band: bool) -> dict:
-    """The constexprs and launch options of the query-centric kernels (forward, dQ)."""
+                    has_band: bool, name: str) -> dict:
+    """The constexprs and launch options of the query-centric kernel `name` (fwd, dq)."""
     G, Dk, Dv = q.shape[1] // v.shape[1], q.shape[-1], v.shape[-1]
     BT, gp = tile_positions(G, rows), padded_group(G)
     dk1, dk2 = head_split(Dk)
     return dict(G=G, GP=gp, BT=BT, BM=BT * gp, NSEL=sel.shape[-1],
                 NP=max(2, triton.next_power_of_2(sel.shape[-1])), BLOCK=l_sel, DK=Dk, DK1=dk1,
                 DK2=dk2, DV=Dv, DVP=max(16, triton.next_power_of_2(Dv)), HAS_BAND=has_band,
-                PREC=_prec(q.dtype), **_launch_opts(Dk, Dv, q.dtype))
+                PREC=_prec(q.dtype), **{**_launch_opts(Dk, Dv, q.dtype), **(LAUNCH[name] or {})})
 
 
 @triton_op("nsa_flex::selected_attention_fwd", mutates_args=())
@@ -511,7 +520,7 @@ def selected_attention_fwd(q: Tensor, k: Tensor, v: Tensor, sel: Tensor, lo: Opt
     wrap_triton(_sel_fwd_kernel)[(nqb, B * Hkv)](
         q, k, v, sel, lo_, hi_, kv_num, kv_idx, full_num, full_idx, o, lse,
         T, Hkv, nqb, kv_idx.shape[-1], s_lb, QK_SCALE=scale * LOG2E,
-        **_q_block_consts(q, v, sel, l_sel, rows, has_band))
+        **_q_block_consts(q, v, sel, l_sel, rows, has_band, "fwd"))
     return o, lse
 
 
@@ -546,7 +555,6 @@ def selected_attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Ten
         HAS_DLSE=dlse is not None, R=64, num_warps=4)
     lo_, hi_, s_lb, has_band = _band(lo, hi, B, T, q.device)
     dk1, dk2 = head_split(Dk)
-    opts = _launch_opts(Dk, Dv, q.dtype)
     fuse_dq = dq_atomic(G, Dk)
     if fuse_dq:  # accumulated by the dK/dV pass
         dqa = torch.zeros(B, Hq, T, Dk, dtype=torch.float32, device=q.device)
@@ -555,7 +563,7 @@ def selected_attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Ten
         wrap_triton(_sel_dq_kernel)[(nqb, B * Hkv)](
             q, k, v, do, lse, delta, sel, lo_, hi_, kv_num, kv_idx, full_num, full_idx, dq,
             T, Hkv, nqb, kv_idx.shape[-1], s_lb, QK_SCALE=scale * LOG2E, SM_SCALE=scale,
-            **_q_block_consts(q, v, sel, l_sel, rows, has_band))
+            **_q_block_consts(q, v, sel, l_sel, rows, has_band, "dq"))
     # dK/dV walk the inverse of the per-position selection (whatever the forward's q blocks):
     # for each kv block, the positions that selected it (CSR), so no gathered row is wasted on a
     # position that did not choose the block and no row needs the selection test
@@ -570,8 +578,10 @@ def selected_attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Ten
     hslot = torch.full((B * Hkv, nkb), -1, dtype=torch.int32, device=q.device)
     hslot.scatter_(1, heavy_idx.long(), torch.arange(nh, dtype=torch.int32, device=q.device)
                    .expand(B * Hkv, nh).contiguous())
-    pk = torch.empty(B * Hkv, nh, nsplit, l_sel, Dk, dtype=torch.float32, device=q.device)
-    pv = torch.empty(B * Hkv, nh, nsplit, l_sel, Dv, dtype=torch.float32, device=q.device)
+    # their shares add into one fp32 accumulator per heavy block (NSPLIT times less memory than a
+    # partial per share, and no sum over shares)
+    dka = torch.zeros(B * Hkv, nh, l_sel, Dk, dtype=torch.float32, device=q.device)
+    dva = torch.zeros(B * Hkv, nh, l_sel, Dv, dtype=torch.float32, device=q.device)
     p_off = (torch.cumsum(p_num, -1) - p_num).to(torch.int32)  # CSR row starts
     # a position's G heads take next_power_of_2(G) rows of the gathered tile (no tensor-core
     # minimum per position there: the tile is NG positions deep), so at G = 8 a 64-row step holds
@@ -579,17 +589,18 @@ def selected_attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Ten
     gd = triton.next_power_of_2(G)
     wrap_triton(_sel_dkv_kernel)[(nkb + nh * nsplit, B * Hkv)](
         q, k, v, do, lse, delta, lo_, hi_, p_num, p_off, p_idx, hslot, heavy_idx, dk_pad, dv_pad,
-        pk, pv, dqa, T, nkb * l_sel, Hkv, nkb, p_idx.shape[-1], nh, nsplit, s_lb,
+        dka, dva, dqa, T, nkb * l_sel, Hkv, nkb, p_idx.shape[-1], nh, nsplit, s_lb,
         QK_SCALE=scale * LOG2E, SM_SCALE=scale, NG=max(1, DKV_ROWS // gd), G=G, GP=gd,
         BLOCK=l_sel, DK=Dk, DK1=dk1, DK2=dk2, DV=Dv, DVP=dvp, HAS_BAND=has_band,
-        PREC=_prec(q.dtype), FUSE_DQ=fuse_dq, **opts)
+        PREC=_prec(q.dtype), FUSE_DQ=fuse_dq,
+        **{**_launch_opts(Dk, Dv, q.dtype), **(LAUNCH["dkv"] or {})})
     if fuse_dq:
         dq = dqa.to(q.dtype)
     idx = heavy_idx.long().view(B * Hkv, nh, 1, 1)
     dk_pad.view(B * Hkv, nkb, l_sel, Dk).scatter_(
-        1, idx.expand(-1, -1, l_sel, Dk), pk.sum(2).to(k.dtype))
+        1, idx.expand(-1, -1, l_sel, Dk), dka.to(k.dtype))
     dv_pad.view(B * Hkv, nkb, l_sel, Dv).scatter_(
-        1, idx.expand(-1, -1, l_sel, Dv), pv.sum(2).to(v.dtype))
+        1, idx.expand(-1, -1, l_sel, Dv), dva.to(v.dtype))
     return dq, dk_pad[:, :, :T], dv_pad[:, :, :T]
 
 

@@ -159,6 +159,40 @@ def test_selected_gpu_runs_interpreted(tmp_path):
     assert "no trained selection" in r.stdout
 
 
+@pytest.mark.slow
+def test_tune_selected_runs_interpreted(tmp_path):
+    """experiments/tune_selected.py --quick end to end on the CPU (Triton's interpreter, tiny
+    shape): every config of both grids checked against the default config and timed, one that
+    cannot compile (24 gathered rows: not a power of two) recorded with its error and skipped, the
+    trained selection that does not fit the shape skipped, the best config printed; --max-minutes
+    stops the sweep cleanly."""
+    pytest.importorskip("triton")
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    r = subprocess.run([sys.executable, "experiments/tune_selected.py", "--quick", "--out",
+                        str(tmp_path), "--dkv", "64:8:2,16:4:1,24:4:1"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = list(csv.DictReader(open(tmp_path / "tune_selected.csv")))
+    timed = [x for x in rows if x["selection"] == "random"]
+    assert [(x["kernel"], x["config"]) for x in timed] == [
+        ("fwd", "w8:s2"), ("fwd", "w2:s1"), ("dkv", "r64:w8:s2"), ("dkv", "r16:w4:s1"),
+        ("dkv", "r24:w4:s1")]
+    good, bad = timed[:4], timed[4]
+    assert all(x["error"] == "" and float(x["ms"]) > 0 and float(x["err"]) < 1e-4 for x in good)
+    assert "power of 2" in bad["error"] and bad["ms"] == "nan"
+    assert [x["selection"] for x in rows if x not in timed] == ["trained"]
+    assert "no trained selection" in r.stdout
+    assert "best tiny T=96 random dkv: " in r.stdout and "(default r64:w8:s2: " in r.stdout
+    r = subprocess.run([sys.executable, "experiments/tune_selected.py", "--quick", "--out",
+                        str(tmp_path), "--max-minutes", "0.0001"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "--max-minutes reached" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    assert list(csv.DictReader(open(tmp_path / "tune_selected.csv"))) == []
+
+
 def test_saved_memory_runs_on_cpu(tmp_path):
     """experiments/saved_memory.py on the CPU (reference backend, tiny shape): one summary row per
     layer, NSA's saved tensors listed and more of them than full attention's; recompute cmp_win

@@ -11,6 +11,7 @@ import torch
 import torch._dynamo
 
 from masks import MaskContext, get_mask_builder
+import nsa_flex.attention as attention
 from nsa_flex import NSAAttention, NSAConfig
 from nsa_flex.attention import attend_flex, attend_reference
 from nsa_flex.kernel_options import install_flex_patches
@@ -54,25 +55,35 @@ def inputs():
 
 
 @pytest.mark.parametrize("case", ["selected", "selected_flex", "packed_flex", "compressed",
-                                  "causal"])
-def test_compiled_flex_call_matches_reference(inputs, case):
+                                  "compressed_flex", "causal"])
+def test_compiled_flex_call_matches_reference(inputs, case, monkeypatch):
     """selected: the selected-attention op (the default); selected_flex: flex's template, forced +
-    scored parts merged by lse; packed_flex: the same selection in one flex call; compressed: one
-    K/V copy per query head; causal: the full_causal preset (SDPA)."""
+    scored parts merged by lse; packed_flex: the same selection in one flex call; compressed:
+    cuDNN's causal SDPA over groups of d positions (the default; its lse too: the scorer reads
+    it); compressed_flex: flex's template, one K/V copy per query head; causal: the full_causal
+    preset (SDPA)."""
     cfg, tok, cmp, specs = inputs
-    q, k, v = cmp if case == "compressed" else tok
+    q, k, v = cmp if case.startswith("compressed") else tok
     spec_fn = specs[case.replace("_flex", "")]
     kern = "flex" if case.endswith("_flex") else "auto"
+    monkeypatch.setattr(attention, "CMP_SDPA", case != "compressed_flex")
+    if case == "compressed":
+        assert attention.compressed_sdpa_ok(q, k, v)  # the route this case is meant to take
+    torch._dynamo.reset()  # CMP_SDPA is read at trace time
     fast = torch.compile(lambda q_, k_, v_: attend_flex(q_, k_, v_, spec_fn(), sel_kernel=kern),
                          fullgraph=True, dynamic=False)
     w = torch.randn(q.shape[0], q.shape[1], q.shape[2], v.shape[-1], device=DEV)
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-    out, _ = fast(*leaves)
+    out, lse = fast(*leaves)
     g_fast = torch.autograd.grad((out.float() * w).sum(), leaves)
     ref_leaves = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
-    ref, _ = attend_reference(*ref_leaves, spec_fn())
+    ref, ref_lse = attend_reference(*ref_leaves, spec_fn())
     g_ref = torch.autograd.grad((ref * w).sum(), ref_leaves)
     errs = {"out": rel(out, ref), **{n: rel(a, b) for n, a, b in zip(("dq", "dk", "dv"), g_fast, g_ref)}}
+    if case.startswith("compressed"):
+        seen = torch.isfinite(ref_lse)
+        errs["lse"] = (lse[seen] - ref_lse[seen]).abs().max().item()
+        assert torch.equal(torch.isfinite(lse), seen)
     assert all(e < TOL for e in errs.values()), errs  # NaN fails too
 
 

@@ -207,8 +207,8 @@ def test_kernels_compile_for_h100(monkeypatch, shape, dtype, dq_atomic):
     for c in calls:
         compile_for_h100(*c)
     # torch's mutation analysis sees only the outputs written (else compile copies inputs back)
-    writes = [["LSE", "O"], ["DELTA"], ["DK_", "DQA", "DV_", "PK", "PV"]] if dq_atomic else \
-        [["LSE", "O"], ["DELTA"], ["DQ"], ["DK_", "DV_", "PK", "PV"]]
+    writes = [["LSE", "O"], ["DELTA"], ["DKA", "DK_", "DQA", "DVA", "DV_"]] if dq_atomic else \
+        [["LSE", "O"], ["DELTA"], ["DQ"], ["DKA", "DK_", "DVA", "DV_"]]
     assert [written_args(*c) for c in calls] == writes
 
 

@@ -1,0 +1,242 @@
+"""Launch-option sweep of the selected-attention op (`nsa_flex.ops.selected_triton`) on the GPU: the
+op alone (eager, on prebuilt lists, as selected_gpu.py's op_only rows) at one shape, on random and
+trained selections.
+
+    python experiments/tune_selected.py --out OUT                        # 125M shape at 32k
+    python experiments/tune_selected.py --out OUT --shape paper:64:4:192:128:16384
+
+Grids: the forward kernel's num_warps x num_stages (`LAUNCH["fwd"]`), timed forward only (no
+grad); the dK/dV kernel's gathered rows x num_warps x num_stages (`DKV_ROWS`, `LAUNCH["dkv"]`),
+timed fwd+bwd (`ms`, triton's do_bench median) and by its own kernel (`kernel_ms`,
+torch.profiler). Before timing, every config's outputs (fwd: out, lse) or gradients (dkv: dq, dk,
+dv) are compared with the default config's: `err` = max abs diff (a heavy block's dK/dV and an
+atomic dQ are fp32 sums in arrival order: small diffs there are expected, a wrong config shows as
+a large one). A config that fails (compile: shared memory, registers) gets its error in the row and
+the sweep goes on. Inputs are random normal (q, k, v, dO); selections: `random` (uniform scores)
+and `trained` (--trace NPZ:LAYER, its first T positions; skipped with the reason where it does not
+fit the shape). Writes OUT/tune_selected.csv after every row and prints the best config per kernel
+and selection (by kernel_ms where measured, else ms). --quick: a tiny shape and grid, for a smoke
+test on the CPU under TRITON_INTERPRET=1.
+"""
+
+import argparse
+import contextlib
+import math
+import os
+import time
+
+import torch
+
+from nsa_flex.attention import selected_lists
+from nsa_flex.bench import kernel_ms, median_ms, write_csv
+from nsa_flex.config import NSAConfig
+from nsa_flex.eval.selection_stats import load_trace
+from nsa_flex.ops import selected_triton, triton_interpreted
+from selected_gpu import DEV, log, selection, spec_of
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TRACE = os.path.join(HERE, "results", "quality", "selection_traces", "nsa_L32768.npz") + ":6"
+FWD = [(w, s) for w in (2, 4, 8) for s in (1, 2, 3, 4)]  # (num_warps, num_stages)
+DKV = [(r, w, s) for r in (32, 64, 128) for w in (4, 8) for s in (1, 2, 3)]  # (DKV_ROWS, ...)
+# --quick: the first config of each grid is the default in fp32 (the interpreter's dtype)
+QUICK = dict(shape="tiny:4:2:48:32:96", l_sel=16, n_sel=4, fwd=[(8, 2), (2, 1)],
+             dkv=[(64, 8, 2), (16, 4, 1)])
+KERNELS = {"fwd": "_sel_fwd_kernel", "dkv": "_sel_dkv_kernel"}
+FIELDS = ["shape", "T", "selection", "kernel", "config", "ms", "kernel_ms", "err", "error", "device"]
+
+
+def parse_shape(text: str) -> tuple[str, int, int, int, int, int]:
+    """name:Hq:Hkv:Dk:Dv:T -> (name, Hq, Hkv, Dk, Dv, T)."""
+    parts = text.split(":")
+    if len(parts) != 6 or not all(p.isdigit() and int(p) > 0 for p in parts[1:]) \
+            or int(parts[1]) % int(parts[2]):
+        raise SystemExit(f"--shape: {text!r} must be name:Hq:Hkv:Dk:Dv:T (positive ints, Hq a "
+                         "multiple of Hkv), e.g. 125M:16:2:64:64:32768")
+    return (parts[0], *map(int, parts[1:]))
+
+
+def parse_grid(text: str, n: int, what: str) -> list[tuple[int, ...]]:
+    """"4:2,8:1" -> [(4, 2), (8, 1)] (n ints an entry)."""
+    out = []
+    for item in [x for x in text.split(",") if x]:
+        parts = item.split(":")
+        if len(parts) != n or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise SystemExit(f"--{what}: {item!r} must be {n} positive ints joined by ':'")
+        out.append(tuple(map(int, parts)))
+    return out
+
+
+def config_name(kernel: str, cfg: tuple) -> str:
+    """fwd (4, 2) -> w4:s2; dkv (64, 4, 2) -> r64:w4:s2."""
+    *rows, w, s = cfg
+    return "".join(f"r{r}:" for r in rows) + f"w{w}:s{s}"
+
+
+@contextlib.contextmanager
+def launch(kernel: str, cfg: tuple | None):
+    """The op's launch options for `kernel` set to cfg (None: the defaults), restored after."""
+    old_launch, old_rows = dict(selected_triton.LAUNCH), selected_triton.DKV_ROWS
+    try:
+        if cfg is not None:
+            *rows, w, s = cfg
+            selected_triton.LAUNCH[kernel] = {"num_warps": w, "num_stages": s}
+            if rows:
+                selected_triton.DKV_ROWS = rows[0]
+        yield
+    finally:
+        selected_triton.LAUNCH.clear()
+        selected_triton.LAUNCH.update(old_launch)
+        selected_triton.DKV_ROWS = old_rows
+
+
+def trained_selection(spec: str, T: int, Hkv: int, n: int, l_sel: int):
+    """(The first T positions of a trained selection NPZ:LAYER [1, Hkv, T, n], its label), or
+    (None, why not) where it does not fit the shape."""
+    path, _, lay = spec.partition(":")
+    idx, info = load_trace(path, int(lay) if lay else None)
+    label = f"trained:{os.path.basename(path)}:layer{info['layer']}"
+    if idx.shape[1] != Hkv or idx.shape[3] != n or idx.shape[2] < T or info["l_sel"] != l_sel:
+        return None, (f"{label}: (Hkv, T, n, l_sel) = ({idx.shape[1]}, {idx.shape[2]}, "
+                      f"{idx.shape[3]}, {info['l_sel']}) does not fit Hkv={Hkv}, T={T}, n={n}, "
+                      f"l_sel={l_sel}")
+    return idx[:, :, :T].to(DEV), label
+
+
+def max_diff(a: list, b: list) -> float:
+    """Max abs difference over tensor pairs (equal infinities: 0)."""
+    return max(torch.where(x == y, 0.0, (x.float() - y.float()).abs()).max().item()
+               for x, y in zip(a, b))
+
+
+def sweep(a, shape: str, sel_names: list[str], grids: dict, rows: list, path: str, t_end: float,
+          defaults: dict) -> bool:
+    """Every config of `grids` on each selection at one shape: rows appended (CSV rewritten after
+    each), the default configs' names into defaults[(shape, T, kernel)]; False when the time limit
+    stopped it."""
+    name, H, Hkv, dk, dv, T = parse_shape(shape)
+    G, B = H // Hkv, 1
+    cfg = NSAConfig(dim=64, n_heads=H, n_kv_heads=Hkv, d_qk=dk, d_v=dv, l_sel=a.l_sel,
+                    n_sel=a.n_sel, backend="flex")
+    dt = torch.bfloat16 if DEV == "cuda" else torch.float32  # the interpreter computes in fp32
+    device = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (interpreted)"
+    w, s = (selected_triton._launch_opts(dk, dv, dt)[o] for o in ("num_warps", "num_stages"))
+    defaults.update({(name, T, "fwd"): config_name("fwd", (w, s)),
+                     (name, T, "dkv"): config_name("dkv", (selected_triton.DKV_ROWS, w, s))})
+    torch.manual_seed(0)
+    q, k, v = [torch.randn(B, h, T, d, device=DEV, dtype=dt, requires_grad=True)
+               for h, d in ((H, dk), (Hkv, dk), (Hkv, dv))]
+    do = torch.randn(B, H, T, dv, device=DEV, dtype=dt)
+    for sname in sel_names:
+        base = dict(shape=name, T=T, device=device)
+        if sname == "random":
+            idx, label = selection(cfg, B, T, None, 1), "random"
+        else:
+            idx, label = trained_selection(a.trace, T, Hkv, a.n_sel, a.l_sel)
+            if idx is None:
+                log(f"{name} T={T}: no trained selection ({label})")
+                rows.append(dict(base, selection="trained", error=f"no trained selection: {label}"))
+                write_csv(rows, path, fields=FIELDS)
+                continue
+        base["selection"] = label
+        sel, l_sel, lists, lo, hi = selected_lists(spec_of(cfg, B, T, idx), B, T, T, G, DEV)
+
+        def fwd():
+            with torch.no_grad():
+                return list(selected_triton.selected_attention(q, k, v, sel, l_sel, lists, lo, hi))
+
+        def fwd_bwd():
+            o, _ = selected_triton.selected_attention(q, k, v, sel, l_sel, lists, lo, hi)
+            return list(torch.autograd.grad(o, (q, k, v), do))
+
+        fns = {"fwd": fwd, "dkv": fwd_bwd}
+        ref = {kern: fn() for kern, fn in fns.items()}  # the defaults: what every config is compared with
+        for kern, grid in grids.items():
+            for c in grid:
+                if time.time() > t_end:
+                    log(f"--max-minutes reached: stopping before {kern} {config_name(kern, c)}")
+                    return False
+                row = dict(base, kernel=kern, config=config_name(kern, c), ms=math.nan,
+                           kernel_ms=math.nan, err=math.nan, error="")
+                try:
+                    with launch(kern, c):
+                        row["err"] = max_diff(fns[kern](), ref[kern])  # compiles: errors here
+                        row["ms"] = median_ms(fns[kern], DEV, reps=1, warmup=25, rep_ms=a.rep_ms)
+                        if DEV == "cuda":
+                            row["kernel_ms"] = sum(ms for kname, _, ms in kernel_ms(fns[kern])
+                                                   if KERNELS[kern] in kname)
+                except Exception as e:  # keep the sweep going; the row says why
+                    row["error"] = f"{type(e).__name__}: " + " ".join(str(e).split())[-300:]
+                rows.append(row)
+                write_csv(rows, path, fields=FIELDS)
+                log(row)
+    return True
+
+
+def best(rows: list, defaults: dict) -> list[str]:
+    """One line per (shape, selection, kernel): the fastest config (kernel_ms where measured,
+    else ms) and the default config's times beside it."""
+    out, groups = [], {}
+    for r in rows:
+        if r.get("kernel") and not r["error"] and math.isfinite(r["ms"]):
+            groups.setdefault((r["shape"], r["T"], r["selection"], r["kernel"]), []).append(r)
+    for (shape, T, sel, kern), rs in groups.items():
+        key = (lambda r: r["kernel_ms"]) if all(math.isfinite(r["kernel_ms"]) for r in rs) else \
+            (lambda r: r["ms"])
+        b = min(rs, key=key)
+        line = (f"best {shape} T={T} {sel} {kern}: {b['config']} ms={b['ms']:.3f} "
+                f"kernel_ms={b['kernel_ms']:.3f} err={b['err']:.3g}")
+        d = [r for r in rs if r["config"] == defaults.get((shape, T, kern))]
+        if d:
+            line += f" (default {d[0]['config']}: ms={d[0]['ms']:.3f} kernel_ms={d[0]['kernel_ms']:.3f})"
+        out.append(line)
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shape", default="", help="comma list of name:Hq:Hkv:Dk:Dv:T (default "
+                    "125M:16:2:64:64:32768; --quick: " + QUICK["shape"] + ")")
+    ap.add_argument("--selection", default="random,trained", help="comma list: random, trained")
+    ap.add_argument("--trace", default=TRACE, metavar="NPZ[:LAYER]",
+                    help="the trained selection (python -m nsa_flex.eval --task selection)")
+    ap.add_argument("--l-sel", type=int, default=0, help="selection block l' (default 64; --quick 16)")
+    ap.add_argument("--n-sel", type=int, default=0, help="selected blocks n (default 16; --quick 4)")
+    ap.add_argument("--fwd", default="", help="comma list of WARPS:STAGES for the forward kernel "
+                    "(default: {2,4,8} x {1,2,3,4})")
+    ap.add_argument("--dkv", default="", help="comma list of ROWS:WARPS:STAGES for the dK/dV "
+                    "kernel (default: {32,64,128} x {4,8} x {1,2,3})")
+    ap.add_argument("--rep-ms", type=int, default=200, help="do_bench's repetition time per config")
+    ap.add_argument("--max-minutes", type=float, default=0,
+                    help="stop the sweep after this long (0: no limit), keeping what it has")
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny shape and grid: a CPU smoke test under TRITON_INTERPRET=1")
+    a = ap.parse_args(argv)
+    if DEV != "cuda" and not triton_interpreted():
+        ap.error("needs a CUDA GPU (or TRITON_INTERPRET=1 on the CPU, for --quick)")
+    a.l_sel = a.l_sel or (QUICK["l_sel"] if a.quick else 64)
+    a.n_sel = a.n_sel or (QUICK["n_sel"] if a.quick else 16)
+    shapes = [s for s in (a.shape or (QUICK["shape"] if a.quick else "125M:16:2:64:64:32768"))
+              .split(",") if s]
+    for s in shapes:
+        parse_shape(s)
+    sels = [s for s in a.selection.split(",") if s]
+    if not sels or set(sels) - {"random", "trained"}:
+        ap.error(f"--selection: a comma list of random, trained; got {a.selection!r}")
+    grids = {"fwd": parse_grid(a.fwd, 2, "fwd") or (QUICK["fwd"] if a.quick else FWD),
+             "dkv": parse_grid(a.dkv, 3, "dkv") or (QUICK["dkv"] if a.quick else DKV)}
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, "tune_selected.csv")
+    t_end = time.time() + (a.max_minutes * 60 if a.max_minutes > 0 else math.inf)
+    rows, defaults = [], {}
+    for s in shapes:
+        if not sweep(a, s, sels, grids, rows, path, t_end, defaults):
+            break
+    write_csv(rows, path, fields=FIELDS)
+    for line in best(rows, defaults):
+        print(line, flush=True)
+    print(f"wrote {path} ({len(rows)} rows)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""The compressed branch as causal SDPA over groups of d positions (`attend_compressed_sdpa`):
+on the CPU its packing runs with fp32 math in place of cuDNN (the GPU test in test_flex_gpu.py
+runs cuDNN), against the reference backend on the `compressed_causal` mask: output, lse and
+the gradients of q, k, v, for any T (groups that do not fill the last one included), l, d with
+d | l, and GQA. Also which specs take the route: the compressed-causal mask alone, not with
+documents."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from masks import MaskContext, get_mask_builder
+from masks.builders import compressed_causal
+from nsa_flex import NSAConfig
+from nsa_flex.attention import attend_compressed_sdpa, attend_reference
+from nsa_flex.rules import num_cmp
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def _compare(T, l, d, Hkv, G, seed):
+    g = torch.Generator().manual_seed(seed)
+    S = num_cmp(T, l, d)
+    R = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    q, k, v = R(1, Hkv * G, T, 8), R(1, Hkv, S, 8), R(1, Hkv, S, 4)
+    spec = compressed_causal(l, d)
+    assert spec.cmp_causal == (l, d)
+    w = R(1, Hkv * G, T, 4)
+    res = []
+    for fn in (lambda *a: attend_compressed_sdpa(*a, l, d), lambda *a: attend_reference(*a, spec)):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out, lse = fn(*leaves)
+        grads = torch.autograd.grad((out * w).sum(), leaves)
+        res.append((out, lse, *grads))
+    (out, lse, *gs), (ro, rl, *rgs) = res
+    torch.testing.assert_close(out, ro)
+    assert torch.equal(torch.isfinite(lse), torch.isfinite(rl))  # rows before l - 1: -inf
+    seen = torch.isfinite(rl)
+    torch.testing.assert_close(lse[seen], rl[seen])
+    for a, b in zip(gs, rgs):
+        torch.testing.assert_close(a, b)
+
+
+@settings(deadline=None)
+@given(l_over_d=st.integers(1, 4), d=st.sampled_from([1, 2, 4, 16]), extra=st.integers(0, 70),
+       Hkv=st.integers(1, 2), G=st.sampled_from([1, 2, 3]), seed=st.integers(0, 2**16))
+def test_compressed_sdpa_equals_reference(l_over_d, d, extra, Hkv, G, seed):
+    l = l_over_d * d
+    _compare(l + extra, l, d, Hkv, G, seed)
+
+
+@pytest.mark.parametrize("T", [32, 33, 46, 47, 48, 1000, 1024])
+def test_compressed_sdpa_paper_blocks(T):
+    """l = 32, d = 16 at the group boundaries (T - 31 a multiple of 16 or not)."""
+    _compare(T, 32, 16, 2, 2, T)
+
+
+def test_only_the_plain_compressed_mask_takes_the_route():
+    cfg = NSAConfig(dim=16, n_heads=4, n_kv_heads=2, d_qk=8, d_v=8, l=8, d=4, l_sel=16,
+                    n_sel=3, window=12)
+    T = 64
+    plain = get_mask_builder("compressed_causal")(MaskContext(cfg, 1, T, "cpu"))
+    docs = torch.tensor([[0] * 30 + [1] * 34])
+    with_docs = get_mask_builder("compressed_causal")(MaskContext(cfg, 1, T, "cpu", doc_ids=docs))
+    assert plain.cmp_causal == (8, 4)
+    assert with_docs.cmp_causal is None  # documents: flex's template (the mask is not causal)
+    assert get_mask_builder("sliding_window")(MaskContext(cfg, 1, T, "cpu")).cmp_causal is None
