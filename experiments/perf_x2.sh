@@ -22,6 +22,7 @@
 #              recompute none / win / cmp_win, and full attention
 #   gputests   the GPU-marked tests of the op and the layer (tests/ops, tests/layer)
 #   gpurecompute the GPU tests of NSAConfig.recompute, the compressed flex call and the 32k compile
+#   gpuops     the GPU tests of the selected op (tests/ops/test_selected_triton.py)
 #   gpuflex    every GPU test of the flex backend and the layer (tests/layer/test_flex_gpu.py)
 #   paper16k   bench_attention.py, paper shape at 16k: the NSA and full-attention layers with
 #              kernel profiles
@@ -70,6 +71,8 @@ step() {  # STEP: run it unless done
               tests/ops/test_selected_triton.py tests/layer/test_flex_gpu.py ;;
     gpurecompute) timeout 600 $PY -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
               tests/layer/test_flex_gpu.py -k "recompute or compressed or compiles_at_32k" ;;
+    gpuops) timeout 600 $PY -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
+              tests/ops/test_selected_triton.py ;;
     gpuflex) timeout 900 $PY -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
               tests/layer/test_flex_gpu.py ;;
     paper16k) timeout 600 $B --configs paper --T 16384 --stages-at 0 --profile --item-limit 200 \

@@ -6,9 +6,9 @@ trained selections.
     python experiments/tune_selected.py --out OUT --shape paper:64:4:192:128:16384
 
 Grids: the forward kernel's num_warps x num_stages (`LAUNCH["fwd"]`), timed forward only (no
-grad); the dK/dV kernel's gathered rows x num_warps x num_stages (`DKV_ROWS`, `LAUNCH["dkv"]`),
-timed fwd+bwd (`ms`, triton's do_bench median) and by its own kernel (`kernel_ms`,
-torch.profiler). Before timing, every config's outputs (fwd: out, lse) or gradients (dkv: dq, dk,
+grad); the dK/dV kernel's gathered rows x num_warps x num_stages (`DKV_ROWS`, `LAUNCH["dkv"]`)
+and the dQ kernel's num_warps x num_stages (`LAUNCH["dq"]`, where dQ is not atomic), timed
+fwd+bwd (`ms`, triton's do_bench median) and by their own kernel (`kernel_ms`, torch.profiler). Before timing, every config's outputs (fwd: out, lse) or gradients (dkv: dq, dk,
 dv) are compared with the default config's: `err` = max abs diff (a heavy block's dK/dV and an
 atomic dQ are fp32 sums in arrival order: small diffs there are expected, a wrong config shows as
 a large one). A config that fails (compile: shared memory, registers) gets its error in the row and
@@ -38,10 +38,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TRACE = os.path.join(HERE, "results", "quality", "selection_traces", "nsa_L32768.npz") + ":6"
 FWD = [(w, s) for w in (2, 4, 8) for s in (1, 2, 3, 4)]  # (num_warps, num_stages)
 DKV = [(r, w, s) for r in (32, 64, 128) for w in (4, 8) for s in (1, 2, 3)]  # (DKV_ROWS, ...)
+DQ = [(w, s) for w in (2, 4, 8) for s in (1, 2, 3)]  # the dQ kernel (runs where dQ is not atomic)
 # --quick: the first config of each grid is the default in fp32 (the interpreter's dtype)
 QUICK = dict(shape="tiny:4:2:48:32:96", l_sel=16, n_sel=4, fwd=[(8, 2), (2, 1)],
-             dkv=[(64, 8, 2), (16, 4, 1)])
-KERNELS = {"fwd": "_sel_fwd_kernel", "dkv": "_sel_dkv_kernel"}
+             dkv=[(128, 8, 2), (16, 4, 1)])
+KERNELS = {"fwd": "_sel_fwd_kernel", "dkv": "_sel_dkv_kernel", "dq": "_sel_dq_kernel"}
 FIELDS = ["shape", "T", "selection", "kernel", "config", "ms", "kernel_ms", "err", "error", "device"]
 
 
@@ -119,9 +120,11 @@ def sweep(a, shape: str, sel_names: list[str], grids: dict, rows: list, path: st
                     n_sel=a.n_sel, backend="flex")
     dt = torch.bfloat16 if DEV == "cuda" else torch.float32  # the interpreter computes in fp32
     device = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (interpreted)"
-    w, s = (selected_triton._launch_opts(dk, dv, dt)[o] for o in ("num_warps", "num_stages"))
-    defaults.update({(name, T, "fwd"): config_name("fwd", (w, s)),
-                     (name, T, "dkv"): config_name("dkv", (selected_triton.DKV_ROWS, w, s))})
+    opts = {kern: selected_triton._launch_opts(kern, dk, dv, dt) for kern in KERNELS}
+    ws = {kern: (o["num_warps"], o["num_stages"]) for kern, o in opts.items()}
+    defaults.update({(name, T, "fwd"): config_name("fwd", ws["fwd"]),
+                     (name, T, "dq"): config_name("dq", ws["dq"]),
+                     (name, T, "dkv"): config_name("dkv", (selected_triton.DKV_ROWS, *ws["dkv"]))})
     torch.manual_seed(0)
     q, k, v = [torch.randn(B, h, T, d, device=DEV, dtype=dt, requires_grad=True)
                for h, d in ((H, dk), (Hkv, dk), (Hkv, dv))]
@@ -148,7 +151,7 @@ def sweep(a, shape: str, sel_names: list[str], grids: dict, rows: list, path: st
             o, _ = selected_triton.selected_attention(q, k, v, sel, l_sel, lists, lo, hi)
             return list(torch.autograd.grad(o, (q, k, v), do))
 
-        fns = {"fwd": fwd, "dkv": fwd_bwd}
+        fns = {"fwd": fwd, "dkv": fwd_bwd, "dq": fwd_bwd}
         ref = {kern: fn() for kern, fn in fns.items()}  # the defaults: what every config is compared with
         for kern, grid in grids.items():
             for c in grid:
@@ -206,6 +209,9 @@ def main(argv=None):
                     "(default: {2,4,8} x {1,2,3,4})")
     ap.add_argument("--dkv", default="", help="comma list of ROWS:WARPS:STAGES for the dK/dV "
                     "kernel (default: {32,64,128} x {4,8} x {1,2,3})")
+    ap.add_argument("--dq", default="", help="comma list of WARPS:STAGES for the dQ kernel "
+                    "(default: {2,4,8} x {1,2,3}; 'none': skip; it runs only where dQ is not "
+                    "accumulated by atomics in the dK/dV pass, e.g. the paper shape)")
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench's repetition time per config")
     ap.add_argument("--max-minutes", type=float, default=0,
                     help="stop the sweep after this long (0: no limit), keeping what it has")
@@ -225,6 +231,8 @@ def main(argv=None):
         ap.error(f"--selection: a comma list of random, trained; got {a.selection!r}")
     grids = {"fwd": parse_grid(a.fwd, 2, "fwd") or (QUICK["fwd"] if a.quick else FWD),
              "dkv": parse_grid(a.dkv, 3, "dkv") or (QUICK["dkv"] if a.quick else DKV)}
+    if a.dq != "none" and not a.quick:
+        grids["dq"] = parse_grid(a.dq, 2, "dq") or DQ
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "tune_selected.csv")
     t_end = time.time() + (a.max_minutes * 60 if a.max_minutes > 0 else math.inf)

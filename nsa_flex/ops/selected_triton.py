@@ -47,7 +47,8 @@ LOG2E = 1.4426950408889634
 ROWS = 16
 HEAVY = 16
 SPLIT_TILES = 256  # positions per share of a heavy block's list (at most), sets the share count
-DKV_ROWS = 64  # rows of the dK/dV pass's gathered tile (several positions of one kv block's list)
+DKV_ROWS = 128  # rows of the dK/dV pass's gathered tile (several positions of one kv block's list;
+# 16-bit: fp32 tiles gather at most 64, their registers and shared memory doubled)
 
 # Launch options per kernel ("fwd", "dq", "dkv": num_warps, num_stages) over those of
 # `_launch_opts` (None: its defaults), read at each launch: for tuning scripts
@@ -471,11 +472,15 @@ def _sel_dkv_kernel(Q, K, V, DO, LSE, DELTA, LO, HI, QN, QOFF, QI, HSLOT, HEAVY,
 
 
 # ---------------------------------------------------------------------- launchers
-def _launch_opts(dk: int, dv: int, dtype) -> dict:
-    """num_warps / num_stages of the three kernels by default (H100-measured where noted in
-    NOTES.md); LAUNCH overrides them per kernel."""
-    wide = dk > 128 or dv > 128 or dtype == torch.float32
-    return {"num_warps": 8 if wide else 4, "num_stages": 2}
+def _launch_opts(kernel: str, dk: int, dv: int, dtype) -> dict:
+    """num_warps / num_stages of `kernel` (fwd, dq, dkv) by default; LAUNCH overrides them.
+    16-bit, H100 (experiments/tune_selected.py, NOTES.md 55): the query-centric kernels hold 16
+    rows, which 2 warps cover (forward 1.77 -> 1.41 ms on a trained selection at the 125M shape,
+    32k; 6.80 -> 5.15 at the paper shape, 16k); the dK/dV pass gathers DKV_ROWS = 128 rows on 8
+    warps (2.60 -> 2.22; 6.85 -> 4.35). fp32 tiles take twice the registers: 8 warps."""
+    if dtype == torch.float32:
+        return {"num_warps": 8, "num_stages": 2}
+    return {"num_warps": 8 if kernel == "dkv" else 2, "num_stages": 2}
 
 
 def _band(lo, hi, B: int, T: int, device):
@@ -500,7 +505,7 @@ def _q_block_consts(q: Tensor, v: Tensor, sel: Tensor, l_sel: int, rows: int,
     return dict(G=G, GP=gp, BT=BT, BM=BT * gp, NSEL=sel.shape[-1],
                 NP=max(2, triton.next_power_of_2(sel.shape[-1])), BLOCK=l_sel, DK=Dk, DK1=dk1,
                 DK2=dk2, DV=Dv, DVP=max(16, triton.next_power_of_2(Dv)), HAS_BAND=has_band,
-                PREC=_prec(q.dtype), **{**_launch_opts(Dk, Dv, q.dtype), **(LAUNCH[name] or {})})
+                PREC=_prec(q.dtype), **{**_launch_opts(name, Dk, Dv, q.dtype), **(LAUNCH[name] or {})})
 
 
 @triton_op("nsa_flex::selected_attention_fwd", mutates_args=())
@@ -584,16 +589,17 @@ def selected_attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Ten
     dva = torch.zeros(B * Hkv, nh, l_sel, Dv, dtype=torch.float32, device=q.device)
     p_off = (torch.cumsum(p_num, -1) - p_num).to(torch.int32)  # CSR row starts
     # a position's G heads take next_power_of_2(G) rows of the gathered tile (no tensor-core
-    # minimum per position there: the tile is NG positions deep), so at G = 8 a 64-row step holds
-    # 8 positions
+    # minimum per position there: the tile is NG positions deep), so at G = 8 a 128-row step holds
+    # 16 positions
     gd = triton.next_power_of_2(G)
+    rows_dkv = DKV_ROWS if q.dtype != torch.float32 else min(DKV_ROWS, 64)
     wrap_triton(_sel_dkv_kernel)[(nkb + nh * nsplit, B * Hkv)](
         q, k, v, do, lse, delta, lo_, hi_, p_num, p_off, p_idx, hslot, heavy_idx, dk_pad, dv_pad,
         dka, dva, dqa, T, nkb * l_sel, Hkv, nkb, p_idx.shape[-1], nh, nsplit, s_lb,
-        QK_SCALE=scale * LOG2E, SM_SCALE=scale, NG=max(1, DKV_ROWS // gd), G=G, GP=gd,
+        QK_SCALE=scale * LOG2E, SM_SCALE=scale, NG=max(1, rows_dkv // gd), G=G, GP=gd,
         BLOCK=l_sel, DK=Dk, DK1=dk1, DK2=dk2, DV=Dv, DVP=dvp, HAS_BAND=has_band,
         PREC=_prec(q.dtype), FUSE_DQ=fuse_dq,
-        **{**_launch_opts(Dk, Dv, q.dtype), **(LAUNCH["dkv"] or {})})
+        **{**_launch_opts("dkv", Dk, Dv, q.dtype), **(LAUNCH["dkv"] or {})})
     if fuse_dq:
         dq = dqa.to(q.dtype)
     idx = heavy_idx.long().view(B * Hkv, nh, 1, 1)
