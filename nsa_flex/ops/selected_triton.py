@@ -48,7 +48,7 @@ ROWS = 16
 HEAVY = 16
 SPLIT_TILES = 256  # positions per share of a heavy block's list (at most), sets the share count
 DKV_ROWS = 128  # rows of the dK/dV pass's gathered tile (several positions of one kv block's list;
-# 16-bit: fp32 tiles gather at most 64, their registers and shared memory doubled)
+# at most 64 where 128 would not fit: see selected_attention_bwd)
 
 # Launch options per kernel ("fwd", "dq", "dkv": num_warps, num_stages) over those of
 # `_launch_opts` (None: its defaults), read at each launch: for tuning scripts
@@ -592,7 +592,10 @@ def selected_attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Ten
     # minimum per position there: the tile is NG positions deep), so at G = 8 a 128-row step holds
     # 16 positions
     gd = triton.next_power_of_2(G)
-    rows_dkv = DKV_ROWS if q.dtype != torch.float32 else min(DKV_ROWS, 64)
+    # 128 rows where measured (d_k <= 64, or dQ not fused: the fused dQ's extra tiles at d_k 192
+    # need more shared memory than an H100 has); fp32 tiles take twice the registers: 64
+    wide_ok = q.dtype != torch.float32 and (Dk <= 64 or not fuse_dq)
+    rows_dkv = DKV_ROWS if wide_ok else min(DKV_ROWS, 64)
     wrap_triton(_sel_dkv_kernel)[(nkb + nh * nsplit, B * Hkv)](
         q, k, v, do, lse, delta, lo_, hi_, p_num, p_off, p_idx, hslot, heavy_idx, dk_pad, dv_pad,
         dka, dva, dqa, T, nkb * l_sel, Hkv, nkb, p_idx.shape[-1], nh, nsplit, s_lb,

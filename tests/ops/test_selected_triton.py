@@ -175,7 +175,8 @@ def test_op_matches_reference_and_is_causal_under_interpreter():
 
 
 @pytest.mark.skipif(not HAS_TRITON or triton_interpreted(), reason="needs triton, not interpreted")
-@pytest.mark.parametrize("shape", [(16, 2, 64, 64), (64, 4, 192, 128), (4, 4, 48, 32)])
+@pytest.mark.parametrize("shape", [(16, 2, 64, 64), (64, 4, 192, 128), (4, 2, 192, 128),
+                                   (4, 4, 128, 128), (4, 4, 48, 32)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("dq_atomic", [False, True])
 def test_kernels_compile_for_h100(monkeypatch, shape, dtype, dq_atomic):

@@ -56,6 +56,11 @@ def compile_for_h100(kernel, args: tuple, kw: dict):
     compiled = triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32),
                               options=opts)
     assert compiled.asm.get("cubin"), kernel.__name__
+    # what the launch would ask for: an H100 block has at most 227 KiB of shared memory
+    assert compiled.metadata.shared <= H100_SHARED, (kernel.__name__, compiled.metadata.shared)
+
+
+H100_SHARED = 232448  # bytes of shared memory an H100 gives one block at most (227 KiB)
 
 
 def run_interpreted(script: str, *args: str, timeout: int = 600):
