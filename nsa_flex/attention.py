@@ -116,7 +116,9 @@ CMP_SDPA = True
 
 def compressed_sdpa_ok(q: Tensor, k: Tensor, v: Tensor) -> bool:
     """Whether cuDNN's SDPA can run the compressed branch on these tensors: CUDA, bf16 / fp16,
-    head dims multiples of 8 up to 256 (cuDNN's limits)."""
+    head dims multiples of 8 up to 256 (cuDNN's limits). cuDNN's fused attention also needs an
+    Ampere or newer GPU (sm_80+), which this does not check (the capability is not traceable by
+    torch.compile as written here): on older GPUs set `CMP_SDPA = False`."""
     dims = (q.shape[-1], v.shape[-1])
     # torch._C._has_cudnn: a constant that torch.compile traces (cudnn.is_available() it cannot)
     return (CMP_SDPA and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
