@@ -493,6 +493,26 @@ def _names(text, allowed, what, ap):
     return names
 
 
+def inductor_config(items: list[str], ap) -> dict:
+    """--inductor NAME=VALUE items -> {NAME: VALUE} for torch._inductor.config.patch (VALUE a Python
+    literal); an unknown name or a value that is not a literal is an argument error."""
+    import ast
+
+    import torch._inductor.config as cfg
+
+    out = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not hasattr(cfg, name):
+            ap.error(f"--inductor {item!r}: expected NAME=VALUE with NAME a torch._inductor.config "
+                     "option, e.g. epilogue_fusion=False")
+        try:
+            out[name] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            ap.error(f"--inductor {item!r}: VALUE must be a Python literal (True, 3, 'x')")
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny CPU run (CI)")
@@ -540,6 +560,9 @@ def main(argv=None):
     ap.add_argument("--selection-trace", default="", metavar="NPZ[:LAYER]",
                     help="time on a trained selection: a selection_L<T>.npz of `python -m nsa_flex.eval "
                          "--task selection` (its T and KV heads must match --T and --configs)")
+    ap.add_argument("--inductor", action="append", default=[], metavar="NAME=VALUE",
+                    help="set torch._inductor.config.NAME to the Python literal VALUE for the run "
+                         "(repeatable), e.g. epilogue_fusion=False: what a fusion choice costs")
     ap.add_argument("--out", default="experiments/results/bench")
     ap.add_argument("--merge", default="",
                     help="comma list of bench.csv files from earlier runs: rows merged (a later "
@@ -548,6 +571,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.merge:
         return merge(args.merge.split(","), args.out)
+    inductor = inductor_config(args.inductor, ap)
     only = set(_names(args.only, ITEMS, "--only", ap))
     modes = _names(args.modes, MODES, "--modes", ap)
     global LOCK, SEL_KERNEL, TRACE
@@ -571,7 +595,8 @@ def main(argv=None):
     flag = {"": None, "1": True, "0": False}
     with kernel_overrides(**tables, pack_rows=args.pack_rows, sel_rows=args.sel_rows,
                           sel_pad_heads=flag[args.sel_pad_heads],
-                          sel_dq_atomic=flag[args.sel_dq_atomic], log=log):
+                          sel_dq_atomic=flag[args.sel_dq_atomic], log=log), \
+            torch._inductor.config.patch(inductor):
         return sweep(args, only, modes)
 
 

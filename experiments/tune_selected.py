@@ -231,7 +231,7 @@ def main(argv=None):
         ap.error(f"--selection: a comma list of random, trained; got {a.selection!r}")
     grids = {"fwd": parse_grid(a.fwd, 2, "fwd") or (QUICK["fwd"] if a.quick else FWD),
              "dkv": parse_grid(a.dkv, 3, "dkv") or (QUICK["dkv"] if a.quick else DKV)}
-    if a.dq != "none" and not a.quick:
+    if a.dq != "none" and (a.dq or not a.quick):  # --quick: only a --dq given explicitly
         grids["dq"] = parse_grid(a.dq, 2, "dq") or DQ
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "tune_selected.csv")

@@ -113,23 +113,31 @@ def test_main_only_modes_item_limit(bench, tmp_path, monkeypatch):
 
 
 def test_tile_flags_apply_during_the_run_and_are_restored(bench, tmp_path, monkeypatch):
-    """--band-options / --packed-options / --pack-rows hold while the sweep runs (for the head
-    dim of each --configs entry) and the library's tables are as before once main returns."""
+    """--band-options / --packed-options / --pack-rows / --inductor hold while the sweep runs (for
+    the head dim of each --configs entry) and the library's tables and inductor's config are as
+    before once main returns."""
     from nsa_flex import kernel_options
 
     before = (dict(kernel_options.BAND_OPTIONS), dict(kernel_options.PACKED_OPTIONS),
               kernel_options.PACK_ROWS)
     seen = {}
 
+    import torch._inductor.config as inductor
+
+    fusion = inductor.epilogue_fusion
+
     def fake_sweep(args, only, modes):
         seen.update(band=dict(kernel_options.BAND_OPTIONS),
-                    packed=dict(kernel_options.PACKED_OPTIONS), rows=kernel_options.PACK_ROWS, lock=bench.LOCK.path)
+                    packed=dict(kernel_options.PACKED_OPTIONS), rows=kernel_options.PACK_ROWS, lock=bench.LOCK.path,
+                    fusion=inductor.epilogue_fusion)
         return []
 
     monkeypatch.setattr(bench, "sweep", fake_sweep)
     bench.main(["--configs", "paper,titan_125M", "--band-options", '{"bwd_num_warps": 4}',
                 "--packed-options", '{"fwd_num_stages": 1}', "--pack-rows", "32",
-                "--timing-lock", str(tmp_path / "lk"), "--out", str(tmp_path)])
+                "--timing-lock", str(tmp_path / "lk"), "--out", str(tmp_path),
+                "--inductor", f"epilogue_fusion={not fusion}"])
+    assert seen["fusion"] is (not fusion) and inductor.epilogue_fusion is fusion  # restored
     assert seen["band"][192] == seen["band"][64] == {"bwd_num_warps": 4}
     assert seen["packed"][192] == {"fwd_num_stages": 1} and seen["rows"] == 32
     assert seen["lock"] == str(tmp_path / "lk")
@@ -137,6 +145,9 @@ def test_tile_flags_apply_during_the_run_and_are_restored(bench, tmp_path, monke
             kernel_options.PACK_ROWS) == before
     with pytest.raises(SystemExit):
         bench.main(["--pack-rows", "24", "--out", str(tmp_path)])
+    for bad in ("no_such_option=1", "epilogue_fusion", "epilogue_fusion=maybe"):
+        with pytest.raises(SystemExit):
+            bench.main(["--inductor", bad, "--out", str(tmp_path)])
 
 
 def test_static_titan_config_matches_the_flavor():
