@@ -5,7 +5,8 @@ see keys 0..m: with the d positions of a group moved into the head axis (H*d "he
 the Hkv key heads) the mask is plain causal over M = num_cmp rows and keys. This probe checks
 which private SDPA ops (they return the lse the scorer needs) accept that GQA shape, compares
 them with an fp32 math reference, and times fwd+bwd against FlexAttention's template on the same
-mask (compiled, same process, medians).
+mask (compiled, same process, medians), with what each keeps for its backward (`saved_MiB`) and
+its fwd+bwd peak. `view`: the layout without copies of q (`via_view`).
 
     python experiments/cmp_sdpa_probe.py --out OUT
 """
@@ -39,6 +40,41 @@ def unpack(x, T, l, d, fill=0.0):
     return F.pad(y, (0, 0, l - 1, 0), value=fill)
 
 
+def via_view(q, k, v, l, d, scale, math=False):
+    """The same attention without copying q: with batch = B*H and the d positions of a group as
+    cuDNN's heads, the full groups are a strided view of q ([B*H, d, M', D], strides T*D, D, d*D,
+    1: cuDNN's BSHD layout) and K/V get one copy per query head (S keys: small); the last
+    (T - l + 1) % d positions, which see every key, are plain math. Nothing q-sized is copied or
+    kept beyond q itself. math: torch's math SDPA in place of cuDNN (CPU check)."""
+    B, H, T, D = q.shape
+    Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    G, o = H // Hkv, l - 1
+    Mf = (T - o) // d  # full groups
+    qv = q.reshape(B * H, T, D)[:, o:o + Mf * d].view(B * H, Mf, d, D).transpose(1, 2)
+    ke = k.repeat_interleave(G, 1).reshape(B * H, 1, S, D)
+    ve = v.repeat_interleave(G, 1).reshape(B * H, 1, S, Dv)
+    if math:
+        s = (qv.float() @ ke[:, :, :Mf].float().transpose(-1, -2)) * scale
+        s = s.masked_fill(torch.ones(Mf, Mf, dtype=torch.bool, device=q.device).triu(1),
+                          float("-inf"))
+        lse = torch.logsumexp(s, -1)
+        o_main = (torch.exp(s - lse[..., None]) @ ve[:, :, :Mf].float()).to(q.dtype)
+    else:
+        out = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            qv, ke[:, :, :Mf], ve[:, :, :Mf], None, True, 0.0, True, False, scale=scale)
+        o_main, lse = out[0], out[1].squeeze(-1)
+    o_main = o_main.transpose(1, 2).reshape(B, H, Mf * d, Dv)
+    lse = lse.transpose(1, 2).reshape(B, H, Mf * d)
+    parts_o, parts_l = [q.new_zeros(B, H, o, Dv), o_main], [lse.new_full((B, H, o), float("-inf")), lse]
+    if T - o > Mf * d:  # the tail sees every key
+        qt = q[:, :, o + Mf * d:]
+        st = (qt.float() @ ke.view(B, H, S, D).float().transpose(-1, -2)) * scale
+        lt = torch.logsumexp(st, -1)
+        parts_o.append((torch.exp(st - lt[..., None]) @ ve.view(B, H, S, Dv).float()).to(q.dtype))
+        parts_l.append(lt)
+    return torch.cat(parts_o, 2), torch.cat(parts_l, 2)
+
+
 def ref(q, k, v, l, d, scale):
     """fp32 math: out [B, H, T, Dv], lse [B, H, T]."""
     B, H, T, _ = q.shape
@@ -70,11 +106,28 @@ def via(op, q, k, v, l, d, scale):
         out = torch.ops.aten._scaled_dot_product_efficient_attention(qp, kk, vv, None, True, 0.0,
                                                                      True, scale=scale)
         o, lse = out[0], out[1][..., :M]
+    elif op == "view":
+        return via_view(q, k, v, l, d, scale)
     else:  # public SDPA (no lse)
         o = F.scaled_dot_product_attention(qp, kk, vv, is_causal=True, enable_gqa=True,
                                            scale=scale)
         lse = torch.zeros(o.shape[:3], device=o.device)
     return unpack(o, T, l, d), unpack(lse[..., None], T, l, d, float("-inf"))[..., 0]
+
+
+def saved_mib(fn, inputs) -> float:
+    """MiB of the distinct storages fn's forward saves for its backward, its inputs excluded."""
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    for x in inputs:
+        seen.pop(x.untyped_storage().data_ptr(), None)
+    return sum(seen.values()) / 2**20
 
 
 def main():
@@ -96,7 +149,7 @@ def main():
         v = torch.randn(1, Hkv, Mk, Dv, device=dev, dtype=dt)
         scale = 1 / math.sqrt(Dk)
         ro, rl = ref(q, k, v, l, d, scale)
-        for op in ("cudnn", "flash", "efficient", "public"):
+        for op in ("cudnn", "view", "flash", "efficient", "public"):
             try:
                 qq, kk_, vv_ = (x.clone().requires_grad_() for x in (q, k, v))
                 o, lse = via(op, qq, kk_, vv_, l, d, scale)
@@ -143,6 +196,7 @@ def main():
         for op in ("cudnn", "flash", "public"):
             cands[op] = (lambda op=op: via(op, q, k, v, l, d, scale)[0])
         cands["cudnn_compiled"] = torch.compile(lambda: via("cudnn", q, k, v, l, d, scale)[0])
+        cands["view_compiled"] = torch.compile(lambda: via("view", q, k, v, l, d, scale)[0])
         for op, fn in cands.items():
             for mode in ("fwd", "fwd_bwd"):
                 try:
@@ -156,8 +210,17 @@ def main():
                             fn().backward(go)
                         step()
                         ms = do_bench(step, warmup=20, rep=100, return_mode="median")
+                    extra = {}
+                    if mode == "fwd_bwd":  # what the call keeps for its backward, and its peak
+                        extra["saved_MiB"] = f"{saved_mib(fn, (q, k, v)):.1f}"
+                        torch.cuda.synchronize()
+                        torch.cuda.reset_peak_memory_stats()
+                        base = torch.cuda.memory_allocated()
+                        step()
+                        torch.cuda.synchronize()
+                        extra["peak_MiB"] = f"{(torch.cuda.max_memory_allocated() - base) / 2**20:.1f}"
                     rows.append(dict(kind="time", shape=name, op=op, T=T, mode=mode,
-                                     ms=f"{ms:.3f}", error=""))
+                                     ms=f"{ms:.3f}", error="", **extra))
                 except Exception as e:  # noqa: BLE001
                     rows.append(dict(kind="time", shape=name, op=op, T=T, mode=mode, ms="",
                                      error=f"{type(e).__name__}: {str(e)[:200]}"))
