@@ -13,7 +13,7 @@ r // G, head r % G; q block = P positions x G heads, P = `tile_positions(G)`: 16
   * dK/dV is KV-block-centric: one program per (kv block, batch, KV head) walks the inverse of
     the per-position selection (for each kv block, the positions that selected it: CSR, built from
     `sel` in the backward) and gathers DKV_ROWS rows of them per MMA step (each position's G heads
-    unpadded there: 8 positions a step at G = 8). The most-read blocks (block 0,
+    unpadded there: 16 positions a step at G = 8). The most-read blocks (block 0,
     popular blocks: `HEAVY` of them per head) are split into equal shares of their list; each
     share adds its dK/dV into the block's fp32 accumulator by atomics (fp32 adds in arrival
     order: a heavy block's dK/dV is not bit-reproducible run to run). With atomics for dQ
@@ -474,10 +474,9 @@ def _sel_dkv_kernel(Q, K, V, DO, LSE, DELTA, LO, HI, QN, QOFF, QI, HSLOT, HEAVY,
 # ---------------------------------------------------------------------- launchers
 def _launch_opts(kernel: str, dk: int, dv: int, dtype) -> dict:
     """num_warps / num_stages of `kernel` (fwd, dq, dkv) by default; LAUNCH overrides them.
-    16-bit, H100 (experiments/tune_selected.py, NOTES.md 55): the query-centric kernels hold 16
-    rows, which 2 warps cover (forward 1.77 -> 1.41 ms on a trained selection at the 125M shape,
-    32k; 6.80 -> 5.15 at the paper shape, 16k); the dK/dV pass gathers DKV_ROWS = 128 rows on 8
-    warps (2.60 -> 2.22; 6.85 -> 4.35). fp32 tiles take twice the registers: 8 warps."""
+    16-bit, chosen on the H100 (experiments/tune_selected.py, NOTES.md 55): the query-centric
+    kernels hold 16 rows, which 2 warps cover best at both the 125M and the paper shape; the dK/dV
+    pass gathers DKV_ROWS rows on 8 warps. fp32 tiles take twice the registers: 8 warps."""
     if dtype == torch.float32:
         return {"num_warps": 8, "num_stages": 2}
     return {"num_warps": 8 if kernel == "dkv" else 2, "num_stages": 2}
@@ -505,7 +504,8 @@ def _q_block_consts(q: Tensor, v: Tensor, sel: Tensor, l_sel: int, rows: int,
     return dict(G=G, GP=gp, BT=BT, BM=BT * gp, NSEL=sel.shape[-1],
                 NP=max(2, triton.next_power_of_2(sel.shape[-1])), BLOCK=l_sel, DK=Dk, DK1=dk1,
                 DK2=dk2, DV=Dv, DVP=max(16, triton.next_power_of_2(Dv)), HAS_BAND=has_band,
-                PREC=_prec(q.dtype), **{**_launch_opts(name, Dk, Dv, q.dtype), **(LAUNCH[name] or {})})
+                PREC=_prec(q.dtype),
+                **{**_launch_opts(name, Dk, Dv, q.dtype), **(LAUNCH[name] or {})})
 
 
 @triton_op("nsa_flex::selected_attention_fwd", mutates_args=())
