@@ -137,10 +137,8 @@ def _causal_sdpa_lse(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Ten
     G = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
     s = (q @ k.transpose(-1, -2)).to(torch.promote_types(q.dtype, torch.float32)) * scale
-    M, S = q.shape[2], k.shape[2]
-    s = s.masked_fill(torch.ones(M, S, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    lse = torch.logsumexp(s, -1)
-    return (torch.exp(s - lse[..., None]).to(v.dtype) @ v), lse
+    p, lse = masked_softmax(s, torch.ones(s.shape[-2:], dtype=torch.bool, device=q.device).tril())
+    return p.to(v.dtype) @ v, lse.squeeze(-1)
 
 
 def attend_compressed_sdpa(q: Tensor, k: Tensor, v: Tensor, l: int, d: int,
