@@ -14,8 +14,8 @@
   * the plain causal mask (the full_causal preset) runs SDPA, what full attention would run;
   * the compressed-causal mask alone (no documents) is plain causal attention once the d
     positions that see the same compressed blocks share one row: cuDNN's fused SDPA kernels
-    (`attend_compressed_sdpa`; flex's template pads d_k 192 to 256 and runs its dK/dV pass over
-    few, long kv tiles).
+    (`attend_compressed_sdpa`, `NSAConfig.cmp_kernel`; flex's template pads d_k 192 to 256 and
+    runs its dK/dV pass over few, long kv tiles).
 
 Shapes: q [B, Hq, T, Dk], k [B, Hkv, S, Dk], v [B, Hkv, S, Dv] -> out [B, Hq, T, Dv],
 lse [B, Hq, T] (fp32, natural log; None from compiled CPU flex, which cannot return it: the
@@ -109,21 +109,36 @@ def attend_reference(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec,
     return out.reshape(B, Hq, T, -1), lse.reshape(B, Hq, T)
 
 
-# The compressed-causal mask on cuDNN's SDPA where it applies (`compressed_sdpa_ok`); False: flex's
-# template (the GPU tests check both against the reference).
-CMP_SDPA = True
-
-
-def compressed_sdpa_ok(q: Tensor, k: Tensor, v: Tensor) -> bool:
-    """Whether cuDNN's SDPA can run the compressed branch on these tensors: CUDA, bf16 / fp16,
-    head dims multiples of 8 up to 256 (cuDNN's limits). cuDNN's fused attention also needs an
-    Ampere or newer GPU (sm_80+), which this does not check (the capability is not traceable by
-    torch.compile as written here): on older GPUs set `CMP_SDPA = False`."""
+def compressed_sdpa_unsupported(q: Tensor, v: Tensor) -> str | None:
+    """Why cuDNN's fused attention cannot run the compressed branch on these tensors (None: it
+    can): CUDA, bf16 / fp16, head dims multiples of 8 up to 256 (cuDNN's limits). It also needs
+    an sm_80+ GPU, which is not checked here (torch.compile cannot trace the capability query as
+    called here): on older GPUs set `cmp_kernel = "flex"`."""
     dims = (q.shape[-1], v.shape[-1])
+    if not q.is_cuda:
+        return f"it needs CUDA tensors (got {q.device.type})"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {q.dtype} (bf16 and fp16 only)"
     # torch._C._has_cudnn: a constant that torch.compile traces (cudnn.is_available() it cannot)
-    return (CMP_SDPA and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
-            and torch._C._has_cudnn
-            and all(x % 8 == 0 and x <= 256 for x in dims))
+    if not torch._C._has_cudnn:
+        return "this torch build has no cuDNN"
+    if not all(x % 8 == 0 and x <= 256 for x in dims):
+        return f"head dims {dims} (multiples of 8 up to 256)"
+    return None
+
+
+def use_compressed_sdpa(q: Tensor, v: Tensor, spec: MaskSpec, cmp_kernel: str) -> bool:
+    """Whether the flex backend runs `spec` through `attend_compressed_sdpa` (cmp_kernel auto |
+    flex | cudnn): only for the compressed-causal mask alone (`spec.cmp_causal`)."""
+    if spec.cmp_causal is None or cmp_kernel == "flex":
+        return False
+    why = compressed_sdpa_unsupported(q, v)
+    if why is None:
+        return True
+    if cmp_kernel == "cudnn":
+        raise RuntimeError(f"NSAConfig.cmp_kernel='cudnn' cannot run here: {why}; use "
+                           "cmp_kernel='auto' or 'flex'")
+    return False
 
 
 def _causal_sdpa_lse(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
@@ -226,14 +241,15 @@ def attend_selected(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, scale: floa
 
 
 def attend_flex(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, scale: float | None = None,
-                sel_kernel: str = "auto") -> tuple[Tensor, Tensor]:
-    """sel_kernel: see `use_selected_op`."""
+                sel_kernel: str = "auto", cmp_kernel: str = "auto") -> tuple[Tensor, Tensor]:
+    """sel_kernel: see `use_selected_op`; cmp_kernel: see `use_compressed_sdpa`."""
     if k.shape[2] == 0:
         return empty_attention(q, v)
     if use_selected_op(q, k, v, spec, sel_kernel):
         return attend_selected(q, k, v, spec, scale)
     if spec.parts is not None and q.is_cuda:  # CPU flex returns no lse: one call on the whole
-        return merge_parts([attend_flex(q, k, v, p, scale, sel_kernel) for p in spec.parts])
+        return merge_parts([attend_flex(q, k, v, p, scale, sel_kernel, cmp_kernel)
+                            for p in spec.parts])
     if spec.kv_len is not None and spec.kv_len < k.shape[2]:  # keys past kv_len are never seen
         k, v = k[:, :, :spec.kv_len], v[:, :, :spec.kv_len]
     B, Hq, T, Dk, Hkv, S, G, scale = _dims(q, k, scale)
@@ -243,7 +259,7 @@ def attend_flex(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, scale: float | 
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                              enable_gqa=Hq != Hkv)
         return out, None
-    if spec.cmp_causal is not None and compressed_sdpa_ok(q, k, v):
+    if use_compressed_sdpa(q, v, spec, cmp_kernel):
         return attend_compressed_sdpa(q, k, v, *spec.cmp_causal, scale)
     if spec.per_group:
         # group-centric packing: [B, Hkv, G, T, D] -> [B, Hkv, T*G, D], row = t*G + g
@@ -276,8 +292,8 @@ BACKENDS = {"reference": attend_reference, "flex": attend_flex}
 
 
 def attend(q, k, v, spec: MaskSpec, backend: str, scale: float | None = None,
-           sel_kernel: str = "auto"):
+           sel_kernel: str = "auto", cmp_kernel: str = "auto"):
     # "auto" picks per device (nsa_flex.config.resolve_backend): flex on CUDA, reference on CPU
     if resolve_backend(backend, q.device) == "flex":
-        return attend_flex(q, k, v, spec, scale, sel_kernel=sel_kernel)
+        return attend_flex(q, k, v, spec, scale, sel_kernel=sel_kernel, cmp_kernel=cmp_kernel)
     return attend_reference(q, k, v, spec, scale)

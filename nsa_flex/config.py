@@ -18,6 +18,7 @@ PHI_CHOICES = ("avg", "mlp")
 BACKEND_CHOICES = ("auto", "flex", "reference")
 SCORER_CHOICES = ("auto", "torch", "triton")
 SEL_KERNEL_CHOICES = ("auto", "flex", "triton")
+CMP_KERNEL_CHOICES = ("auto", "flex", "cudnn")
 # NSAConfig.recompute -> the branches run under activation checkpointing (NSAAttention.branch)
 RECOMPUTED = {"none": (), "win": ("win",), "cmp_win": ("cmp", "win")}
 RECOMPUTE_CHOICES = tuple(RECOMPUTED)
@@ -117,6 +118,12 @@ class NSAConfig:
                                    "selected-attention op where it runs: CUDA, bf16/fp16/fp32, l_sel "
                                    "16-128; else flex) | flex (FlexAttention's template) | triton "
                                    "(the op; an error where it cannot run)")
+    cmp_kernel: str = knob("auto", "executor of the compressed branch's causal mask (without "
+                                   "documents; with them flex runs it) on the flex backend: auto "
+                                   "(cuDNN's fused attention where it runs: CUDA, bf16/fp16, head "
+                                   "dims multiples of 8 up to 256, an sm_80+ GPU; else flex) | flex "
+                                   "(FlexAttention's template: slower, keeps less for the backward) "
+                                   "| cudnn (an error where it cannot run)")
     recompute: str = knob("none", "branches whose keys, values and output the backward rebuilds "
                                   "from x and q instead of keeping them (activation memory for "
                                   "compute): none | win (the sliding window) | cmp_win (the "
@@ -177,6 +184,8 @@ class NSAConfig:
             errs.append(f"scorer={self.scorer!r}: allowed values are {SCORER_CHOICES}")
         if self.sel_kernel not in SEL_KERNEL_CHOICES:
             errs.append(f"sel_kernel={self.sel_kernel!r}: allowed values are {SEL_KERNEL_CHOICES}")
+        if self.cmp_kernel not in CMP_KERNEL_CHOICES:
+            errs.append(f"cmp_kernel={self.cmp_kernel!r}: allowed values are {CMP_KERNEL_CHOICES}")
         if self.recompute not in RECOMPUTE_CHOICES:
             errs.append(f"recompute={self.recompute!r}: allowed values are {RECOMPUTE_CHOICES}")
         if not isinstance(self.rope_theta, (int, float)) or self.rope_theta <= 0:

@@ -110,7 +110,8 @@ class NSAAttention(nn.Module):
             k, v = self.project_kv(x, b, cos, sin)
             if b == "cmp":
                 k, v = self.phi_k(k), self.phi_v(v)
-            o, lse = attend(q, k, v, spec, self.cfg.backend, sel_kernel=self.cfg.sel_kernel)
+            o, lse = attend(q, k, v, spec, self.cfg.backend, sel_kernel=self.cfg.sel_kernel,
+                            cmp_kernel=self.cfg.cmp_kernel)
             return o, lse, k
 
         if b in RECOMPUTED[self.cfg.recompute] and torch.is_grad_enabled():

@@ -30,7 +30,8 @@ MODEL_DATA = (
 # [nsa] fields that choose how the same function is computed (executors, recomputation, chunking)
 # or what is logged: a resume may change them (e.g. recompute after an out-of-memory)
 NOT_MODEL = ("nsa.telemetry_every", "nsa.gate_collapse_threshold", "nsa.gate_collapse_steps",
-             "nsa.backend", "nsa.scorer", "nsa.sel_kernel", "nsa.recompute", "nsa.score_chunk")
+             "nsa.backend", "nsa.scorer", "nsa.sel_kernel", "nsa.cmp_kernel", "nsa.recompute",
+             "nsa.score_chunk")
 
 
 def _plain(v):

@@ -3,7 +3,7 @@ on the CPU its packing runs with fp32 math in place of cuDNN (the GPU test in te
 runs cuDNN), against the reference backend on the `compressed_causal` mask: output, lse and
 the gradients of q, k, v, for any T (groups that do not fill the last one included), l, d with
 d | l, and GQA. Also which specs take the route: the compressed-causal mask alone, not with
-documents."""
+documents, and NSAConfig.cmp_kernel's choices."""
 
 import pytest
 import torch
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from masks import MaskContext, get_mask_builder
 from masks.builders import compressed_causal
 from nsa_flex import NSAConfig
-from nsa_flex.attention import attend_compressed_sdpa, attend_reference
+from nsa_flex.attention import attend_compressed_sdpa, attend_reference, use_compressed_sdpa
 from nsa_flex.rules import num_cmp
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -66,3 +66,21 @@ def test_only_the_plain_compressed_mask_takes_the_route():
     assert plain.cmp_causal == (8, 4)
     assert with_docs.cmp_causal is None  # documents: flex's template (the mask is not causal)
     assert get_mask_builder("sliding_window")(MaskContext(cfg, 1, T, "cpu")).cmp_causal is None
+
+
+def test_cmp_kernel_routing_and_errors():
+    """flex never takes the route, auto falls back to flex where cuDNN cannot run (here: CPU
+    tensors), cudnn says why it cannot; a mask other than the plain compressed one never takes it;
+    an unknown value names the field and the allowed ones."""
+    spec = compressed_causal(8, 4)
+    q, v = torch.randn(1, 4, 64, 8), torch.randn(1, 2, 15, 8)
+    assert not use_compressed_sdpa(q, v, spec, "flex")
+    assert not use_compressed_sdpa(q, v, spec, "auto")
+    with pytest.raises(RuntimeError, match="cmp_kernel='cudnn' cannot run here: .*CUDA"):
+        use_compressed_sdpa(q, v, spec, "cudnn")
+    window = get_mask_builder("sliding_window")(MaskContext(
+        NSAConfig(dim=16, n_heads=4, n_kv_heads=2, d_qk=8, d_v=8, l=8, d=4, l_sel=16, n_sel=3,
+                  window=12), 1, 64, "cpu"))
+    assert not use_compressed_sdpa(q, v, window, "cudnn")  # not the compressed mask: flex
+    with pytest.raises(ValueError, match="cmp_kernel='cuda': allowed values"):
+        NSAConfig(cmp_kernel="cuda")

@@ -56,21 +56,20 @@ def inputs():
 
 @pytest.mark.parametrize("case", ["selected", "selected_flex", "packed_flex", "compressed",
                                   "compressed_flex", "causal"])
-def test_compiled_flex_call_matches_reference(inputs, case, monkeypatch):
+def test_compiled_flex_call_matches_reference(inputs, case):
     """selected: the selected-attention op (the default); selected_flex: flex's template, forced +
     scored parts merged by lse; packed_flex: the same selection in one flex call; compressed:
-    cuDNN's causal SDPA over groups of d positions (the default; its lse too: the scorer reads
-    it); compressed_flex: flex's template, one K/V copy per query head; causal: the full_causal
-    preset (SDPA)."""
+    cuDNN's causal SDPA over groups of d positions (cmp_kernel auto; its lse too: the scorer reads
+    it); compressed_flex: flex's template (cmp_kernel flex), one K/V copy per query head; causal:
+    the full_causal preset (SDPA)."""
     cfg, tok, cmp, specs = inputs
     q, k, v = cmp if case.startswith("compressed") else tok
     spec_fn = specs[case.replace("_flex", "")]
     kern = "flex" if case.endswith("_flex") else "auto"
-    monkeypatch.setattr(attention, "CMP_SDPA", case != "compressed_flex")
-    if case == "compressed":
-        assert attention.compressed_sdpa_ok(q, k, v)  # the route this case is meant to take
-    torch._dynamo.reset()  # CMP_SDPA is read at trace time
-    fast = torch.compile(lambda q_, k_, v_: attend_flex(q_, k_, v_, spec_fn(), sel_kernel=kern),
+    if case == "compressed":  # the route this case is meant to take
+        assert attention.use_compressed_sdpa(q, v, spec_fn(), "auto")
+    fast = torch.compile(lambda q_, k_, v_: attend_flex(q_, k_, v_, spec_fn(), sel_kernel=kern,
+                                                        cmp_kernel=kern),
                          fullgraph=True, dynamic=False)
     w = torch.randn(q.shape[0], q.shape[1], q.shape[2], v.shape[-1], device=DEV)
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
