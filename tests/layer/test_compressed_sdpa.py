@@ -2,7 +2,8 @@
 on the CPU its packing runs with fp32 math in place of cuDNN (the GPU test in test_flex_gpu.py
 runs cuDNN), against the reference backend on the `compressed_causal` mask: output, lse and
 the gradients of q, k, v, for any T (groups that do not fill the last one included), l, d with
-d | l, and GQA. Also which specs take the route: the compressed-causal mask alone, not with
+d | l, and GQA; exactly causal (hypothesis: no output up to t moves, nor has a gradient, when
+inputs after t change). Also which specs take the route: the compressed-causal mask alone, not with
 documents, and NSAConfig.cmp_kernel's choices."""
 
 import pytest
@@ -84,3 +85,32 @@ def test_cmp_kernel_routing_and_errors():
     assert not use_compressed_sdpa(q, v, window, "cudnn")  # not the compressed mask: flex
     with pytest.raises(ValueError, match="cmp_kernel='cuda': allowed values"):
         NSAConfig(cmp_kernel="cuda")
+
+
+@settings(deadline=None)
+@given(l_over_d=st.integers(1, 3), d=st.sampled_from([1, 2, 4, 16]), extra=st.integers(0, 60),
+       cut=st.floats(0, 1), G=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
+def test_compressed_sdpa_is_causal(l_over_d, d, extra, cut, G, seed):
+    """Changing the queries after position t and the compressed keys / values that end after t
+    leaves every output up to t unchanged (exactly), and the gradient of those outputs with
+    respect to the changed inputs is exactly zero: the packing never lets a row read a block
+    that has not ended."""
+    l = l_over_d * d
+    T = l + extra
+    t = int(cut * (T - 1))
+    S = num_cmp(T, l, d)
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True)
+               for s in ((1, 2 * G, T, 8), (1, 2, S, 8), (1, 2, S, 4)))
+    future_key = torch.arange(S) * d + l - 1 > t  # blocks that end after t
+    out, _ = attend_compressed_sdpa(q, k, v, l, d)
+    with torch.no_grad():
+        q2, k2, v2 = q.clone(), k.clone(), v.clone()
+        q2[:, :, t + 1:] += 5
+        k2[:, :, future_key] -= 3
+        v2[:, :, future_key] *= -7
+    out2, _ = attend_compressed_sdpa(q2, k2, v2, l, d)
+    assert torch.equal(out[:, :, : t + 1], out2[:, :, : t + 1])
+    gq, gk, gv = torch.autograd.grad(out[:, :, : t + 1].sum(), (q, k, v))
+    assert not gq[:, :, t + 1:].any() and not gk[:, :, future_key].any()
+    assert not gv[:, :, future_key].any()
