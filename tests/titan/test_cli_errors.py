@@ -38,7 +38,7 @@ CASES = {
                        "nsa-train: error: [model] flavor='7B': unknown nsa_flex flavor; allowed values are "
                        "['125M', '1B', '30M', '30M_kv4', '350M', 'debugmodel']"),
     "unknown field": (lambda t: ["--job.config_file", str(_typo_config(t))],
-                      "nsa-train: error: [nsa] unknown field(s) {'windw'}; valid fields: backend, builder_modules, cmp_mask"),
+                      "nsa-train: error: [nsa] unknown field(s) {'windw'}; valid fields: backend, builder_modules, cmp_kernel, cmp_mask"),
     "toml syntax": (lambda t: ["--job.config_file", str(_broken_config(t))], "TOML syntax error: Expected ']'"),
     "missing config": (lambda t: ["--job.config_file", str(t / "nope.toml")], "nope.toml' does not exist"),
 }
