@@ -30,9 +30,8 @@ import torch
 from nsa_flex.attention import selected_lists
 from nsa_flex.bench import kernel_ms, median_ms, write_csv
 from nsa_flex.config import NSAConfig
-from nsa_flex.eval.selection_stats import load_trace
 from nsa_flex.ops import selected_triton, triton_interpreted
-from selected_gpu import DEV, log, selection, spec_of
+from selected_gpu import DEV, log, selection, spec_of, trace_selection
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRACE = os.path.join(HERE, "results", "quality", "selection_traces", "nsa_L32768.npz") + ":6"
@@ -90,19 +89,6 @@ def launch(kernel: str, cfg: tuple | None):
         selected_triton.DKV_ROWS = old_rows
 
 
-def trained_selection(spec: str, T: int, Hkv: int, n: int, l_sel: int):
-    """(The first T positions of a trained selection NPZ:LAYER [1, Hkv, T, n], its label), or
-    (None, why not) where it does not fit the shape."""
-    path, _, lay = spec.partition(":")
-    idx, info = load_trace(path, int(lay) if lay else None)
-    label = f"trained:{os.path.basename(path)}:layer{info['layer']}"
-    if idx.shape[1] != Hkv or idx.shape[3] != n or idx.shape[2] < T or info["l_sel"] != l_sel:
-        return None, (f"{label}: (Hkv, T, n, l_sel) = ({idx.shape[1]}, {idx.shape[2]}, "
-                      f"{idx.shape[3]}, {info['l_sel']}) does not fit Hkv={Hkv}, T={T}, n={n}, "
-                      f"l_sel={l_sel}")
-    return idx[:, :, :T].to(DEV), label
-
-
 def max_diff(a: list, b: list) -> float:
     """Max abs difference over tensor pairs (equal infinities: 0)."""
     return max(torch.where(x == y, 0.0, (x.float() - y.float()).abs()).max().item()
@@ -134,7 +120,7 @@ def sweep(a, shape: str, sel_names: list[str], grids: dict, rows: list, path: st
         if sname == "random":
             idx, label = selection(cfg, B, T, None, 1), "random"
         else:
-            idx, label = trained_selection(a.trace, T, Hkv, a.n_sel, a.l_sel)
+            idx, label = trace_selection(a.trace, T, Hkv, a.n_sel)
             if idx is None:
                 log(f"{name} T={T}: no trained selection ({label})")
                 rows.append(dict(base, selection="trained", error=f"no trained selection: {label}"))

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import flex_attention
 
-from masks import MaskSpec
+from masks import MaskSpec, causal
 from masks.core import captured
 
 from .config import resolve_backend
@@ -144,16 +144,12 @@ def use_compressed_sdpa(q: Tensor, v: Tensor, spec: MaskSpec, cmp_kernel: str) -
 def _causal_sdpa_lse(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """Causal attention with GQA (q heads a multiple of k's) and its lse [B, H, M] (natural log):
     cuDNN's fused kernels on CUDA (the private op returns the lse that SDPA's public call does
-    not), fp32 math elsewhere (CPU tests of the packing)."""
+    not), the reference backend elsewhere (CPU tests of the packing)."""
     if q.is_cuda:
         out = torch.ops.aten._scaled_dot_product_cudnn_attention(
             q, k, v, None, True, 0.0, True, False, scale=scale)
         return out[0], out[1].squeeze(-1)
-    G = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
-    s = (q @ k.transpose(-1, -2)).to(torch.promote_types(q.dtype, torch.float32)) * scale
-    p, lse = masked_softmax(s, torch.ones(s.shape[-2:], dtype=torch.bool, device=q.device).tril())
-    return p.to(v.dtype) @ v, lse.squeeze(-1)
+    return attend_reference(q, k, v, causal(), scale)
 
 
 def attend_compressed_sdpa(q: Tensor, k: Tensor, v: Tensor, l: int, d: int,

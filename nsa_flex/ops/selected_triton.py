@@ -473,13 +473,15 @@ def _sel_dkv_kernel(Q, K, V, DO, LSE, DELTA, LO, HI, QN, QOFF, QI, HSLOT, HEAVY,
 
 # ---------------------------------------------------------------------- launchers
 def _launch_opts(kernel: str, dk: int, dv: int, dtype) -> dict:
-    """num_warps / num_stages of `kernel` (fwd, dq, dkv) by default; LAUNCH overrides them.
+    """num_warps / num_stages of `kernel` (fwd, dq, dkv), LAUNCH's override over the defaults.
     16-bit, chosen on the H100 (experiments/tune_selected.py, NOTES.md 55): the query-centric
     kernels hold 16 rows, which 2 warps cover best at both the 125M and the paper shape; the dK/dV
     pass gathers DKV_ROWS rows on 8 warps. fp32 tiles take twice the registers: 8 warps."""
     if dtype == torch.float32:
-        return {"num_warps": 8, "num_stages": 2}
-    return {"num_warps": 8 if kernel == "dkv" else 2, "num_stages": 2}
+        opts = {"num_warps": 8, "num_stages": 2}
+    else:
+        opts = {"num_warps": 8 if kernel == "dkv" else 2, "num_stages": 2}
+    return {**opts, **(LAUNCH[kernel] or {})}
 
 
 def _band(lo, hi, B: int, T: int, device):
@@ -504,8 +506,7 @@ def _q_block_consts(q: Tensor, v: Tensor, sel: Tensor, l_sel: int, rows: int,
     return dict(G=G, GP=gp, BT=BT, BM=BT * gp, NSEL=sel.shape[-1],
                 NP=max(2, triton.next_power_of_2(sel.shape[-1])), BLOCK=l_sel, DK=Dk, DK1=dk1,
                 DK2=dk2, DV=Dv, DVP=max(16, triton.next_power_of_2(Dv)), HAS_BAND=has_band,
-                PREC=_prec(q.dtype),
-                **{**_launch_opts(name, Dk, Dv, q.dtype), **(LAUNCH[name] or {})})
+                PREC=_prec(q.dtype), **_launch_opts(name, Dk, Dv, q.dtype))
 
 
 @triton_op("nsa_flex::selected_attention_fwd", mutates_args=())
@@ -602,7 +603,7 @@ def selected_attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Ten
         QK_SCALE=scale * LOG2E, SM_SCALE=scale, NG=max(1, rows_dkv // gd), G=G, GP=gd,
         BLOCK=l_sel, DK=Dk, DK1=dk1, DK2=dk2, DV=Dv, DVP=dvp, HAS_BAND=has_band,
         PREC=_prec(q.dtype), FUSE_DQ=fuse_dq,
-        **{**_launch_opts("dkv", Dk, Dv, q.dtype), **(LAUNCH["dkv"] or {})})
+        **_launch_opts("dkv", Dk, Dv, q.dtype))
     if fuse_dq:
         dq = dqa.to(q.dtype)
     idx = heavy_idx.long().view(B * Hkv, nh, 1, 1)

@@ -11,9 +11,8 @@ import torch
 import torch._dynamo
 
 from masks import MaskContext, get_mask_builder
-import nsa_flex.attention as attention
 from nsa_flex import NSAAttention, NSAConfig
-from nsa_flex.attention import attend_flex, attend_reference
+from nsa_flex.attention import attend_flex, attend_reference, use_compressed_sdpa
 from nsa_flex.kernel_options import install_flex_patches
 from nsa_flex.ops import topn_blocks
 from nsa_flex.rules import forced_and_valid, pick_blocks
@@ -67,7 +66,7 @@ def test_compiled_flex_call_matches_reference(inputs, case):
     spec_fn = specs[case.replace("_flex", "")]
     kern = "flex" if case.endswith("_flex") else "auto"
     if case == "compressed":  # the route this case is meant to take
-        assert attention.use_compressed_sdpa(q, v, spec_fn(), "auto")
+        assert use_compressed_sdpa(q, v, spec_fn(), "auto")
     fast = torch.compile(lambda q_, k_, v_: attend_flex(q_, k_, v_, spec_fn(), sel_kernel=kern,
                                                         cmp_kernel=kern),
                          fullgraph=True, dynamic=False)
