@@ -6,7 +6,8 @@ the Hkv key heads) the mask is plain causal over M = num_cmp rows and keys. This
 which private SDPA ops (they return the lse the scorer needs) accept that GQA shape, compares
 them with an fp32 math reference, and times fwd+bwd against FlexAttention's template on the same
 mask (compiled, same process, medians), with what each keeps for its backward (`saved_MiB`) and
-its fwd+bwd peak. `view`: the layout without copies of q (`via_view`).
+its fwd+bwd peak. `view`: the layout without copies of q (`via_view`); `op`: the library's op
+(`nsa_flex.ops.compressed_sdpa`, opaque to torch.compile).
 
     python experiments/cmp_sdpa_probe.py --out OUT
 """
@@ -21,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from triton.testing import do_bench
+
+from nsa_flex.ops.compressed_sdpa import compressed_sdpa
 
 
 def pack(q, l, d):
@@ -108,6 +111,8 @@ def via(op, q, k, v, l, d, scale):
         o, lse = out[0], out[1][..., :M]
     elif op == "view":
         return via_view(q, k, v, l, d, scale)
+    elif op == "op":  # the library's op (nsa_flex.ops.compressed_sdpa)
+        return compressed_sdpa(q, k, v, l, d, scale)
     else:  # public SDPA (no lse)
         o = F.scaled_dot_product_attention(qp, kk, vv, is_causal=True, enable_gqa=True,
                                            scale=scale)
@@ -135,7 +140,10 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--shapes", default="125M:16:2:64:64:32768,paper:64:4:192:128:16384,"
                     "paper:64:4:192:128:65536")
+    ap.add_argument("--ops", default="flex,cudnn,view,flash,efficient,public,op",
+                    help="variants to check and time (`_compiled`: also under torch.compile)")
     a = ap.parse_args()
+    ops = a.ops.split(",")
     os.makedirs(a.out, exist_ok=True)
     torch.manual_seed(0)
     dev, dt, l, d = "cuda", torch.bfloat16, 32, 16
@@ -149,7 +157,9 @@ def main():
         v = torch.randn(1, Hkv, Mk, Dv, device=dev, dtype=dt)
         scale = 1 / math.sqrt(Dk)
         ro, rl = ref(q, k, v, l, d, scale)
-        for op in ("cudnn", "view", "flash", "efficient", "public"):
+        for op in ("cudnn", "view", "flash", "efficient", "public", "op"):
+            if op not in ops:
+                continue
             try:
                 qq, kk_, vv_ = (x.clone().requires_grad_() for x in (q, k, v))
                 o, lse = via(op, qq, kk_, vv_, l, d, scale)
@@ -193,11 +203,13 @@ def main():
             return o
 
         cands = {"flex": run_flex}
-        for op in ("cudnn", "flash", "public"):
+        for op in ("cudnn", "flash", "public", "op"):
             cands[op] = (lambda op=op: via(op, q, k, v, l, d, scale)[0])
-        cands["cudnn_compiled"] = torch.compile(lambda: via("cudnn", q, k, v, l, d, scale)[0])
-        cands["view_compiled"] = torch.compile(lambda: via("view", q, k, v, l, d, scale)[0])
+        for op in ("cudnn", "view", "op"):
+            cands[op + "_compiled"] = torch.compile(lambda op=op: via(op, q, k, v, l, d, scale)[0])
         for op, fn in cands.items():
+            if op not in ops and op.removesuffix("_compiled") not in ops:
+                continue
             for mode in ("fwd", "fwd_bwd"):
                 try:
                     if mode == "fwd":

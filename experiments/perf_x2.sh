@@ -27,6 +27,7 @@
 #   paper16k   bench_attention.py, paper shape at 16k: the NSA and full-attention layers with
 #              kernel profiles
 #   cmpprobe   experiments/cmp_sdpa_probe.py (the compressed branch on SDPA's kernels vs flex)
+#   gpucmp     the GPU tests of the compressed branch (tests/layer/test_flex_gpu.py -k compressed)
 #   tunedq     tune_selected.py at the paper shape, 16k: the dQ kernel's launch options (untuned)
 #   nofusion   layers125's trained 32k row with inductor's epilogue fusion off (what fusing the gate
 #              into the window branch's flex forward costs; experiments/NOTES.md 55), profiled
@@ -80,7 +81,9 @@ step() {  # STEP: run it unless done
               tests/layer/test_flex_gpu.py ;;
     paper16k) timeout 600 $B --configs paper --T 16384 --stages-at 0 --profile --item-limit 200 \
               --only full_layer,nsa_layer --out "$o" ;;
-    cmpprobe) timeout 600 $PY experiments/cmp_sdpa_probe.py --out "$o" ;;
+    cmpprobe) timeout 600 $PY experiments/cmp_sdpa_probe.py --out "$o" --ops flex,cudnn,op ;;
+    gpucmp) timeout 600 $PY -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
+              tests/layer/test_flex_gpu.py -k "compressed or layer_flex_bf16" ;;
     tunedq) timeout 600 $PY experiments/tune_selected.py --out "$o" --shape paper:64:4:192:128:16384 \
               --selection random --fwd 2:2 --dkv 128:8:2 ;;
     nofusion) timeout 600 $B --configs titan_125M --T 32768 --stages-at 0 --selection-trace "$TRACE" \

@@ -33,6 +33,7 @@ from masks import MaskSpec, causal
 from masks.core import captured
 
 from .config import resolve_backend
+from .ops.compressed_sdpa import compressed_sdpa as attend_compressed_sdpa
 from .ops import HAS_TRITON, selected_attention, selected_unsupported, tile_positions, triton_interpreted
 from .kernel_options import (band_kernel_options, flex_kernel_options, install_flex_patches,
                              packed_block_size)
@@ -111,12 +112,14 @@ def attend_reference(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec,
 
 def compressed_sdpa_unsupported(q: Tensor, v: Tensor) -> str | None:
     """Why cuDNN's fused attention cannot run the compressed branch on these tensors (None: it
-    can): CUDA, bf16 / fp16, head dims multiples of 8 up to 256 (cuDNN's limits). It also needs
-    an sm_80+ GPU, which is not checked here (torch.compile cannot trace the capability query as
-    called here): on older GPUs set `cmp_kernel = "flex"`."""
+    can): CUDA on an sm_80+ GPU, bf16 / fp16, head dims multiples of 8 up to 256 (cuDNN's
+    limits)."""
     dims = (q.shape[-1], v.shape[-1])
     if not q.is_cuda:
         return f"it needs CUDA tensors (got {q.device.type})"
+    cap = torch.cuda.get_device_capability(q.device)  # a constant to torch.compile
+    if cap < (8, 0):
+        return f"cuDNN's fused attention needs an sm_80+ GPU (this one is sm_{cap[0]}{cap[1]})"
     if q.dtype not in (torch.bfloat16, torch.float16):
         return f"dtype {q.dtype} (bf16 and fp16 only)"
     # torch._C._has_cudnn: a constant that torch.compile traces (cudnn.is_available() it cannot)
@@ -139,41 +142,6 @@ def use_compressed_sdpa(q: Tensor, v: Tensor, spec: MaskSpec, cmp_kernel: str) -
         raise RuntimeError(f"NSAConfig.cmp_kernel='cudnn' cannot run here: {why}; use "
                            "cmp_kernel='auto' or 'flex'")
     return False
-
-
-def _causal_sdpa_lse(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """Causal attention with GQA (q heads a multiple of k's) and its lse [B, H, M] (natural log):
-    cuDNN's fused kernels on CUDA (the private op returns the lse that SDPA's public call does
-    not), the reference backend elsewhere (CPU tests of the packing)."""
-    if q.is_cuda:
-        out = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q, k, v, None, True, 0.0, True, False, scale=scale)
-        return out[0], out[1].squeeze(-1)
-    return attend_reference(q, k, v, causal(), scale)
-
-
-def attend_compressed_sdpa(q: Tensor, k: Tensor, v: Tensor, l: int, d: int,
-                           scale: float | None = None) -> tuple[Tensor, Tensor]:
-    """The compressed-causal mask (query t sees compressed block i iff i d + l - 1 <= t) as plain
-    causal attention. Position t = l - 1 + m d + r (0 <= r < d) sees blocks 0..m, so the d
-    positions of group m become d query rows at causal index m: q -> [B, Hq*d, M, Dk] (head
-    h*d + r; GQA onto the Hkv key heads keeps head h's group), M = num_cmp(T) groups (the last
-    one padded), key i at index i. Positions before l - 1 see nothing (0, lse -inf)."""
-    B, Hq, T, Dk, Hkv, S, G, scale = _dims(q, k, scale)
-    o = l - 1
-    M = -(-(T - o) // d)
-    if T <= o or S < M:
-        raise ValueError(f"attend_compressed_sdpa: {S} compressed keys for T={T}, l={l}, d={d} "
-                         f"(expected num_cmp(T) = {max(M, 0)})")
-    qp = F.pad(q[:, :, o:], (0, 0, 0, M * d - (T - o)))
-    qp = qp.view(B, Hq, M, d, Dk).transpose(2, 3).reshape(B, Hq * d, M, Dk)
-    out, lse = _causal_sdpa_lse(qp, k[:, :, :M], v[:, :, :M], scale)
-
-    def unpack(x, fill):  # [B, Hq*d, M, E] -> [B, Hq, T, E], rows before l - 1: fill
-        x = x.view(B, Hq, d, M, -1).transpose(2, 3).reshape(B, Hq, M * d, -1)[:, :, : T - o]
-        return F.pad(x, (0, 0, o, 0), value=fill)
-
-    return unpack(out, 0.0), unpack(lse.unsqueeze(-1), float("-inf")).squeeze(-1)
 
 
 def merge_parts(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
