@@ -22,7 +22,6 @@ carries no gradient (the scorer reads it detached; cuDNN's backward has no lse i
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch.library import custom_op
 
@@ -37,152 +36,165 @@ def group_rows(x: Tensor, d: int) -> Tensor:
                         x.storage_offset())
 
 
-def ungroup_rows(y: Tensor, B: int, H: int) -> Tensor:
-    """`group_rows`' inverse -> [B, H, M*d, E] contiguous (a view where y is laid out so)."""
-    BH, d, M, E = y.shape
-    return y.transpose(1, 2).reshape(B, H, M * d, E).contiguous()
-
-
-def _math_scores(q: Tensor, k: Tensor, scale: float):
-    """fp32 (fp64 stays fp64) causal scores [B, H, M, S] with k repeated over the group."""
+def _math_scores(q: Tensor, k: Tensor, scale: float, causal: bool):
+    """fp32 (fp64 stays fp64) scores [B, H, M, S] with k repeated over the group; causal: row m
+    sees keys 0..m."""
     acc = torch.promote_types(q.dtype, torch.float32)
-    G = q.shape[1] // k.shape[1]
-    kk = k.repeat_interleave(G, 1).to(acc)
+    kk = k.repeat_interleave(q.shape[1] // k.shape[1], 1).to(acc)
     s = (q.to(acc) @ kk.transpose(-1, -2)) * scale
-    M, S = s.shape[-2:]
-    future = torch.ones(M, S, dtype=torch.bool, device=q.device).triu(1)
-    return s.masked_fill(future, float("-inf")), kk, acc
+    if causal:
+        M, S = s.shape[-2:]
+        future = torch.ones(M, S, dtype=torch.bool, device=q.device).triu(1)
+        s = s.masked_fill(future, float("-inf"))
+    return s, kk, acc
+
+
+def _math_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool):
+    s, _, acc = _math_scores(q, k, scale, causal)
+    lse = torch.logsumexp(s, -1)
+    out = torch.exp(s - lse.unsqueeze(-1)) @ v.repeat_interleave(q.shape[1] // k.shape[1], 1).to(acc)
+    return out.to(q.dtype), lse.to(_lse_dtype(q))
+
+
+def _math_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+              scale: float, causal: bool):
+    """FlashAttention's backward from the output and lse -> (dq, dk, dv), dk / dv in fp32."""
+    B, H = q.shape[:2]
+    Hkv = k.shape[1]
+    s, kk, acc = _math_scores(q, k, scale, causal)
+    p = torch.exp(s - lse.to(acc).unsqueeze(-1))
+    do_ = do.to(acc)
+    delta = (do_ * out.to(acc)).sum(-1, keepdim=True)
+    ds = p * (do_ @ v.repeat_interleave(H // Hkv, 1).to(acc).transpose(-1, -2) - delta) * scale
+    dk = (ds.transpose(-1, -2) @ q.to(acc)).view(B, Hkv, H // Hkv, *k.shape[2:]).sum(2)
+    dv = (p.transpose(-1, -2) @ do_).view(B, Hkv, H // Hkv, *v.shape[2:]).sum(2)
+    return (ds @ kk).to(q.dtype), dk, dv
 
 
 def _fused_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """Causal attention with GQA on packed tensors -> (out [B, H, M, Dv], lse [B, H, M] fp32)."""
+    """Causal attention with GQA -> (out [B, H, M, Dv], lse [B, H, M] fp32): cuDNN on CUDA."""
     if q.is_cuda:
         r = torch.ops.aten._scaled_dot_product_cudnn_attention(
             q, k, v, None, True, 0.0, True, False, scale=scale)
         return r[0], r[1].view(r[1].shape[:3])
-    s, _, acc = _math_scores(q, k, scale)
-    lse = torch.logsumexp(s, -1)
-    p = torch.exp(s - lse.unsqueeze(-1))
-    out = p @ v.repeat_interleave(q.shape[1] // k.shape[1], 1).to(acc)
-    return out.to(q.dtype), lse.to(torch.float32 if q.dtype != torch.float64 else q.dtype)
+    return _math_fwd(q, k, v, scale, causal=True)
 
 
 def _fused_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """FlashAttention's backward of `_fused_fwd` from its output and lse -> (dq, dk, dv)."""
+    """`_fused_fwd`'s backward from its output and lse -> (dq, dk, dv)."""
     if q.is_cuda:
         M, S = q.shape[2], k.shape[2]
         none = torch.zeros((), dtype=torch.int64, device=q.device)  # philox: no dropout
         return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             do, q, k, v, out, lse.unsqueeze(-1), none, none, None, None, None, M, S, 0.0, True,
             scale=scale)
-    B, H, M, _ = q.shape
-    Hkv = k.shape[1]
-    s, kk, acc = _math_scores(q, k, scale)
-    p = torch.exp(s - lse.to(acc).unsqueeze(-1))
-    do_, vv = do.to(acc), v.repeat_interleave(H // Hkv, 1).to(acc)
-    delta = (do_ * out.to(acc)).sum(-1, keepdim=True)
-    ds = p * (do_ @ vv.transpose(-1, -2) - delta) * scale
-    dq = ds @ kk
-    dk = (ds.transpose(-1, -2) @ q.to(acc)).view(B, Hkv, H // Hkv, *k.shape[2:]).sum(2)
-    dv = (p.transpose(-1, -2) @ do_).view(B, Hkv, H // Hkv, *v.shape[2:]).sum(2)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return _math_bwd(do, q, k, v, out, lse, scale, causal=True)
+
+
+def _per_head(x: Tensor, H: int) -> Tensor:
+    """[B, Hkv, M, E] -> [B*H, 1, M, E]: one copy per query head (M keys: small)."""
+    B, Hkv = x.shape[:2]
+    return x.repeat_interleave(H // Hkv, 1).reshape(B * H, 1, *x.shape[2:])
 
 
 @custom_op("nsa_flex::cmp_sdpa_fwd", mutates_args=())
-def cmp_sdpa_fwd(q: Tensor, k: Tensor, v: Tensor, d: int, scale: float) -> tuple[Tensor, Tensor]:
-    """Group-causal attention: q [B, Hq, M*d, Dk] (M groups of d rows), k [B, Hkv, M, Dk],
-    v [B, Hkv, M, Dv]; a row of group m sees keys 0..m -> (out [B, Hq, M*d, Dv], lse [B, Hq, M*d]
-    fp32). cuDNN reads q in place (`group_rows`) and writes out in q's row order; k, v get one
-    copy per query head (M keys: small)."""
-    B, H, R, _ = q.shape
-    G = H // k.shape[1]
-    kk, vv = (x.repeat_interleave(G, 1).reshape(B * H, 1, *x.shape[2:]) for x in (k, v))
-    out, lse = _fused_fwd(group_rows(q, d), kk, vv, scale)
-    return (ungroup_rows(out, B, H),
-            lse.view(B, H, d, R // d).transpose(2, 3).reshape(B, H, R).contiguous())
+def cmp_sdpa_fwd(q: Tensor, k: Tensor, v: Tensor, l: int, d: int, scale: float
+                 ) -> tuple[Tensor, Tensor]:
+    """(out [B, Hq, T, Dv], lse [B, Hq, T] fp32) of the compressed-causal mask; k, v [B, Hkv,
+    M, *] with M = num_cmp(T) compressed keys."""
+    B, H, T, _ = q.shape
+    o = l - 1
+    Mf, rt = divmod(T - o, d)
+    out = q.new_empty(B, H, T, v.shape[-1])
+    lse = torch.empty(B, H, T, dtype=_lse_dtype(q), device=q.device)
+    out[:, :, :o] = 0
+    lse[:, :, :o] = float("-inf")
+    if Mf:  # the full groups: cuDNN on views of q (rows o..) and of out
+        om, lm = _fused_fwd(group_rows(q[:, :, o:o + Mf * d], d), _per_head(k[:, :, :Mf], H),
+                            _per_head(v[:, :, :Mf], H), scale)
+        group_rows(out[:, :, o:o + Mf * d], d).copy_(om)
+        lse[:, :, o:o + Mf * d].view(B * H, Mf, d).copy_(lm.transpose(1, 2))
+    if rt:  # the last few rows see every key
+        ot, lt = _math_fwd(q[:, :, o + Mf * d:], k, v, scale, causal=False)
+        out[:, :, o + Mf * d:] = ot
+        lse[:, :, o + Mf * d:] = lt
+    return out, lse
+
+
+def _lse_dtype(q: Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
 @cmp_sdpa_fwd.register_fake
-def _(q, k, v, d, scale):
-    B, H, R, _ = q.shape
-    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return q.new_empty(B, H, R, v.shape[-1]), q.new_empty(B, H, R, dtype=lse_dtype)
+def _(q, k, v, l, d, scale):
+    B, H, T, _ = q.shape
+    return q.new_empty(B, H, T, v.shape[-1]), q.new_empty(B, H, T, dtype=_lse_dtype(q))
 
 
 @custom_op("nsa_flex::cmp_sdpa_bwd", mutates_args=())
-def cmp_sdpa_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, d: int,
-                 scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    B, H, R, _ = q.shape
-    Hkv, M = k.shape[1], k.shape[2]
+def cmp_sdpa_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, l: int,
+                 d: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    B, H, T, _ = q.shape
+    Hkv = k.shape[1]
     G = H // Hkv
-    kk, vv = (x.repeat_interleave(G, 1).reshape(B * H, 1, *x.shape[2:]) for x in (k, v))
-    lse_g = lse.view(B * H, M, d).transpose(1, 2).contiguous()
-    # dO in out's layout (cuDNN's backward reads both with one set of strides)
-    dq, dk, dv = _fused_bwd(group_rows(do.contiguous(), d), group_rows(q, d), kk, vv,
-                            group_rows(out, d), lse_g, scale)
-    return (ungroup_rows(dq, B, H), dk.view(B, Hkv, G, M, -1).sum(2).to(k.dtype),
-            dv.view(B, Hkv, G, M, -1).sum(2).to(v.dtype))
+    o = l - 1
+    Mf, rt = divmod(T - o, d)
+    do = do.contiguous()
+    dq = torch.empty_like(q)
+    dq[:, :, :o] = 0
+    dk, dv = torch.zeros_like(k, dtype=lse.dtype), torch.zeros_like(v, dtype=lse.dtype)
+    if Mf:
+        rows = slice(o, o + Mf * d)
+        lse_g = lse[:, :, rows].reshape(B * H, Mf, d).transpose(1, 2).contiguous()
+        # dO read with out's strides (cuDNN's backward reads both with one set)
+        dqm, dkm, dvm = _fused_bwd(group_rows(do[:, :, rows], d), group_rows(q[:, :, rows], d),
+                                   _per_head(k[:, :, :Mf], H), _per_head(v[:, :, :Mf], H),
+                                   group_rows(out[:, :, rows], d), lse_g, scale)
+        group_rows(dq[:, :, rows], d).copy_(dqm)
+        dk[:, :, :Mf] += dkm.view(B, Hkv, G, Mf, -1).to(dk.dtype).sum(2)
+        dv[:, :, :Mf] += dvm.view(B, Hkv, G, Mf, -1).to(dv.dtype).sum(2)
+    if rt:  # the last few rows
+        tail = slice(o + Mf * d, T)
+        gq, gk, gv = _math_bwd(do[:, :, tail], q[:, :, tail], k, v, out[:, :, tail],
+                               lse[:, :, tail], scale, causal=False)
+        dq[:, :, tail] = gq
+        dk += gk
+        dv += gv
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
 @cmp_sdpa_bwd.register_fake
-def _(do, q, k, v, out, lse, d, scale):
+def _(do, q, k, v, out, lse, l, d, scale):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, d, scale = inputs
+    q, k, v, l, d, scale = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.extra = (d, scale)
+    ctx.extra = (l, d, scale)
 
 
 def _backward(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = torch.ops.nsa_flex.cmp_sdpa_bwd(dout, q, k, v, out, lse, *ctx.extra)
-    return dq, dk, dv, None, None
+    return dq, dk, dv, None, None, None
 
 
 cmp_sdpa_fwd.register_autograd(_backward, setup_context=_setup)
 
 
-def _dense(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """Attention to every key (fp32 softmax), GQA: the last partial group's few rows."""
-    acc = torch.promote_types(q.dtype, torch.float32)
-    G = q.shape[1] // k.shape[1]
-    s = (q.to(acc) @ k.repeat_interleave(G, 1).to(acc).transpose(-1, -2)) * scale
-    lse = torch.logsumexp(s, -1)
-    out = torch.exp(s - lse.unsqueeze(-1)) @ v.repeat_interleave(G, 1).to(acc)
-    return out.to(q.dtype), lse.to(torch.float32 if q.dtype != torch.float64 else q.dtype)
-
-
 def compressed_sdpa(q: Tensor, k: Tensor, v: Tensor, l: int, d: int, scale: float | None = None
                     ) -> tuple[Tensor, Tensor]:
     """The compressed-causal mask: q [B, Hq, T, Dk], k [B, Hkv, S, Dk], v [B, Hkv, S, Dv] with
-    S >= num_cmp(T) compressed keys -> (out [B, Hq, T, Dv], lse [B, Hq, T], no gradient).
-    Positions l - 1 .. l - 1 + Mf d - 1 (Mf full groups) run `cmp_sdpa_fwd` on a view of q; the
-    last (T - l + 1) % d positions see all Mf + 1 keys (plain math, fewer than d rows); positions
-    before l - 1 see nothing (0, lse -inf). The concatenation is left to torch.compile (fused
-    into the consumer of the output)."""
-    B, H, T, _ = q.shape
-    o = l - 1
-    Mf, rt = divmod(T - o, d) if T > o else (0, 0)
-    M = Mf + (rt > 0)
-    if T <= o or k.shape[2] < M:
-        raise ValueError(f"compressed_sdpa: {k.shape[2]} compressed keys for T={T}, l={l}, d={d} "
-                         f"(expected num_cmp(T) = {M})")
+    S >= num_cmp(T) compressed keys -> (out [B, Hq, T, Dv], lse [B, Hq, T], no gradient)."""
+    T, S = q.shape[2], k.shape[2]
+    M = -(-(T - (l - 1)) // d)
+    if T <= l - 1 or S < M:
+        raise ValueError(f"compressed_sdpa: {S} compressed keys for T={T}, l={l}, d={d} "
+                         f"(expected num_cmp(T) = {max(M, 0)})")
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    outs = [q.new_zeros(B, H, o, v.shape[-1])]
-    lses = [q.new_full((B, H, o), float("-inf"), dtype=lse_dtype)]
-    if Mf:
-        out, lse = torch.ops.nsa_flex.cmp_sdpa_fwd(q[:, :, o:o + Mf * d], k[:, :, :Mf],
-                                                   v[:, :, :Mf], d, float(scale))
-        outs.append(out)
-        lses.append(lse)
-    if rt:
-        out, lse = _dense(q[:, :, o + Mf * d:], k[:, :, :M], v[:, :, :M], scale)
-        outs.append(out)
-        lses.append(lse.detach())
-    return torch.cat(outs, 2), torch.cat(lses, 2)
+    return torch.ops.nsa_flex.cmp_sdpa_fwd(q.contiguous(), k[:, :, :M].contiguous(),
+                                           v[:, :, :M].contiguous(), l, d, float(scale))

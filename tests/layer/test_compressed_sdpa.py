@@ -155,3 +155,15 @@ def test_compiled_op_keeps_no_packed_copies():
     allowed = sum(x.numel() * x.element_size() for x in (q, k, v, ref[0], ref[1], w))
     assert got[3] <= allowed, f"compiled graph keeps {got[3]} bytes, q/k/v/out/lse/w are {allowed}"
     assert not ref[1].requires_grad  # the lse carries no gradient (cuDNN's backward has none)
+
+
+def test_op_compiles_with_dynamic_shapes():
+    """One graph with a symbolic length serves lengths with and without a partial last group
+    (the op's integer arithmetic stays inside it)."""
+    l, d = 8, 4
+    f = torch.compile(lambda q, k, v: attend_compressed_sdpa(q, k, v, l, d)[0], fullgraph=True,
+                      dynamic=True)
+    for T in (64, 75, 90):
+        S = num_cmp(T, l, d)
+        q, k, v = torch.randn(1, 4, T, 8), torch.randn(1, 2, S, 8), torch.randn(1, 2, S, 8)
+        torch.testing.assert_close(f(q, k, v), attend_compressed_sdpa(q, k, v, l, d)[0])
