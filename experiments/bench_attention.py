@@ -52,6 +52,7 @@ import torch.nn.functional as F
 
 from masks import MaskContext, get_mask_builder
 from nsa_flex import NSAAttention, NSAConfig
+from nsa_flex.config import CMP_KERNEL_CHOICES
 from nsa_flex.attention import attend_flex
 from nsa_flex.bench import (Clock, Lazy, PhaseTimeout, Rot, TimingLock, error_line, figure,
                             first_call, kernel_ms, kernel_overrides, median_ms, phase, write_csv as _write)
@@ -92,6 +93,7 @@ LAYER_ITEMS = {"nsa_layer": "nsa_layer", "full_layer": "full_layer", "sdpa_causa
                "flex_causal": "flex_causal", "fla_parallel_nsa_w0": "fla_parallel_nsa"}
 MODES = ("fwd", "fwd_bwd")
 SEL_KERNEL = "auto"  # --sel-kernel: the layer's executor of the selection
+CMP_KERNEL = "auto"  # --cmp-kernel: the layer's executor of the compressed branch
 TRACE = None  # --selection-trace: (int64 [1, Hkv, T, n] trained picks, label) replacing the random ones
 
 log = Clock()
@@ -205,7 +207,8 @@ def timed(name, make, with_bwd, dev, rows, meta, modes=MODES, limit=0):
 def build_items(cname, T, dev, dtype, compile_=True):
     """[(name, has_backward, make)] in ITEMS order; make() does the item's setup (shared parts
     through Lazy) and returns its fwd(). Nothing is allocated or compiled before make()."""
-    cfg = NSAConfig(**config_args(cname), backend="flex", sel_kernel=SEL_KERNEL)
+    cfg = NSAConfig(**config_args(cname), backend="flex", sel_kernel=SEL_KERNEL,
+                    cmp_kernel=CMP_KERNEL)
     train = dev == "cuda"  # CPU flex has no backward
     B, H, Hkv, dk, dv = 1, cfg.n_heads, cfg.n_kv_heads, cfg.d_qk, cfg.d_v
     comp = (lambda f: torch.compile(f, fullgraph=True, dynamic=False)) if compile_ else (lambda f: f)
@@ -371,7 +374,8 @@ def run_config(cname, T, dev, dtype, rows, stages, baselines, compile_=True, onl
     """Stages (if `stages`), then baselines (if `baselines`), then the layer; `only`: a set of
     item names to keep."""
     meta = dict(config=cname, T=T, device=torch.cuda.get_device_name() if dev == "cuda" else "cpu",
-                sel_kernel=SEL_KERNEL, selection="random" if TRACE is None else TRACE[1])
+                sel_kernel=SEL_KERNEL, cmp_kernel=CMP_KERNEL,
+                selection="random" if TRACE is None else TRACE[1])
     if TRACE is not None and tuple(TRACE[0].shape[1:3]) != (config_args(cname)["n_kv_heads"], T):
         log(f"skip  {cname} T={T}: the selection trace is [Hkv, T] = {list(TRACE[0].shape[1:3])}")
         return
@@ -539,6 +543,8 @@ def main(argv=None):
     ap.add_argument("--sel-kernel", default="auto", choices=("auto", "flex", "triton"),
                     help="NSAConfig.sel_kernel of the layer items (attn_selected always runs auto, "
                          "attn_selected_flex flex)")
+    ap.add_argument("--cmp-kernel", default="auto", choices=CMP_KERNEL_CHOICES,
+                    help="NSAConfig.cmp_kernel of the layer items")
     ap.add_argument("--sel-rows", type=int, default=0,
                     help="rows of the selected-attention op's q block (positions x G): overrides "
                          "nsa_flex.ops.selected_triton.ROWS during the run")
@@ -574,9 +580,10 @@ def main(argv=None):
     inductor = inductor_config(args.inductor, ap)
     only = set(_names(args.only, ITEMS, "--only", ap))
     modes = _names(args.modes, MODES, "--modes", ap)
-    global LOCK, SEL_KERNEL, TRACE
+    global CMP_KERNEL, LOCK, SEL_KERNEL, TRACE
     LOCK = TimingLock(args.timing_lock)
     SEL_KERNEL = args.sel_kernel
+    CMP_KERNEL = args.cmp_kernel
     if args.selection_trace:
         from nsa_flex.eval.selection_stats import load_trace_arg
 

@@ -27,6 +27,8 @@
 #   paper16k   bench_attention.py, paper shape at 16k: the NSA and full-attention layers with
 #              kernel profiles
 #   cmpprobe   experiments/cmp_sdpa_probe.py (the compressed branch on SDPA's kernels vs flex)
+#   cmpab      layer rows at the 125M shape (8k, 32k, trained) and the paper shape (16k) with each
+#              cuDNN route of the compressed branch (cmp_kernel cudnn, cudnn_lean)
 #   gpucmp     the GPU tests of the compressed branch (tests/layer/test_flex_gpu.py -k compressed)
 #   tunedq     tune_selected.py at the paper shape, 16k: the dQ kernel's launch options (untuned)
 #   nofusion   layers125's trained 32k row with inductor's epilogue fusion off (what fusing the gate
@@ -67,6 +69,11 @@ step() {  # STEP: run it unless done
                  # shellcheck disable=SC2086
                  timeout 600 $B --configs titan_125M --T 8192,32768 --stages-at 0 $A --item-limit 200 \
                    --only sdpa_causal,full_layer,fla_parallel_nsa_w0,nsa_layer --out "$o/$sel"; done ;;
+    cmpab) for k in cudnn cudnn_lean; do  # the compressed branch's two cuDNN routes, trained selections
+             timeout 600 $B --configs titan_125M --T 8192,32768 --stages-at 0 --selection-trace "$TRACE" \
+               --item-limit 200 --only full_layer,nsa_layer --cmp-kernel $k --out "$o/125M_$k"
+             timeout 600 $B --configs paper --T 16384 --stages-at 0 --item-limit 200 \
+               --only full_layer,nsa_layer --cmp-kernel $k --out "$o/paper_$k"; done ;;
     layerspaper) timeout 1200 $B --configs paper --T 8192,16384,65536 --stages-at 0 --item-limit 200 \
               --only sdpa_causal,full_layer,fla_parallel_nsa_w0,nsa_layer --out "$o" ;;
     memory) timeout 600 $PY experiments/saved_memory.py --out "$o" --configs titan_125M --T 32768 \

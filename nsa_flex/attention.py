@@ -14,7 +14,8 @@
   * the plain causal mask (the full_causal preset) runs SDPA, what full attention would run;
   * the compressed-causal mask alone (no documents) is plain causal attention once the d
     positions that see the same compressed blocks share one row: cuDNN's fused SDPA kernels
-    (`attend_compressed_sdpa`, `NSAConfig.cmp_kernel`; flex's template pads d_k 192 to 256 and
+    (`attend_compressed_sdpa`; `attend_compressed_lean`, our op, keeps no packed copies for the
+    backward; `NSAConfig.cmp_kernel`; flex's template pads d_k 192 to 256 and
     runs its dK/dV pass over few, long kv tiles).
 
 Shapes: q [B, Hq, T, Dk], k [B, Hkv, S, Dk], v [B, Hkv, S, Dv] -> out [B, Hq, T, Dv],
@@ -33,7 +34,7 @@ from masks import MaskSpec, causal
 from masks.core import captured
 
 from .config import resolve_backend
-from .ops.compressed_sdpa import compressed_sdpa as attend_compressed_sdpa
+from .ops.compressed_sdpa import compressed_sdpa as attend_compressed_lean
 from .ops import HAS_TRITON, selected_attention, selected_unsupported, tile_positions, triton_interpreted
 from .kernel_options import (band_kernel_options, flex_kernel_options, install_flex_patches,
                              packed_block_size)
@@ -130,16 +131,54 @@ def compressed_sdpa_unsupported(q: Tensor, v: Tensor) -> str | None:
     return None
 
 
+def _causal_sdpa_lse(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """Causal attention with GQA (q heads a multiple of k's) and its lse [B, H, M] (natural log):
+    cuDNN's fused kernels on CUDA (the private op returns the lse that SDPA's public call does
+    not), the reference backend elsewhere (CPU tests of the packing)."""
+    if q.is_cuda:
+        out = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, True, False, scale=scale)
+        return out[0], out[1].squeeze(-1)
+    return attend_reference(q, k, v, causal(), scale)
+
+
+def attend_compressed_sdpa(q: Tensor, k: Tensor, v: Tensor, l: int, d: int,
+                           scale: float | None = None) -> tuple[Tensor, Tensor]:
+    """The compressed-causal mask (query t sees compressed block i iff i d + l - 1 <= t) as plain
+    causal attention, traced (cmp_kernel cudnn). Position t = l - 1 + m d + r (0 <= r < d) sees
+    blocks 0..m, so the d positions of group m become d query rows at causal index m: q ->
+    [B, Hq*d, M, Dk] (head h*d + r; GQA onto the Hkv key heads keeps head h's group), M =
+    num_cmp(T) groups (the last one padded), key i at index i. Positions before l - 1 see nothing
+    (0, lse -inf). torch.compile fuses the packing into its neighbours and keeps the packed q and
+    output for cuDNN's backward; `attend_compressed_lean` (cmp_kernel cudnn_lean) keeps neither."""
+    B, Hq, T, Dk, Hkv, S, G, scale = _dims(q, k, scale)
+    o = l - 1
+    M = -(-(T - o) // d)
+    if T <= o or S < M:
+        raise ValueError(f"attend_compressed_sdpa: {S} compressed keys for T={T}, l={l}, d={d} "
+                         f"(expected num_cmp(T) = {max(M, 0)})")
+    qp = F.pad(q[:, :, o:], (0, 0, 0, M * d - (T - o)))
+    qp = qp.view(B, Hq, M, d, Dk).transpose(2, 3).reshape(B, Hq * d, M, Dk)
+    out, lse = _causal_sdpa_lse(qp, k[:, :, :M], v[:, :, :M], scale)
+
+    def unpack(x, fill):  # [B, Hq*d, M, E] -> [B, Hq, T, E], rows before l - 1: fill
+        x = x.view(B, Hq, d, M, -1).transpose(2, 3).reshape(B, Hq, M * d, -1)[:, :, : T - o]
+        return F.pad(x, (0, 0, o, 0), value=fill)
+
+    return unpack(out, 0.0), unpack(lse.unsqueeze(-1), float("-inf")).squeeze(-1)
+
+
 def use_compressed_sdpa(q: Tensor, v: Tensor, spec: MaskSpec, cmp_kernel: str) -> bool:
-    """Whether the flex backend runs `spec` through `attend_compressed_sdpa` (cmp_kernel auto |
-    flex | cudnn): only for the compressed-causal mask alone (`spec.cmp_causal`)."""
+    """Whether the flex backend runs `spec` on cuDNN (cmp_kernel auto | flex | cudnn |
+    cudnn_lean: `attend_compressed_sdpa`, or `attend_compressed_lean` for cudnn_lean): only for the
+    compressed-causal mask alone (`spec.cmp_causal`)."""
     if spec.cmp_causal is None or cmp_kernel == "flex":
         return False
     why = compressed_sdpa_unsupported(q, v)
     if why is None:
         return True
-    if cmp_kernel == "cudnn":
-        raise RuntimeError(f"NSAConfig.cmp_kernel='cudnn' cannot run here: {why}; use "
+    if cmp_kernel != "auto":
+        raise RuntimeError(f"NSAConfig.cmp_kernel={cmp_kernel!r} cannot run here: {why}; use "
                            "cmp_kernel='auto' or 'flex'")
     return False
 
@@ -224,6 +263,8 @@ def attend_flex(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, scale: float | 
                                              enable_gqa=Hq != Hkv)
         return out, None
     if use_compressed_sdpa(q, v, spec, cmp_kernel):
+        if cmp_kernel == "cudnn_lean":
+            return attend_compressed_lean(q, k, v, *spec.cmp_causal, scale)
         return attend_compressed_sdpa(q, k, v, *spec.cmp_causal, scale)
     if spec.per_group:
         # group-centric packing: [B, Hkv, G, T, D] -> [B, Hkv, T*G, D], row = t*G + g

@@ -18,7 +18,7 @@ PHI_CHOICES = ("avg", "mlp")
 BACKEND_CHOICES = ("auto", "flex", "reference")
 SCORER_CHOICES = ("auto", "torch", "triton")
 SEL_KERNEL_CHOICES = ("auto", "flex", "triton")
-CMP_KERNEL_CHOICES = ("auto", "flex", "cudnn")
+CMP_KERNEL_CHOICES = ("auto", "flex", "cudnn", "cudnn_lean")
 # NSAConfig.recompute -> the branches run under activation checkpointing (NSAAttention.branch)
 RECOMPUTED = {"none": (), "win": ("win",), "cmp_win": ("cmp", "win")}
 RECOMPUTE_CHOICES = tuple(RECOMPUTED)
@@ -123,7 +123,11 @@ class NSAConfig:
                                    "(cuDNN's fused attention where it runs: CUDA, bf16/fp16, head "
                                    "dims multiples of 8 up to 256, an sm_80+ GPU; else flex) | flex "
                                    "(FlexAttention's template: slower, keeps less for the backward) "
-                                   "| cudnn (an error where it cannot run)")
+                                   "| cudnn (an error where it cannot run) | cudnn_lean (cuDNN "
+                                   "through our op, nsa_flex.ops.compressed_sdpa: keeps no packed "
+                                   "copy of q and of the output for the backward -- 128 MiB a layer "
+                                   "at the 125M shape, 32k, ~1.3 GiB at the paper shape -- for "
+                                   "~1 ms of host time a step and a few copies)")
     recompute: str = knob("none", "branches whose keys, values and output the backward rebuilds "
                                   "from x and q instead of keeping them (activation memory for "
                                   "compute): none | win (the sliding window) | cmp_win (the "

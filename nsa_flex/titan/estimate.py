@@ -9,7 +9,8 @@ exactly". Memory counts what autograd keeps for the backward pass:
 * the attention core: the ``reference`` backend (the CPU's) materializes each branch's scores and
   probabilities in fp32 and a boolean mask, ``[B, H, T, S]`` (S = T for the token branches, the
   number of compressed blocks for the compressed one); ``flex`` keeps only outputs and log-sum-exps
-  (and the compressed branch on cuDNN, ``nsa.cmp_kernel``, its packed query and output);
+  (and the compressed branch on cuDNN, ``nsa.cmp_kernel`` auto / cudnn, its packed query and output;
+  cudnn_lean keeps none);
 * ``nsa.recompute``: the branches it names are not kept; one block's backward holds them again;
 * the model: parameters, gradients and AdamW's two moments (fp32, sharded over the data-parallel
   ranks of FSDP), every block's activations (activation checkpointing keeps one block's plus each
@@ -79,7 +80,8 @@ def block_activation_bytes(args, B: int, T: int, elem: int, recomputed: bool = F
         core = sum(B * H * T * S * (3 * 4) + B * Hkv * T * S for _, S, _ in branches)
     else:  # flex: outputs and log-sum-exps per branch
         core = len(branches) * B * H * T * (args.d_v * elem + 4)
-        if any(b[0] == "cmp" for b in branches) and getattr(args, "cmp_kernel", "auto") != "flex":
+        if any(b[0] == "cmp" for b in branches) and \
+                getattr(args, "cmp_kernel", "auto") in ("auto", "cudnn"):
             core += B * H * T * (args.d_qk + args.d_v) * elem  # cuDNN's packed q and output
     return linear + core
 

@@ -1,5 +1,7 @@
-"""The compressed branch as causal SDPA over groups of d positions (`attend_compressed_sdpa`):
-on the CPU its packing runs with fp32 math in place of cuDNN (the GPU test in test_flex_gpu.py
+"""The compressed branch as causal SDPA over groups of d positions, both routes: traced
+(`attend_compressed_sdpa`, cmp_kernel cudnn) and our op (`attend_compressed_lean`, cmp_kernel
+cudnn_lean, which reads q through strided views and keeps no packed copies): on the CPU each
+runs with fp32 math in place of cuDNN (the GPU test in test_flex_gpu.py
 runs cuDNN), against the reference backend on the `compressed_causal` mask: output, lse and
 the gradients of q, k, v, for any T (groups that do not fill the last one included), l, d with
 d | l, and GQA; exactly causal (hypothesis: no output up to t moves, nor has a gradient, when
@@ -14,13 +16,17 @@ from hypothesis import strategies as st
 from masks import MaskContext, get_mask_builder
 from masks.builders import compressed_causal
 from nsa_flex import NSAConfig
-from nsa_flex.attention import attend_compressed_sdpa, attend_reference, use_compressed_sdpa
+from nsa_flex.attention import (attend_compressed_lean, attend_compressed_sdpa, attend_reference,
+                                use_compressed_sdpa)
 from nsa_flex.rules import num_cmp
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
-def _compare(T, l, d, Hkv, G, seed):
+ROUTES = {"traced": attend_compressed_sdpa, "lean": attend_compressed_lean}
+
+
+def _compare(T, l, d, Hkv, G, seed, route):
     g = torch.Generator().manual_seed(seed)
     S = num_cmp(T, l, d)
     R = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
@@ -29,7 +35,7 @@ def _compare(T, l, d, Hkv, G, seed):
     assert spec.cmp_causal == (l, d)
     w = R(1, Hkv * G, T, 4)
     res = []
-    for fn in (lambda *a: attend_compressed_sdpa(*a, l, d), lambda *a: attend_reference(*a, spec)):
+    for fn in (lambda *a: ROUTES[route](*a, l, d), lambda *a: attend_reference(*a, spec)):
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
         out, lse = fn(*leaves)
         grads = torch.autograd.grad((out * w).sum(), leaves)
@@ -43,18 +49,20 @@ def _compare(T, l, d, Hkv, G, seed):
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("route", ROUTES)
 @settings(deadline=None)
 @given(l_over_d=st.integers(1, 4), d=st.sampled_from([1, 2, 4, 16]), extra=st.integers(0, 70),
        Hkv=st.integers(1, 2), G=st.sampled_from([1, 2, 3]), seed=st.integers(0, 2**16))
-def test_compressed_sdpa_equals_reference(l_over_d, d, extra, Hkv, G, seed):
+def test_compressed_sdpa_equals_reference(route, l_over_d, d, extra, Hkv, G, seed):
     l = l_over_d * d
-    _compare(l + extra, l, d, Hkv, G, seed)
+    _compare(l + extra, l, d, Hkv, G, seed, route)
 
 
+@pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("T", [32, 33, 46, 47, 48, 1000, 1024])
-def test_compressed_sdpa_paper_blocks(T):
+def test_compressed_sdpa_paper_blocks(T, route):
     """l = 32, d = 16 at the group boundaries (T - 31 a multiple of 16 or not)."""
-    _compare(T, 32, 16, 2, 2, T)
+    _compare(T, 32, 16, 2, 2, T, route)
 
 
 def test_only_the_plain_compressed_mask_takes_the_route():
@@ -77,8 +85,9 @@ def test_cmp_kernel_routing_and_errors():
     q, v = torch.randn(1, 4, 64, 8), torch.randn(1, 2, 15, 8)
     assert not use_compressed_sdpa(q, v, spec, "flex")
     assert not use_compressed_sdpa(q, v, spec, "auto")
-    with pytest.raises(RuntimeError, match="cmp_kernel='cudnn' cannot run here: .*CUDA"):
-        use_compressed_sdpa(q, v, spec, "cudnn")
+    for kernel in ("cudnn", "cudnn_lean"):
+        with pytest.raises(RuntimeError, match=f"cmp_kernel='{kernel}' cannot run here: .*CUDA"):
+            use_compressed_sdpa(q, v, spec, kernel)
     window = get_mask_builder("sliding_window")(MaskContext(
         NSAConfig(dim=16, n_heads=4, n_kv_heads=2, d_qk=8, d_v=8, l=8, d=4, l_sel=16, n_sel=3,
                   window=12), 1, 64, "cpu"))
@@ -87,10 +96,11 @@ def test_cmp_kernel_routing_and_errors():
         NSAConfig(cmp_kernel="cuda")
 
 
+@pytest.mark.parametrize("route", ROUTES)
 @settings(deadline=None)
 @given(l_over_d=st.integers(1, 3), d=st.sampled_from([1, 2, 4, 16]), extra=st.integers(0, 60),
        cut=st.floats(0, 1), G=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
-def test_compressed_sdpa_is_causal(l_over_d, d, extra, cut, G, seed):
+def test_compressed_sdpa_is_causal(route, l_over_d, d, extra, cut, G, seed):
     """Changing the queries after position t and the compressed keys / values that end after t
     leaves every output up to t unchanged (exactly), and the gradient of those outputs with
     respect to the changed inputs is exactly zero: the packing never lets a row read a block
@@ -103,13 +113,13 @@ def test_compressed_sdpa_is_causal(l_over_d, d, extra, cut, G, seed):
     q, k, v = (torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True)
                for s in ((1, 2 * G, T, 8), (1, 2, S, 8), (1, 2, S, 4)))
     future_key = torch.arange(S) * d + l - 1 > t  # blocks that end after t
-    out, _ = attend_compressed_sdpa(q, k, v, l, d)
+    out, _ = ROUTES[route](q, k, v, l, d)
     with torch.no_grad():
         q2, k2, v2 = q.clone(), k.clone(), v.clone()
         q2[:, :, t + 1:] += 5
         k2[:, :, future_key] -= 3
         v2[:, :, future_key] *= -7
-    out2, _ = attend_compressed_sdpa(q2, k2, v2, l, d)
+    out2, _ = ROUTES[route](q2, k2, v2, l, d)
     assert torch.equal(out[:, :, : t + 1], out2[:, :, : t + 1])
     gq, gk, gv = torch.autograd.grad(out[:, :, : t + 1].sum(), (q, k, v))
     assert not gq[:, :, t + 1:].any() and not gk[:, :, future_key].any()
@@ -117,7 +127,7 @@ def test_compressed_sdpa_is_causal(l_over_d, d, extra, cut, G, seed):
 
 
 def test_compiled_op_keeps_no_packed_copies():
-    """Compiled (fullgraph, CPU), the op equals its eager self in output and gradients, and what
+    """Compiled (fullgraph, CPU), the lean route (our op) equals its eager self in output and gradients, and what
     the graph keeps for the backward is at most q, k, v, the output and lse (and the loss's weights): the packed copies
     of q and of the output are made again in the backward, never saved (experiments/NOTES.md 56:
     they were +128 MiB a layer at the 125M shape, 32k)."""
@@ -129,7 +139,7 @@ def test_compiled_op_keeps_no_packed_copies():
     w = torch.randn(1, Hkv * G, T, 8, generator=g)
 
     def f(q, k, v):
-        out, lse = attend_compressed_sdpa(q, k, v, l, d)
+        out, lse = attend_compressed_lean(q, k, v, l, d)
         return (out * w).sum(), out, lse
 
     def run(fn):
@@ -158,12 +168,12 @@ def test_compiled_op_keeps_no_packed_copies():
 
 
 def test_op_compiles_with_dynamic_shapes():
-    """One graph with a symbolic length serves lengths with and without a partial last group
+    """The lean route: one graph with a symbolic length serves lengths with and without a partial last group
     (the op's integer arithmetic stays inside it)."""
     l, d = 8, 4
-    f = torch.compile(lambda q, k, v: attend_compressed_sdpa(q, k, v, l, d)[0], fullgraph=True,
+    f = torch.compile(lambda q, k, v: attend_compressed_lean(q, k, v, l, d)[0], fullgraph=True,
                       dynamic=True)
     for T in (64, 75, 90):
         S = num_cmp(T, l, d)
         q, k, v = torch.randn(1, 4, T, 8), torch.randn(1, 2, S, 8), torch.randn(1, 2, S, 8)
-        torch.testing.assert_close(f(q, k, v), attend_compressed_sdpa(q, k, v, l, d)[0])
+        torch.testing.assert_close(f(q, k, v), attend_compressed_lean(q, k, v, l, d)[0])

@@ -54,20 +54,22 @@ def inputs():
 
 
 @pytest.mark.parametrize("case", ["selected", "selected_flex", "packed_flex", "compressed",
-                                  "compressed_flex", "causal"])
+                                  "compressed_flex", "compressed_lean", "causal"])
 def test_compiled_flex_call_matches_reference(inputs, case):
     """selected: the selected-attention op (the default); selected_flex: flex's template, forced +
     scored parts merged by lse; packed_flex: the same selection in one flex call; compressed:
     cuDNN's causal SDPA over groups of d positions (cmp_kernel auto; its lse too: the scorer reads
-    it); compressed_flex: flex's template (cmp_kernel flex), one K/V copy per query head; causal:
+    it); compressed_flex: flex's template (cmp_kernel flex), one K/V copy per query head;
+    compressed_lean: our op on cuDNN (cmp_kernel cudnn_lean); causal:
     the full_causal preset (SDPA)."""
     cfg, tok, cmp, specs = inputs
     q, k, v = cmp if case.startswith("compressed") else tok
-    spec_fn = specs[case.replace("_flex", "")]
-    kern = "flex" if case.endswith("_flex") else "auto"
-    if case == "compressed":  # the route this case is meant to take
-        assert use_compressed_sdpa(q, v, spec_fn(), "auto")
-    fast = torch.compile(lambda q_, k_, v_: attend_flex(q_, k_, v_, spec_fn(), sel_kernel=kern,
+    spec_fn = specs[case.replace("_flex", "").replace("_lean", "")]
+    kern = "flex" if case.endswith("_flex") else "cudnn_lean" if case.endswith("_lean") else "auto"
+    if case.startswith("compressed") and kern != "flex":  # the route this case is meant to take
+        assert use_compressed_sdpa(q, v, spec_fn(), kern)
+    fast = torch.compile(lambda q_, k_, v_: attend_flex(q_, k_, v_, spec_fn(),
+                                                        sel_kernel="flex" if kern == "flex" else "auto",
                                                         cmp_kernel=kern),
                          fullgraph=True, dynamic=False)
     w = torch.randn(q.shape[0], q.shape[1], q.shape[2], v.shape[-1], device=DEV)

@@ -137,14 +137,15 @@ def test_shipped_configs_pass_their_long_run_check(name):
 def test_compressed_branch_on_cudnn_keeps_its_packed_copies():
     """cmp_kernel auto / cudnn: the compiled graph keeps the compressed branch's packed query and
     output besides what flex keeps (d_qk + d_v values per head and token); not when the branch is
-    recomputed."""
+    recomputed, nor with cudnn_lean (our op keeps no packed copies)."""
     import dataclasses
 
     a = _args("125M", backend="flex")
     B, T, elem = 1, 4096, 2
     kept = {(k, rc): est.block_activation_bytes(dataclasses.replace(a, cmp_kernel=k, recompute=rc),
                                                 B, T, elem)
-            for k in ("auto", "flex") for rc in ("none", "cmp_win")}
+            for k in ("auto", "flex", "cudnn_lean") for rc in ("none", "cmp_win")}
     extra = B * a.n_heads * T * (a.d_qk + a.d_v) * elem
     assert kept[("auto", "none")] - kept[("flex", "none")] == extra
     assert kept[("auto", "cmp_win")] == kept[("flex", "cmp_win")]
+    assert kept[("cudnn_lean", "none")] == kept[("flex", "none")]
