@@ -10,6 +10,8 @@
 #   selpaper   selected_gpu.py at the paper shape, 16k, random selections
 #   titan32k   torchtitan 125M at 32k, NSA and full attention: tokens/s, peak memory
 #   titan8k    the same at 8k
+#   titan32klean, titan32kleanwin  torchtitan 125M at 32k, NSA with cmp_kernel cudnn_lean (and
+#              recompute win)
 #   titan32krc torchtitan 125M at 32k, NSA with recompute = cmp_win (memory for compute)
 #   paperprof  bench_attention.py, paper shape at 16k: every stage and the layer, kernel profiles
 #   layers125  layer.csv rows: 125M shape at 8k and 32k, trained and random selections
@@ -54,6 +56,10 @@ step() {  # STEP: run it unless done
     selpaper) timeout 900 $PY experiments/selected_gpu.py --out "$o" --skip-check \
               --shapes paper:16384 --layouts "${PAPER_LAYOUTS:-16:1,16:1:1,32:0:1}" ;;
     titan32k) bash experiments/titan_perf_runs.sh "$o" "$DATA" "32768:125M" 40 240 ;;
+    titan32klean) ATTNS=nsa NSA_EXTRA="--nsa.cmp_kernel cudnn_lean" NSA_TAG=lean bash experiments/titan_perf_runs.sh \
+              "$o" "$DATA" "32768:125M" 40 240 ;;
+    titan32kleanwin) ATTNS=nsa NSA_EXTRA="--nsa.cmp_kernel cudnn_lean --nsa.recompute win" NSA_TAG=leanwin \
+              bash experiments/titan_perf_runs.sh "$o" "$DATA" "32768:125M" 40 240 ;;
     titan8k) bash experiments/titan_perf_runs.sh "$o" "$DATA" "8192:125M" 40 240 ;;
     titan32krc) ATTNS=nsa NSA_EXTRA="--nsa.recompute cmp_win" NSA_TAG=cmpwin bash experiments/titan_perf_runs.sh \
               "$o" "$DATA" "32768:125M" 40 240 ;;
