@@ -204,11 +204,16 @@ def timed(name, make, with_bwd, dev, rows, meta, modes=MODES, limit=0):
 
 # ---- the items
 
+def layer_config(cname) -> NSAConfig:
+    """The NSA layer's config for --configs entry `cname` with this run's executors."""
+    return NSAConfig(**config_args(cname), backend="flex", sel_kernel=SEL_KERNEL,
+                     cmp_kernel=CMP_KERNEL)
+
+
 def build_items(cname, T, dev, dtype, compile_=True):
     """[(name, has_backward, make)] in ITEMS order; make() does the item's setup (shared parts
     through Lazy) and returns its fwd(). Nothing is allocated or compiled before make()."""
-    cfg = NSAConfig(**config_args(cname), backend="flex", sel_kernel=SEL_KERNEL,
-                    cmp_kernel=CMP_KERNEL)
+    cfg = layer_config(cname)
     train = dev == "cuda"  # CPU flex has no backward
     B, H, Hkv, dk, dv = 1, cfg.n_heads, cfg.n_kv_heads, cfg.d_qk, cfg.d_v
     comp = (lambda f: torch.compile(f, fullgraph=True, dynamic=False)) if compile_ else (lambda f: f)

@@ -210,3 +210,20 @@ def test_selection_trace_replaces_the_random_picks(bench, tmp_path, monkeypatch)
     bench.run_config("tiny", 128, "cpu", torch.float32, rows_out, stages=True, baselines=False,
                      compile_=False)
     assert rows_out == []  # T=128 does not match the trace's 256: skipped
+
+
+def test_cmp_kernel_reaches_the_layer_and_the_rows(bench, tmp_path, monkeypatch):
+    """--cmp-kernel sets the NSA layer's NSAConfig.cmp_kernel and every row's cmp_kernel column;
+    a value NSAConfig does not allow is refused before anything runs."""
+    seen = []
+
+    def fake_items(cname, T, dev, dtype, compile_=True):
+        seen.append(bench.layer_config(cname).cmp_kernel)
+        return [("nsa_layer", False, lambda: (lambda: torch.zeros(1)))]
+
+    monkeypatch.setattr(bench, "build_items", fake_items)
+    rows = bench.main(["--quick", "--cmp-kernel", "cudnn_lean", "--out", str(tmp_path)])
+    assert rows and all(r["cmp_kernel"] == "cudnn_lean" for r in rows)
+    assert seen and set(seen) == {"cudnn_lean"}
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--cmp-kernel", "cuda", "--out", str(tmp_path)])
