@@ -4,6 +4,8 @@
 of `nsa_flex.selection.block_scores`; `topn_blocks`: the top-n rule of
 `nsa_flex.rules.pick_blocks` on its scores, in registers; `selected_attention`: the selection
 branch's attention (forward and backward) over the selection's BlockMask lists. None when triton cannot be imported (the torch path runs).
+`compressed_sdpa` (its own module, no triton): the compressed branch on cuDNN as an opaque custom
+op that keeps no packed copies for the backward (`NSAConfig.cmp_kernel = "cudnn_lean"`).
 """
 
 try:
