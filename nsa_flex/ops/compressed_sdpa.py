@@ -4,19 +4,23 @@ Query t sees compressed block i iff i d + l - 1 <= t (`nsa_flex.rules`), so the 
 t = l - 1 + m d + r (0 <= r < d) all see blocks 0..m. Read q [B, Hq, T, Dk] from position l - 1
 on as [B*Hq, d, Mf, Dk] -- batch (b, h), head r, row m: a strided view, no copy (`group_rows`) --
 and the mask is plain causal over the Mf full groups with the d "heads" sharing one key head (a
-copy of the group's k / v per query head: Mf keys, small). cuDNN writes the output back in q's
-row order, so nothing q- or output-sized is copied. The last (T - l + 1) % d positions see every
-key (plain math, fewer than d rows); positions before l - 1 see nothing (output 0, lse -inf).
+copy of the group's k / v per query head: Mf keys, small). The output and dQ are copied once each
+from cuDNN's buffers into the layer's layout (through the same view). The last (T - l + 1) % d
+positions see every key (plain math, fewer than d rows); positions before l - 1 see nothing
+(output 0, lse -inf).
 
 `torch.ops.nsa_flex.cmp_sdpa_fwd` is a torch.library custom op with autograd (its backward the op
 `cmp_sdpa_bwd`); torch.compile keeps it opaque, so what the compiled graph keeps for the
-backward is what the op saves -- q (a view of the layer's q), k, v, its output and lse -- and
+backward is what the op saves -- q (the layer keeps it anyway), k, v, its output and lse -- and
 cuDNN gets the layout chosen here (under inductor the packed copies of q and of the output were
 kept for the backward, +128 MiB a layer at the 125M shape, 32k, and the compiled call ran slower
 than the eager one at d_k 192: experiments/NOTES.md 56). On CUDA the kernels are cuDNN's fused
 attention (the private SDPA op, which also returns the lse); elsewhere fp32 math with the same
 formulas on the same views (how the CPU tests check the layout, forward and backward). The lse
 carries no gradient (the scorer reads it detached; cuDNN's backward has no lse input).
+Its cost against the traced route (`nsa_flex.attention.attend_compressed_sdpa`): the op's Python
+(host time, ~1 ms a layer step: visible where the layer is host-bound, e.g. 8k at the 125M shape)
+and those two copies; hence `NSAConfig.cmp_kernel = "cudnn_lean"`, not the default.
 """
 
 import math
