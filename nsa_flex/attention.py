@@ -38,7 +38,7 @@ from .ops.compressed_sdpa import compressed_sdpa as attend_compressed_lean
 from .ops import HAS_TRITON, selected_attention, selected_unsupported, tile_positions, triton_interpreted
 from .kernel_options import (band_kernel_options, flex_kernel_options, install_flex_patches,
                              packed_block_size)
-from .rules import masked_softmax
+from .rules import masked_softmax, num_cmp
 
 _compiled_flex = None
 # Shapes one process may compile flex for outside a compiled model (eager prefill: every part of
@@ -152,11 +152,10 @@ def attend_compressed_sdpa(q: Tensor, k: Tensor, v: Tensor, l: int, d: int,
     (0, lse -inf). torch.compile fuses the packing into its neighbours and keeps the packed q and
     output for cuDNN's backward; `attend_compressed_lean` (cmp_kernel cudnn_lean) keeps neither."""
     B, Hq, T, Dk, Hkv, S, G, scale = _dims(q, k, scale)
-    o = l - 1
-    M = -(-(T - o) // d)
-    if T <= o or S < M:
+    o, M = l - 1, num_cmp(T, l, d)
+    if M == 0 or S < M:
         raise ValueError(f"attend_compressed_sdpa: {S} compressed keys for T={T}, l={l}, d={d} "
-                         f"(expected num_cmp(T) = {max(M, 0)})")
+                         f"(expected num_cmp(T) = {M}, at least 1)")
     qp = F.pad(q[:, :, o:], (0, 0, 0, M * d - (T - o)))
     qp = qp.view(B, Hq, M, d, Dk).transpose(2, 3).reshape(B, Hq * d, M, Dk)
     out, lse = _causal_sdpa_lse(qp, k[:, :, :M], v[:, :, :M], scale)

@@ -12,9 +12,9 @@ positions see every key (plain math, fewer than d rows); positions before l - 1 
 `torch.ops.nsa_flex.cmp_sdpa_fwd` is a torch.library custom op with autograd (its backward the op
 `cmp_sdpa_bwd`); torch.compile keeps it opaque, so what the compiled graph keeps for the
 backward is what the op saves -- q (the layer keeps it anyway), k, v, its output and lse -- and
-cuDNN gets the layout chosen here (under inductor the packed copies of q and of the output were
-kept for the backward, +128 MiB a layer at the 125M shape, 32k, and the compiled call ran slower
-than the eager one at d_k 192: experiments/NOTES.md 56). On CUDA the kernels are cuDNN's fused
+cuDNN gets the layout chosen here (the traced route keeps packed copies of q and of the output,
+128 MiB a layer at the 125M shape, 32k, and inductor's layouts slow cuDNN down at d_k 192:
+experiments/NOTES.md 56). On CUDA the kernels are cuDNN's fused
 attention (the private SDPA op, which also returns the lse); elsewhere fp32 math with the same
 formulas on the same views (how the CPU tests check the layout, forward and backward). The lse
 carries no gradient (the scorer reads it detached; cuDNN's backward has no lse input).
@@ -29,6 +29,8 @@ import torch
 from torch import Tensor
 from torch.library import custom_op
 
+from ..rules import num_cmp
+
 
 def group_rows(x: Tensor, d: int) -> Tensor:
     """[B, H, M*d, E] -> [B*H, d, M, E], a view: batch (b, h), head r, row m = row m d + r of x
@@ -38,6 +40,10 @@ def group_rows(x: Tensor, d: int) -> Tensor:
         x = x.contiguous()
     return x.as_strided((B * H, d, R // d, E), (x.stride(1), x.stride(2), d * x.stride(2), 1),
                         x.storage_offset())
+
+
+def _lse_dtype(q: Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
 def _math_scores(q: Tensor, k: Tensor, scale: float, causal: bool):
@@ -62,7 +68,8 @@ def _math_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool):
 
 def _math_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
               scale: float, causal: bool):
-    """FlashAttention's backward from the output and lse -> (dq, dk, dv), dk / dv in fp32."""
+    """FlashAttention's backward from the output and lse -> (dq, dk, dv), dk / dv in the
+    accumulation dtype (fp32; fp64 stays fp64)."""
     B, H = q.shape[:2]
     Hkv = k.shape[1]
     s, kk, acc = _math_scores(q, k, scale, causal)
@@ -124,10 +131,6 @@ def cmp_sdpa_fwd(q: Tensor, k: Tensor, v: Tensor, l: int, d: int, scale: float
         out[:, :, o + Mf * d:] = ot
         lse[:, :, o + Mf * d:] = lt
     return out, lse
-
-
-def _lse_dtype(q: Tensor) -> torch.dtype:
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
 @cmp_sdpa_fwd.register_fake
@@ -195,10 +198,10 @@ def compressed_sdpa(q: Tensor, k: Tensor, v: Tensor, l: int, d: int, scale: floa
     """The compressed-causal mask: q [B, Hq, T, Dk], k [B, Hkv, S, Dk], v [B, Hkv, S, Dv] with
     S >= num_cmp(T) compressed keys -> (out [B, Hq, T, Dv], lse [B, Hq, T], no gradient)."""
     T, S = q.shape[2], k.shape[2]
-    M = -(-(T - (l - 1)) // d)
-    if T <= l - 1 or S < M:
+    M = num_cmp(T, l, d)
+    if M == 0 or S < M:
         raise ValueError(f"compressed_sdpa: {S} compressed keys for T={T}, l={l}, d={d} "
-                         f"(expected num_cmp(T) = {max(M, 0)})")
+                         f"(expected num_cmp(T) = {M}, at least 1)")
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     return torch.ops.nsa_flex.cmp_sdpa_fwd(q.contiguous(), k[:, :, :M].contiguous(),
                                            v[:, :, :M].contiguous(), l, d, float(scale))

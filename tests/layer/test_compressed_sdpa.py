@@ -127,10 +127,10 @@ def test_compressed_sdpa_is_causal(route, l_over_d, d, extra, cut, G, seed):
 
 
 def test_compiled_op_keeps_no_packed_copies():
-    """Compiled (fullgraph, CPU), the lean route (our op) equals its eager self in output and gradients, and what
-    the graph keeps for the backward is at most q, k, v, the output and lse (and the loss's weights): the packed copies
-    of q and of the output are made again in the backward, never saved (experiments/NOTES.md 56:
-    they were +128 MiB a layer at the 125M shape, 32k)."""
+    """Compiled (fullgraph, CPU), the lean route (our op) equals its eager self in output and
+    gradients, and what the graph keeps for the backward is at most q, k, v, the output and lse
+    (and the loss's weights): the packed copies of q and of the output are never saved (the
+    traced route keeps them: 128 MiB a layer at the 125M shape, 32k)."""
     l, d, T, Hkv, G = 8, 4, 203, 2, 3
     S = num_cmp(T, l, d)
     g = torch.Generator().manual_seed(0)
