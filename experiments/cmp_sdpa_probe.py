@@ -6,8 +6,8 @@ the Hkv key heads) the mask is plain causal over M = num_cmp rows and keys. This
 which private SDPA ops (they return the lse the scorer needs) accept that GQA shape, compares
 them with an fp32 math reference, and times fwd+bwd against FlexAttention's template on the same
 mask (compiled, same process, medians), with what each keeps for its backward (`saved_MiB`) and
-its fwd+bwd peak. `view`: the layout without copies of q (`via_view`); `op`: the library's op
-(`nsa_flex.ops.compressed_sdpa`, opaque to torch.compile).
+its fwd+bwd peak. `op`: the library's op (`nsa_flex.ops.compressed_sdpa`, cmp_kernel cudnn_lean:
+q read through a strided view, opaque to torch.compile).
 
     python experiments/cmp_sdpa_probe.py --out OUT
 """
@@ -43,41 +43,6 @@ def unpack(x, T, l, d, fill=0.0):
     return F.pad(y, (0, 0, l - 1, 0), value=fill)
 
 
-def via_view(q, k, v, l, d, scale, math=False):
-    """The same attention without copying q: with batch = B*H and the d positions of a group as
-    cuDNN's heads, the full groups are a strided view of q ([B*H, d, M', D], strides T*D, D, d*D,
-    1: cuDNN's BSHD layout) and K/V get one copy per query head (S keys: small); the last
-    (T - l + 1) % d positions, which see every key, are plain math. Nothing q-sized is copied or
-    kept beyond q itself. math: torch's math SDPA in place of cuDNN (CPU check)."""
-    B, H, T, D = q.shape
-    Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    G, o = H // Hkv, l - 1
-    Mf = (T - o) // d  # full groups
-    qv = q.reshape(B * H, T, D)[:, o:o + Mf * d].view(B * H, Mf, d, D).transpose(1, 2)
-    ke = k.repeat_interleave(G, 1).reshape(B * H, 1, S, D)
-    ve = v.repeat_interleave(G, 1).reshape(B * H, 1, S, Dv)
-    if math:
-        s = (qv.float() @ ke[:, :, :Mf].float().transpose(-1, -2)) * scale
-        s = s.masked_fill(torch.ones(Mf, Mf, dtype=torch.bool, device=q.device).triu(1),
-                          float("-inf"))
-        lse = torch.logsumexp(s, -1)
-        o_main = (torch.exp(s - lse[..., None]) @ ve[:, :, :Mf].float()).to(q.dtype)
-    else:
-        out = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            qv, ke[:, :, :Mf], ve[:, :, :Mf], None, True, 0.0, True, False, scale=scale)
-        o_main, lse = out[0], out[1].squeeze(-1)
-    o_main = o_main.transpose(1, 2).reshape(B, H, Mf * d, Dv)
-    lse = lse.transpose(1, 2).reshape(B, H, Mf * d)
-    parts_o, parts_l = [q.new_zeros(B, H, o, Dv), o_main], [lse.new_full((B, H, o), float("-inf")), lse]
-    if T - o > Mf * d:  # the tail sees every key
-        qt = q[:, :, o + Mf * d:]
-        st = (qt.float() @ ke.view(B, H, S, D).float().transpose(-1, -2)) * scale
-        lt = torch.logsumexp(st, -1)
-        parts_o.append((torch.exp(st - lt[..., None]) @ ve.view(B, H, S, Dv).float()).to(q.dtype))
-        parts_l.append(lt)
-    return torch.cat(parts_o, 2), torch.cat(parts_l, 2)
-
-
 def ref(q, k, v, l, d, scale):
     """fp32 math: out [B, H, T, Dv], lse [B, H, T]."""
     B, H, T, _ = q.shape
@@ -109,8 +74,6 @@ def via(op, q, k, v, l, d, scale):
         out = torch.ops.aten._scaled_dot_product_efficient_attention(qp, kk, vv, None, True, 0.0,
                                                                      True, scale=scale)
         o, lse = out[0], out[1][..., :M]
-    elif op == "view":
-        return via_view(q, k, v, l, d, scale)
     elif op == "op":  # the library's op (nsa_flex.ops.compressed_sdpa)
         return compressed_sdpa(q, k, v, l, d, scale)
     else:  # public SDPA (no lse)
@@ -140,7 +103,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--shapes", default="125M:16:2:64:64:32768,paper:64:4:192:128:16384,"
                     "paper:64:4:192:128:65536")
-    ap.add_argument("--ops", default="flex,cudnn,view,flash,efficient,public,op",
+    ap.add_argument("--ops", default="flex,cudnn,flash,efficient,public,op",
                     help="variants to check and time (`_compiled`: also under torch.compile)")
     a = ap.parse_args()
     ops = a.ops.split(",")
@@ -157,7 +120,7 @@ def main():
         v = torch.randn(1, Hkv, Mk, Dv, device=dev, dtype=dt)
         scale = 1 / math.sqrt(Dk)
         ro, rl = ref(q, k, v, l, d, scale)
-        for op in ("cudnn", "view", "flash", "efficient", "public", "op"):
+        for op in ("cudnn", "flash", "efficient", "public", "op"):
             if op not in ops:
                 continue
             try:
@@ -205,7 +168,7 @@ def main():
         cands = {"flex": run_flex}
         for op in ("cudnn", "flash", "public", "op"):
             cands[op] = (lambda op=op: via(op, q, k, v, l, d, scale)[0])
-        for op in ("cudnn", "view", "op"):
+        for op in ("cudnn", "op"):
             cands[op + "_compiled"] = torch.compile(lambda op=op: via(op, q, k, v, l, d, scale)[0])
         for op, fn in cands.items():
             if op not in ops and op.removesuffix("_compiled") not in ops:
