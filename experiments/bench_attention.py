@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from masks import MaskContext, get_mask_builder
 from nsa_flex import NSAAttention, NSAConfig
 from nsa_flex.config import CMP_KERNEL_CHOICES
+from nsa_flex import attention as nsa_attention
 from nsa_flex.attention import attend_flex
 from nsa_flex.bench import (Clock, Lazy, PhaseTimeout, Rot, TimingLock, error_line, figure,
                             first_call, kernel_ms, kernel_overrides, median_ms, phase, write_csv as _write)
@@ -380,6 +381,7 @@ def run_config(cname, T, dev, dtype, rows, stages, baselines, compile_=True, onl
     item names to keep."""
     meta = dict(config=cname, T=T, device=torch.cuda.get_device_name() if dev == "cuda" else "cpu",
                 sel_kernel=SEL_KERNEL, cmp_kernel=CMP_KERNEL,
+                gate_mix="op" if nsa_attention.GATE_MIX_OP else "torch",
                 selection="random" if TRACE is None else TRACE[1])
     if TRACE is not None and tuple(TRACE[0].shape[1:3]) != (config_args(cname)["n_kv_heads"], T):
         log(f"skip  {cname} T={T}: the selection trace is [Hkv, T] = {list(TRACE[0].shape[1:3])}")
@@ -550,6 +552,9 @@ def main(argv=None):
                          "attn_selected_flex flex)")
     ap.add_argument("--cmp-kernel", default="auto", choices=CMP_KERNEL_CHOICES,
                     help="NSAConfig.cmp_kernel of the layer items")
+    ap.add_argument("--gate-mix", default="op", choices=("op", "torch"),
+                    help="the gate's mix of the branch outputs: the fused op (default) or the torch "
+                         "math (nsa_flex.attention.GATE_MIX_OP)")
     ap.add_argument("--sel-rows", type=int, default=0,
                     help="rows of the selected-attention op's q block (positions x G): overrides "
                          "nsa_flex.ops.selected_triton.ROWS during the run")
@@ -589,6 +594,7 @@ def main(argv=None):
     LOCK = TimingLock(args.timing_lock)
     SEL_KERNEL = args.sel_kernel
     CMP_KERNEL = args.cmp_kernel
+    nsa_attention.GATE_MIX_OP = args.gate_mix == "op"
     if args.selection_trace:
         from nsa_flex.eval.selection_stats import load_trace_arg
 

@@ -13,7 +13,7 @@
 #   titan32klean, titan32kleanwin  torchtitan 125M at 32k, NSA with cmp_kernel cudnn_lean (and
 #              recompute win)
 #   titan32krc torchtitan 125M at 32k, NSA with recompute = cmp_win (memory for compute)
-#   paperprof  bench_attention.py, paper shape at 16k: every stage and the layer, kernel profiles
+#   paperprof  bench_attention.py, paper shape at 16k (PAPER_T=T,T..): every stage and the layer, kernel profiles
 #   layers125  layer.csv rows: 125M shape at 8k and 32k, trained and random selections
 #   layerspaper layer.csv rows: paper shape at 8k, 16k, 64k (random selections), fla beside
 #   titan1B    torchtitan 1B at 8k and 32k (PLAN_1B, e.g. "32768:1B"), full activation
@@ -28,11 +28,17 @@
 #   gpuflex    every GPU test of the flex backend and the layer (tests/layer/test_flex_gpu.py)
 #   paper16k   bench_attention.py, paper shape at 16k: the NSA and full-attention layers with
 #              kernel profiles
+#   winprobe   experiments/win_flash_probe.py (the window branch on FA2's local kernels vs flex)
 #   cmpprobe   experiments/cmp_sdpa_probe.py (the compressed branch on SDPA's kernels vs flex)
 #   cmpab      layer rows at the 125M shape (8k, 32k, trained) and the paper shape (16k) with each
 #              cuDNN route of the compressed branch (cmp_kernel cudnn, cudnn_lean)
 #   gpucmp     the GPU tests of the compressed branch (tests/layer/test_flex_gpu.py -k compressed)
 #   tunedq     tune_selected.py at the paper shape, 16k: the dQ kernel's launch options (untuned)
+#   fusionab   the layer with inductor's epilogue fusion on and off (paper 8k / 16k, profiled; 125M
+#              8k / 32k trained): what the gate fused into the window's flex forward costs
+#   gateab     the layer with the gate's mix as the fused op and as torch math (paper 8k / 16k,
+#              125M 32k trained; profiled)
+#   gpugate    the GPU tests of the gate's mix op and the flex layer
 #   nofusion   layers125's trained 32k row with inductor's epilogue fusion off (what fusing the gate
 #              into the window branch's flex forward costs; experiments/NOTES.md 55), profiled
 # Knobs: LAYOUTS (selected_gpu.py --layouts), TRACE (NPZ:LAYER), PLAN_1B, PYTHON.
@@ -68,7 +74,7 @@ step() {  # STEP: run it unless done
     prof8k) timeout 600 $B --configs titan_125M --T 8192 --stages-at 8192 --profile \
               --only projections,compression,score_topn,mask_build,attn_compressed,attn_selected,attn_window,gate_out,full_layer,nsa_layer \
               --item-limit 200 --out "$o" ;;
-    paperprof) timeout 900 $B --configs paper --T 16384 --stages-at 16384 --no-baselines --profile \
+    paperprof) timeout 900 $B --configs paper --T ${PAPER_T:-16384} --stages-at ${PAPER_T:-16384} --no-baselines --profile \
               --only projections,compression,score_topn,mask_build,attn_compressed,attn_selected,attn_window,gate_out,nsa_layer \
               --item-limit 200 --out "$o" ;;
     layers125) for sel in random trained; do A=""; [ $sel = trained ] && A="--selection-trace $TRACE --profile"
@@ -80,6 +86,19 @@ step() {  # STEP: run it unless done
                --item-limit 200 --only full_layer,nsa_layer --cmp-kernel $k --out "$o/125M_$k"
              timeout 600 $B --configs paper --T 16384 --stages-at 0 --item-limit 200 \
                --only full_layer,nsa_layer --cmp-kernel $k --out "$o/paper_$k"; done ;;
+    fusionab) for f in True False; do  # inductor's epilogue fusion on / off, paper and 125M shapes
+                timeout 600 $B --configs paper --T 8192,16384 --stages-at 0 --profile --item-limit 200 \
+                  --only full_layer,nsa_layer --inductor epilogue_fusion=$f --out "$o/paper_fusion$f"
+                timeout 600 $B --configs titan_125M --T 8192,32768 --stages-at 0 --selection-trace "$TRACE" \
+                  --item-limit 200 --only full_layer,nsa_layer --inductor epilogue_fusion=$f \
+                  --out "$o/125M_fusion$f"; done ;;
+    gateab) for m in op torch; do  # the gate's mix: fused op / torch math (fused into flex by inductor)
+              timeout 600 $B --configs paper --T 8192,16384 --stages-at 0 --profile --item-limit 200 \
+                --only full_layer,nsa_layer --gate-mix $m --out "$o/paper_$m"
+              timeout 600 $B --configs titan_125M --T 32768 --stages-at 0 --selection-trace "$TRACE" \
+                --profile --item-limit 200 --only full_layer,nsa_layer --gate-mix $m --out "$o/125M_$m"; done ;;
+    gpugate) timeout 900 $PY -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
+              tests/ops/test_gate_triton.py tests/layer/test_flex_gpu.py -k "gate or layer_flex_bf16 or every_dtype or compiles_at_32k" ;;
     layerspaper) timeout 1200 $B --configs paper --T 8192,16384,65536 --stages-at 0 --item-limit 200 \
               --only sdpa_causal,full_layer,fla_parallel_nsa_w0,nsa_layer --out "$o" ;;
     memory) timeout 600 $PY experiments/saved_memory.py --out "$o" --configs titan_125M --T 32768 \
@@ -94,6 +113,7 @@ step() {  # STEP: run it unless done
               tests/layer/test_flex_gpu.py ;;
     paper16k) timeout 600 $B --configs paper --T 16384 --stages-at 0 --profile --item-limit 200 \
               --only full_layer,nsa_layer --out "$o" ;;
+    winprobe) timeout 600 $PY experiments/win_flash_probe.py --out "$o" ;;
     cmpprobe) timeout 600 $PY experiments/cmp_sdpa_probe.py --out "$o" --ops flex,cudnn,op ;;
     gpucmp) timeout 600 $PY -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
               tests/layer/test_flex_gpu.py -k "compressed or layer_flex_bf16" ;;

@@ -35,7 +35,8 @@ from masks.core import captured
 
 from .config import resolve_backend
 from .ops.compressed_sdpa import compressed_sdpa as attend_compressed_lean
-from .ops import HAS_TRITON, selected_attention, selected_unsupported, tile_positions, triton_interpreted
+from .ops import (HAS_TRITON, gate_mix, selected_attention, selected_unsupported, tile_positions,
+                  triton_interpreted)
 from .kernel_options import (band_kernel_options, flex_kernel_options, install_flex_patches,
                              packed_block_size)
 from .rules import masked_softmax, num_cmp
@@ -293,6 +294,31 @@ def expand_kv_heads(T: int, S: int, G: int, device) -> bool:
 
 
 BACKENDS = {"reference": attend_reference, "flex": attend_flex}
+
+
+def gate_mix_reference(g: Tensor, outs: list[Tensor]) -> Tensor:
+    """Eq. 5 in torch: g [B, T, H, n] (sigmoid gates, one column per output), outs n x
+    [B, H, T, Dv] -> [B, T, H*Dv]."""
+    B, T = g.shape[:2]
+    gh = g.permute(0, 2, 1, 3)  # [B, H, T, n]
+    o = sum(gh[..., i: i + 1] * x for i, x in enumerate(outs))
+    return o.transpose(1, 2).reshape(B, T, -1)
+
+
+# False: the torch math on every backend (A/B measurements: bench_attention.py --gate-mix torch)
+GATE_MIX_OP = True
+
+
+def mix_branches(g: Tensor, outs: list[Tensor], backend: str) -> Tensor:
+    """The gate's mix (paper Eq. 5): g [B, T, H, n] sigmoid gates, one column per output, outs n x
+    [B, H, T, Dv] -> [B, T, H*Dv], the output projection's layout. The flex backend on CUDA runs
+    the fused op (`nsa_flex.ops.gate_triton`: torch.compile would otherwise fuse the sum into the
+    window's flex forward, which is slower than both apart); the reference backend the torch
+    math (`gate_mix_reference`)."""
+    if GATE_MIX_OP and resolve_backend(backend, outs[0].device) == "flex" and HAS_TRITON and (
+            outs[0].is_cuda or triton_interpreted()):
+        return gate_mix(g, outs)
+    return gate_mix_reference(g, outs)
 
 
 def attend(q, k, v, spec: MaskSpec, backend: str, scale: float | None = None,

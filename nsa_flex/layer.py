@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 from masks import MaskContext, doc_start, get_mask_builder
 
-from .attention import attend
+from .attention import attend, mix_branches
 from .compression import PHI
 from .config import RECOMPUTED, NSAConfig
 from .kernel_options import install_flex_patches
@@ -156,10 +156,13 @@ class NSAAttention(nn.Module):
                 out[b], _, _ = self.branch(b, specs[b][0], x, q, cos, sin)
 
         # gate (Eq. 5): per head, per branch sigmoid, mixing the branch outputs
-        g = torch.sigmoid(self.gate(x)).view(B, T, -1, 3).permute(0, 2, 1, 3)  # [B, H, T, 3]
-        o = sum(g[..., i : i + 1] * out[b] for i, b in enumerate(BRANCHES) if b in out)
+        g = torch.sigmoid(self.gate(x)).view(B, T, -1, 3)  # [B, T, H, 3]
+        on = [i for i, b in enumerate(BRANCHES) if b in out]
+        o = mix_branches(g if len(on) == 3 else g[..., on], [out[BRANCHES[i]] for i in on],
+                         cfg.backend)  # [B, T, H * d_v]
         if self.telemetry:
             with torch.no_grad():
-                on = tuple(b in out for b in BRANCHES)
-                self.telemetry_stats.copy_(layer_stats(g, on, specs, cfg.l_sel, T))
-        return self.wo(o.transpose(1, 2).reshape(B, T, -1))
+                enabled = tuple(b in out for b in BRANCHES)
+                self.telemetry_stats.copy_(layer_stats(g.permute(0, 2, 1, 3), enabled, specs,
+                                                       cfg.l_sel, T))
+        return self.wo(o)
