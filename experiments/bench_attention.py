@@ -95,7 +95,8 @@ LAYER_ITEMS = {"nsa_layer": "nsa_layer", "full_layer": "full_layer", "sdpa_causa
 MODES = ("fwd", "fwd_bwd")
 SEL_KERNEL = "auto"  # --sel-kernel: the layer's executor of the selection
 CMP_KERNEL = "auto"  # --cmp-kernel: the layer's executor of the compressed branch
-TRACE = None  # --selection-trace: (int64 [1, Hkv, T, n] trained picks, label) replacing the random ones
+TRACE_RAW = None  # --selection-trace: (int64 [1, Hkv, T', n] trained picks, label) as loaded
+TRACE = None  # those picks fitted to the running (config, T), replacing the random ones
 
 log = Clock()
 CSV_PATH = None
@@ -379,13 +380,21 @@ def run_config(cname, T, dev, dtype, rows, stages, baselines, compile_=True, onl
                modes=MODES, limit=0):
     """Stages (if `stages`), then baselines (if `baselines`), then the layer; `only`: a set of
     item names to keep."""
+    global TRACE
+    label = "random"
+    if TRACE_RAW is not None:  # the trace's first T positions, its KV heads as the config's
+        from nsa_flex.eval.selection_stats import fit_trace
+
+        c = NSAConfig(**config_args(cname))
+        try:
+            TRACE = fit_trace(*TRACE_RAW, c.n_kv_heads, T, c.n_sel)
+        except ValueError as e:
+            log(f"skip  {cname} T={T}: {e}")
+            return
+        label = TRACE[1]
     meta = dict(config=cname, T=T, device=torch.cuda.get_device_name() if dev == "cuda" else "cpu",
                 sel_kernel=SEL_KERNEL, cmp_kernel=CMP_KERNEL,
-                gate_mix="op" if nsa_attention.GATE_MIX_OP else "torch",
-                selection="random" if TRACE is None else TRACE[1])
-    if TRACE is not None and tuple(TRACE[0].shape[1:3]) != (config_args(cname)["n_kv_heads"], T):
-        log(f"skip  {cname} T={T}: the selection trace is [Hkv, T] = {list(TRACE[0].shape[1:3])}")
-        return
+                gate_mix="op" if nsa_attention.GATE_MIX_OP else "torch", selection=label)
     log(f"config {cname} T={T} on {meta['device']}")
     for name, has_bwd, make in build_items(cname, T, dev, dtype, compile_):
         if (only is not None and name not in only) or (name in STAGES and not stages) or (
@@ -573,9 +582,10 @@ def main(argv=None):
     ap.add_argument("--profile", action="store_true",
                     help="after each timing, profile 3 calls and append the top kernels (CUDA ms "
                          "per call) to OUT/kernels.txt")
-    ap.add_argument("--selection-trace", default="", metavar="NPZ[:LAYER]",
+    ap.add_argument("--selection-trace", default="", metavar="NPZ[:LAYER[+LAYER]]",
                     help="time on a trained selection: a selection_L<T>.npz of `python -m nsa_flex.eval "
-                         "--task selection` (its T and KV heads must match --T and --configs)")
+                         "--task selection`, its first T positions; several layers stack their KV "
+                         "heads (which must number the config's)")
     ap.add_argument("--inductor", action="append", default=[], metavar="NAME=VALUE",
                     help="set torch._inductor.config.NAME to the Python literal VALUE for the run "
                          "(repeatable), e.g. epilogue_fusion=False: what a fusion choice costs")
@@ -590,7 +600,7 @@ def main(argv=None):
     inductor = inductor_config(args.inductor, ap)
     only = set(_names(args.only, ITEMS, "--only", ap))
     modes = _names(args.modes, MODES, "--modes", ap)
-    global CMP_KERNEL, LOCK, SEL_KERNEL, TRACE
+    global CMP_KERNEL, LOCK, SEL_KERNEL, TRACE_RAW
     LOCK = TimingLock(args.timing_lock)
     SEL_KERNEL = args.sel_kernel
     CMP_KERNEL = args.cmp_kernel
@@ -598,7 +608,7 @@ def main(argv=None):
     if args.selection_trace:
         from nsa_flex.eval.selection_stats import load_trace_arg
 
-        TRACE = load_trace_arg(args.selection_trace)
+        TRACE_RAW = load_trace_arg(args.selection_trace)
     # items compile flex calls on their own, before any layer exists (the layer installs it too)
     from nsa_flex.kernel_options import install_flex_patches
 

@@ -147,14 +147,15 @@ def parse_layouts(text: str) -> list[tuple[int, bool, bool | None]]:
 
 
 def trace_selection(spec: str, T: int, Hkv: int, n: int):
-    """The first T positions of a trained selection NPZ[:LAYER] ([1, Hkv, T, n] int64), or None
-    with the reason when it does not fit the shape."""
-    from nsa_flex.eval.selection_stats import load_trace_arg
+    """The first T positions of a trained selection NPZ[:LAYER[+LAYER]] ([1, Hkv, T, n] int64),
+    or None with the reason when it does not fit the shape."""
+    from nsa_flex.eval.selection_stats import fit_trace, load_trace_arg
 
-    idx, label = load_trace_arg(spec)
-    if idx.shape[1] != Hkv or idx.shape[3] != n or idx.shape[2] < T:
-        return None, f"trace {tuple(idx.shape[1:])} (Hkv, T, n) does not fit Hkv={Hkv}, T={T}, n={n}"
-    return idx[:, :, :T].to(DEV), label
+    try:
+        idx, label = fit_trace(*load_trace_arg(spec), Hkv, T, n)
+    except ValueError as e:
+        return None, str(e)
+    return idx.to(DEV), label
 
 
 def _timed(fn, mode, tag, qkv, do, run):

@@ -140,11 +140,33 @@ def load_trace(path: str, layer: int | None = None) -> tuple[torch.Tensor, dict]
 
 
 def load_trace_arg(spec: str) -> tuple[torch.Tensor, str]:
-    """`load_trace` of a command-line argument NPZ[:LAYER]: (picks, a label for result rows,
-    "trained:<file>:layer<i>")."""
+    """`load_trace` of a command-line argument NPZ[:LAYER[+LAYER...]]: (picks, a label for result
+    rows, "trained:<file>:layer<i>[+<j>...]"). Several layers stack their KV heads (a recorded
+    model's picks as the selection of a shape with more KV heads, e.g. the paper's four from two
+    layers of two)."""
     path, _, lay = spec.partition(":")
-    idx, info = load_trace(path, int(lay) if lay else None)
-    return idx, f"trained:{os.path.basename(path)}:layer{info['layer']}"
+    if not lay:
+        idx, info = load_trace(path)
+        return idx, f"trained:{os.path.basename(path)}:layer{info['layer']}"
+    try:
+        layers = [int(x) for x in lay.split("+")]
+    except ValueError:
+        raise EvalError(f"selection trace {spec!r}: layers must be integers joined by '+' "
+                        "(NPZ:6 or NPZ:6+7)") from None
+    idx = torch.cat([load_trace(path, i)[0] for i in layers], dim=1)
+    return idx, f"trained:{os.path.basename(path)}:layer{'+'.join(map(str, layers))}"
+
+
+def fit_trace(idx: torch.Tensor, label: str, Hkv: int, T: int, n: int) -> tuple[torch.Tensor, str]:
+    """A trace's picks [1, Hkv', T', n'] as the selection of a shape (Hkv, T, n): its first T
+    positions (a position's picks never lie after it, so they are a selection of T positions;
+    the label gets "[:T]"). ValueError when the heads or n differ or T' < T."""
+    if idx.shape[1] != Hkv or idx.shape[3] != n or idx.shape[2] < T:
+        raise ValueError(f"the selection trace (Hkv, T, n) = {tuple(idx.shape[1:])} does not fit "
+                         f"Hkv={Hkv}, T={T}, n={n}")
+    if idx.shape[2] == T:
+        return idx, label
+    return idx[:, :, :T], f"{label}[:{T}]"
 
 
 # ---------------------------------------------------------------------- recording

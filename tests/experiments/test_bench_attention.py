@@ -165,8 +165,9 @@ def test_static_titan_config_matches_the_flavor():
 
 
 def test_selection_trace_replaces_the_random_picks(bench, tmp_path, monkeypatch):
-    """--selection-trace: the selection items and the layer attend the trace's picks; a trace of
-    another shape skips the config with a message; bad files are one-line errors."""
+    """--selection-trace: the selection items and the layer attend the trace's picks (their first
+    T positions); a trace shorter than T skips the config with a message; bad files are one-line
+    errors."""
     import numpy as np
 
     from nsa_flex.eval.prompts import EvalError
@@ -206,10 +207,41 @@ def test_selection_trace_replaces_the_random_picks(bench, tmp_path, monkeypatch)
     items = dict((nm, mk) for nm, _, mk in bench.build_items("tiny", T, "cpu", torch.float32, False))
     items["attn_selected"]()()
     assert seen and torch.equal(seen[0].reshape(-1, n).sort(-1).values, idx.reshape(-1, n).sort(-1).values)
+    monkeypatch.setattr(bench, "TRACE_RAW", (idx, "trained:test"))
     rows_out = []
-    bench.run_config("tiny", 128, "cpu", torch.float32, rows_out, stages=True, baselines=False,
+    bench.run_config("tiny", 512, "cpu", torch.float32, rows_out, stages=True, baselines=False,
                      compile_=False)
-    assert rows_out == []  # T=128 does not match the trace's 256: skipped
+    assert rows_out == []  # T=512 is longer than the trace's 256: skipped
+    bench.run_config("tiny", 128, "cpu", torch.float32, rows_out, stages=True, baselines=False,
+                     compile_=False, only={"attn_selected"})
+    # a shorter T: the trace's first 128 positions
+    assert rows_out and {r["selection"] for r in rows_out} == {"trained:test[:128]"}
+    assert torch.equal(bench.TRACE[0], idx[:, :, :128])
+
+
+def test_trace_layers_stack_and_fit(tmp_path):
+    """NPZ:3+5 stacks two layers' KV heads (the paper shape's four from two of two); fit_trace
+    crops to T and refuses other heads, n, or a longer T."""
+    import numpy as np
+
+    from nsa_flex.eval.prompts import EvalError
+    from nsa_flex.eval.selection_stats import fit_trace, load_trace_arg
+
+    T, n = 64, 4
+    a = np.arange(2 * T * n, dtype=np.int16).reshape(2, T, n) % 7
+    path = tmp_path / "selection_L64.npz"
+    np.savez_compressed(path, layer3=a, layer5=a + 1, l_sel=16, n_sel=n)
+    idx, label = load_trace_arg(f"{path}:3+5")
+    assert idx.shape == (1, 4, T, n) and label == "trained:selection_L64.npz:layer3+5"
+    assert torch.equal(idx[0, 2:], torch.from_numpy(a + 1).long())
+    cut, lab = fit_trace(idx, label, 4, 40, n)
+    assert torch.equal(cut, idx[:, :, :40]) and lab == label + "[:40]"
+    assert fit_trace(idx, label, 4, T, n)[1] == label
+    for bad in ((2, 40, n), (4, 65, n), (4, 40, 8)):
+        with pytest.raises(ValueError, match="does not fit"):
+            fit_trace(idx, label, *bad)
+    with pytest.raises(EvalError, match="joined by"):
+        load_trace_arg(f"{path}:3,5")
 
 
 def test_cmp_kernel_reaches_the_layer_and_the_rows(bench, tmp_path, monkeypatch):
