@@ -28,6 +28,9 @@
 #   gpuflex    every GPU test of the flex backend and the layer (tests/layer/test_flex_gpu.py)
 #   paper16k   bench_attention.py, paper shape at 16k: the NSA and full-attention layers with
 #              kernel profiles
+#   selpapertr selected_gpu.py at the paper shape, 8k / 16k: layouts 16 / 32 rows, random and trained
+#              (PAPER_TRACE) selections
+#   layerspapertr  the paper-shape layer and full attention at 8k / 16k on trained picks (PAPER_TRACE)
 #   winprobe   experiments/win_flash_probe.py (the window branch on FA2's local kernels vs flex)
 #   cmpprobe   experiments/cmp_sdpa_probe.py (the compressed branch on SDPA's kernels vs flex)
 #   cmpab      layer rows at the 125M shape (8k, 32k, trained) and the paper shape (16k) with each
@@ -41,7 +44,7 @@
 #   gpugate    the GPU tests of the gate's mix op and the flex layer
 #   nofusion   layers125's trained 32k row with inductor's epilogue fusion off (what fusing the gate
 #              into the window branch's flex forward costs; experiments/NOTES.md 55), profiled
-# Knobs: LAYOUTS (selected_gpu.py --layouts), TRACE (NPZ:LAYER), PLAN_1B, PYTHON.
+# Knobs: LAYOUTS (selected_gpu.py --layouts), TRACE (NPZ:LAYER), PAPER_TRACE, PLAN_1B, PYTHON.
 set -uo pipefail
 OUT=${1:?usage: perf_x2.sh OUT DATA}
 DATA=${2:?usage: perf_x2.sh OUT DATA}
@@ -49,6 +52,8 @@ mkdir -p "$OUT"
 echo $$ > "$OUT/driver.pid"
 PY=${PYTHON:-python3}
 TRACE=${TRACE:-experiments/results/quality/selection_traces/nsa_L32768.npz:6}
+# the paper shape's four KV heads on trained picks: two layers' two heads each, first T positions
+PAPER_TRACE=${PAPER_TRACE:-experiments/results/quality/selection_traces/nsa_L32768.npz:6+11}
 LAYOUTS=${LAYOUTS:-16:1,16:0,32:0}
 B="$PY experiments/bench_attention.py"
 progress() { echo "[$(date -u +%FT%TZ)] $*" | tee -a "$OUT/progress.txt"; }
@@ -61,6 +66,10 @@ step() {  # STEP: run it unless done
               --check-len 1000 --shapes titan_125M:32768 --trace "$TRACE" --layouts "$LAYOUTS" ;;
     selpaper) timeout 900 $PY experiments/selected_gpu.py --out "$o" --skip-check \
               --shapes paper:16384 --layouts "${PAPER_LAYOUTS:-16:1,16:1:1,32:0:1}" ;;
+    selpapertr) timeout 900 $PY experiments/selected_gpu.py --out "$o" --skip-check \
+              --shapes paper:8192,paper:16384 --layouts 16:1,32:0 --trace "$PAPER_TRACE" ;;
+    layerspapertr) timeout 900 $B --configs paper --T 8192,16384 --stages-at 0 --item-limit 200 \
+              --selection-trace "$PAPER_TRACE" --only full_layer,nsa_layer --out "$o" ;;
     titan32k) bash experiments/titan_perf_runs.sh "$o" "$DATA" "32768:125M" 40 240 ;;
     titan32klean) ATTNS=nsa NSA_EXTRA="--nsa.cmp_kernel cudnn_lean" NSA_TAG=lean bash experiments/titan_perf_runs.sh \
               "$o" "$DATA" "32768:125M" 40 240 ;;

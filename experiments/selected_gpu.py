@@ -121,10 +121,9 @@ def check(out_dir, only=None, layouts=((16, True, False),), cases=None):
 def _op_with(xs, spec, heavy, split):
     """The op on the lists the layer builds (`selected_lists`), with a given dK/dV split."""
     q, k, v = xs
-    sel, l_sel, lists, lo, hi = selected_lists(spec, q.shape[0], q.shape[2], k.shape[2],
-                                               q.shape[1] // k.shape[1], q.device)
-    return selected_triton.selected_attention(q, k, v, sel, l_sel, lists, lo, hi, heavy=heavy,
-                                              split_tiles=split)
+    lists = selected_lists(spec, q.shape[0], q.shape[2], k.shape[2], q.shape[1] // k.shape[1],
+                           q.shape[-1], q.device)
+    return selected_triton.selected_attention(q, k, v, heavy=heavy, split_tiles=split, **lists)
 
 
 def layout_name(rows: int, pad: bool, dq: bool | None) -> str:
@@ -244,15 +243,16 @@ def timing(out_dir, shapes, layouts, trace, flex=False):
                             res.append(_timed(cf, mode, dict(tag, executor="branch"), qkv, do, run))
                         _write(res, path)
                     # the mask build alone (compiled) and the op on its prebuilt lists (eager)
-                    build = torch.compile(lambda i: selected_lists(spec_of(cfg, B, T, i), B, T, T, G, DEV),
+                    build = torch.compile(lambda i: selected_lists(spec_of(cfg, B, T, i), B, T, T, G,
+                                                                   dk, DEV),
                                           fullgraph=True, dynamic=False)
-                    sel, l_sel, lists, lo, hi = build(idx)
+                    lists = build(idx)
                     res.append(dict(tag, executor="mask_build", mode="fwd",
                                     ms=median_ms(lambda: build(idx), DEV, warmup=20, rep_ms=100)))
                     log(res[-1])
 
                     def op(q, k, v):
-                        return selected_triton.selected_attention(q, k, v, sel, l_sel, lists, lo, hi)[0]
+                        return selected_triton.selected_attention(q, k, v, **lists)[0]
 
                     for mode in ("fwd", "fwd_bwd"):
                         res.append(_timed(op, mode, dict(tag, executor="op_only"), qkv, do, run))

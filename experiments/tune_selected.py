@@ -127,14 +127,14 @@ def sweep(a, shape: str, sel_names: list[str], grids: dict, rows: list, path: st
                 write_csv(rows, path, fields=FIELDS)
                 continue
         base["selection"] = label
-        sel, l_sel, lists, lo, hi = selected_lists(spec_of(cfg, B, T, idx), B, T, T, G, DEV)
+        lists = selected_lists(spec_of(cfg, B, T, idx), B, T, T, G, q.shape[-1], DEV)
 
         def fwd():
             with torch.no_grad():
-                return list(selected_triton.selected_attention(q, k, v, sel, l_sel, lists, lo, hi))
+                return list(selected_triton.selected_attention(q, k, v, **lists))
 
         def fwd_bwd():
-            o, _ = selected_triton.selected_attention(q, k, v, sel, l_sel, lists, lo, hi)
+            o, _ = selected_triton.selected_attention(q, k, v, **lists)
             return list(torch.autograd.grad(o, (q, k, v), do))
 
         fns = {"fwd": fwd, "dkv": fwd_bwd, "dq": fwd_bwd}

@@ -35,8 +35,8 @@ from masks.core import captured
 
 from .config import resolve_backend
 from .ops.compressed_sdpa import compressed_sdpa as attend_compressed_lean
-from .ops import (HAS_TRITON, gate_mix, selected_attention, selected_unsupported, tile_positions,
-                  triton_interpreted)
+from .ops import (HAS_TRITON, dq_atomic, fwd_rows, gate_mix, selected_attention,
+                  selected_unsupported, tile_positions, triton_interpreted)
 from .kernel_options import (band_kernel_options, flex_kernel_options, install_flex_patches,
                              packed_block_size)
 from .rules import masked_softmax, num_cmp
@@ -217,30 +217,36 @@ def use_selected_op(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, sel_kernel:
     return False
 
 
-def selected_lists(spec: MaskSpec, B: int, T: int, S: int, G: int, device):
-    """What the selected op reads of a per-position block selection: (sel, l_sel, the four
-    q-major block lists, lo, hi) -- the selection's BlockMask in the packed layout (q block =
-    `tile_positions(G)` positions x G heads, kv block = l'), without its kv-major lists (the op's
-    backward inverts `sel` itself, per position)."""
+def selected_lists(spec: MaskSpec, B: int, T: int, S: int, G: int, d_qk: int, device) -> dict:
+    """What the selected op reads of a per-position block selection, as `selected_attention`'s
+    keyword arguments: sel, l_sel, lo, hi and the selection's BlockMask in the packed layout (kv
+    block = l') as q-major lists, without kv-major lists (the op's backward inverts `sel` itself,
+    per position): the forward's (q blocks of `tile_positions(G, fwd_rows(G))` positions x G
+    heads) and, where the dQ pass runs with q blocks of another size, the dQ pass's."""
     sel, l_sel = spec.selection
-    P = tile_positions(G)
-    bm = spec.block_mask(B, T, S, device=device, block_size=(P * G, l_sel), q_pack=G,
-                         kv_major=False)
-    # the lists through an opaque op: saved for the backward, never recomputed there
-    lists = [captured(x) for x in (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks,
-                                   bm.full_kv_indices)]
-    lo = hi = None
+
+    def lists(rows):
+        P = tile_positions(G, rows)
+        bm = spec.block_mask(B, T, S, device=device, block_size=(P * G, l_sel), q_pack=G,
+                             kv_major=False)
+        # through an opaque op: saved for the backward, never recomputed there
+        return [captured(x) for x in (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks,
+                                      bm.full_kv_indices)]
+
+    rows = fwd_rows(G)
+    out = dict(sel=sel, l_sel=l_sel, block_mask=lists(rows), rows=rows, lo=None, hi=None)
+    if not dq_atomic(G, d_qk) and tile_positions(G) != tile_positions(G, rows):
+        out.update(dq_block_mask=lists(None), rows_dq=None)  # the default rows (ROWS)
     if spec.row_band is not None:
-        lo, hi = spec.row_band(torch.arange(T, device=device))
-    return sel, l_sel, lists, lo, hi
+        out["lo"], out["hi"] = spec.row_band(torch.arange(T, device=device))
+    return out
 
 
 def attend_selected(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, scale: float | None = None
                     ) -> tuple[Tensor, Tensor]:
     """A per-position block selection through our Triton op (`selected_lists`)."""
     B, Hq, T, Dk, Hkv, S, G, scale = _dims(q, k, scale)
-    sel, l_sel, lists, lo, hi = selected_lists(spec, B, T, S, G, q.device)
-    return selected_attention(q, k, v, sel, l_sel, lists, lo, hi, scale)
+    return selected_attention(q, k, v, scale=scale, **selected_lists(spec, B, T, S, G, Dk, q.device))
 
 
 def attend_flex(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, scale: float | None = None,

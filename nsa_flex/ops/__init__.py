@@ -13,14 +13,14 @@ op that keeps no packed copies for the backward (`NSAConfig.cmp_kernel = "cudnn_
 try:
     from .scorer_triton import group_slc_scores, interpreted as triton_interpreted
     from .topn_triton import topn_blocks
-    from .selected_triton import selected_attention, tile_positions
+    from .selected_triton import dq_atomic, fwd_rows, selected_attention, tile_positions
     from .selected_triton import supported as selected_unsupported
     from .gate_triton import gate_mix
 except ImportError:  # no triton: the torch scorer only
     group_slc_scores = None
     topn_blocks = None
     gate_mix = None
-    selected_attention = tile_positions = None
+    selected_attention = tile_positions = fwd_rows = dq_atomic = None
 
     def selected_unsupported(*args) -> str:
         return "triton is not importable"
@@ -30,5 +30,5 @@ except ImportError:  # no triton: the torch scorer only
 
 HAS_TRITON = group_slc_scores is not None
 
-__all__ = ["HAS_TRITON", "gate_mix", "group_slc_scores", "selected_attention", "selected_unsupported",
-           "tile_positions", "topn_blocks", "triton_interpreted"]
+__all__ = ["HAS_TRITON", "dq_atomic", "fwd_rows", "gate_mix", "group_slc_scores",
+           "selected_attention", "selected_unsupported", "tile_positions", "topn_blocks", "triton_interpreted"]

@@ -86,6 +86,14 @@ DQ_ATOMIC: bool | None = None
 ATOMIC_MAX_ROW = 512
 
 
+# Positions per q block of the forward where one position's heads fill at most half of 32 rows
+# (G = 16: 32 rows, two positions, the union of their selections; the dQ pass keeps ROWS rows,
+# one position). H100, paper shape (NOTES 57), op kernels at 16k: forward 4.96 -> 4.16 ms on a
+# trained selection, no slower on random ones; the dQ pass on the union lists 5.06 -> 5.37
+# trained, 5.24 -> 7.31 random (it re-reads K/V per row tile, where the union costs twice).
+FWD_POSITIONS = 2
+
+
 def padded_group(G: int) -> int:
     """Rows one position takes in a q block: its G heads, as a power of two, padded to the tensor
     cores' 16 rows when PAD_HEADS (then a q block can always hold a single position)."""
@@ -98,6 +106,12 @@ def tile_positions(G: int, rows: int | None = None) -> int:
     (no union over positions)."""
     gp = padded_group(G)
     return max(1, (rows or ROWS) // gp, -(-16 // gp))
+
+
+def fwd_rows(G: int) -> int:
+    """Rows of the forward's q blocks: FWD_POSITIONS positions where their heads fit in 32 rows,
+    at least ROWS."""
+    return max(ROWS, min(FWD_POSITIONS * padded_group(G), 32))
 
 
 def supported(q: Tensor, k: Tensor, v: Tensor, l_sel: int) -> str | None:
@@ -512,9 +526,11 @@ def _q_block_consts(q: Tensor, v: Tensor, sel: Tensor, l_sel: int, rows: int,
 @triton_op("nsa_flex::selected_attention_fwd", mutates_args=())
 def selected_attention_fwd(q: Tensor, k: Tensor, v: Tensor, sel: Tensor, lo: Optional[Tensor],
                            hi: Optional[Tensor], kv_num: Tensor, kv_idx: Tensor, full_num: Tensor,
-                           full_idx: Tensor, scale: float, l_sel: int, rows: int,
+                           full_idx: Tensor, dq_num: Tensor, dq_idx: Tensor, dq_full_num: Tensor,
+                           dq_full_idx: Tensor, scale: float, l_sel: int, rows: int, rows_dq: int,
                            heavy: int, split_tiles: int) -> tuple[Tensor, Tensor]:
-    """(out [B, Hq, T, Dv], lse [B, Hq, T]) from the selection's q-major lists."""
+    """(out [B, Hq, T, Dv], lse [B, Hq, T]) from the selection's q-major lists (q blocks of `rows`
+    rows); dq_*: the lists of the dQ pass's q blocks (`rows_dq` rows), read by the backward."""
     B, Hq, T, _ = q.shape
     Hkv, Dv = k.shape[1], v.shape[-1]
     nqb = kv_num.shape[-1]
@@ -541,6 +557,7 @@ def selected_attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Ten
                            hi: Optional[Tensor], kv_num: Tensor, kv_idx: Tensor, full_num: Tensor,
                            full_idx: Tensor, scale: float, l_sel: int, rows: int,
                            heavy: int, split_tiles: int) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv; kv_num .. full_idx: the dQ pass's q-major lists (q blocks of `rows` rows)."""
     B, Hq, T, Dk = q.shape
     Hkv, Dv = k.shape[1], v.shape[-1]
     G = Hq // Hkv
@@ -615,17 +632,19 @@ def selected_attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Ten
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, sel, lo, hi, *lists = inputs[:10]
+    q, k, v, sel, lo, hi = inputs[:6]
+    dq_lists = inputs[10:14]  # the backward reads the dQ pass's lists only
+    scale, l_sel, rows, rows_dq, heavy, split_tiles = inputs[14:]
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, sel, lo, hi, *lists)
-    ctx.extra = inputs[10:]
+    ctx.save_for_backward(q, k, v, o, lse, sel, lo, hi, *dq_lists)
+    ctx.extra = (scale, l_sel, rows_dq, heavy, split_tiles)
 
 
 def _backward(ctx, do, dlse):
     q, k, v, o, lse, sel, lo, hi, *lists = ctx.saved_tensors
     dq, dk, dv = torch.ops.nsa_flex.selected_attention_bwd(
         do, dlse, q, k, v, o, lse, sel, lo, hi, *lists, *ctx.extra)
-    return (dq, dk, dv) + (None,) * 12
+    return (dq, dk, dv) + (None,) * 17
 
 
 selected_attention_fwd.register_autograd(_backward, setup_context=_setup)
@@ -634,24 +653,29 @@ selected_attention_fwd.register_autograd(_backward, setup_context=_setup)
 def selected_attention(q: Tensor, k: Tensor, v: Tensor, sel: Tensor, l_sel: int, block_mask,
                        lo: Tensor | None = None, hi: Tensor | None = None,
                        scale: float | None = None, rows: int | None = None,
-                       heavy: int | None = None, split_tiles: int | None = None
-                       ) -> tuple[Tensor, Tensor]:
+                       heavy: int | None = None, split_tiles: int | None = None,
+                       dq_block_mask=None, rows_dq: int | None = None) -> tuple[Tensor, Tensor]:
     """Attention of q to the selected blocks: (out [B, Hq, T, Dv], lse [B, Hq, T] fp32, natural
     log). sel [B, Hkv, T, n] block indices (-1: unused; a position lists a block at most once);
     lo, hi [B|1, T]: the keys each position may see at most (None: all up to itself); block_mask:
     the selection's BlockMask in the packed layout with q blocks of `tile_positions(G, rows)`
     positions and kv blocks of l_sel (`masks.MaskSpec.block_mask(..., block_size=(P * G, l_sel),
-    q_pack=G)`), or its four q-major lists (kv_num_blocks, kv_indices, full_kv_*). The backward's
-    kv-major index is the inverse of `sel` itself (`masks.core.kv_major_csr`), built there.
-    heavy / split_tiles: the dK/dV pass's split of the most-read blocks (default HEAVY /
-    SPLIT_TILES)."""
-    bm = block_mask
+    q_pack=G)`), or its four q-major lists (kv_num_blocks, kv_indices, full_kv_*): the forward's;
+    dq_block_mask likewise with q blocks of `tile_positions(G, rows_dq)` positions for the dQ pass
+    (None: block_mask and rows). The backward's kv-major index is the inverse of `sel` itself
+    (`masks.core.kv_major_csr`), built there. heavy / split_tiles: the dK/dV pass's split of the
+    most-read blocks (default HEAVY / SPLIT_TILES)."""
+    def lists(bm):
+        if not isinstance(bm, (list, tuple)):
+            bm = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
+        return [x.to(torch.int32).contiguous() for x in bm]
+
     rows = rows or ROWS
-    if not isinstance(bm, (list, tuple)):
-        bm = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
-    lists = [x.to(torch.int32).contiguous() for x in bm]
+    fwd = lists(block_mask)
+    dq = fwd if dq_block_mask is None else lists(dq_block_mask)
+    rows_dq = rows if dq_block_mask is None else (rows_dq or ROWS)
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     return torch.ops.nsa_flex.selected_attention_fwd(
         q.contiguous(), k.contiguous(), v.contiguous(), sel.to(torch.int32).contiguous(), lo, hi,
-        *lists, scale, l_sel, rows, HEAVY if heavy is None else heavy,
+        *fwd, *dq, scale, l_sel, rows, rows_dq, HEAVY if heavy is None else heavy,
         split_tiles or SPLIT_TILES)

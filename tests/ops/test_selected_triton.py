@@ -199,7 +199,8 @@ def test_kernels_compile_for_h100(monkeypatch, shape, dtype, dq_atomic):
     lo = hi = torch.zeros(B, T, dtype=torch.int64)
     i32 = lambda *s: torch.zeros(*s, dtype=torch.int32)  # noqa: E731
     lists = (i32(B, Hkv, nqb), i32(B, Hkv, nqb, n), i32(B, Hkv, nqb), i32(B, Hkv, nqb, n))
-    o, lse = M.selected_attention_fwd._init_fn(q, k, v, sel, lo, hi, *lists, 0.125, 64, 16, 16, 256)
+    o, lse = M.selected_attention_fwd._init_fn(q, k, v, sel, lo, hi, *lists, *lists, 0.125, 64, 16,
+                                               16, 16, 256)
     M.selected_attention_bwd._init_fn(torch.randn_like(o), None, q, k, v, o, lse.normal_(), sel,
                                       lo, hi, *lists, 0.125, 64, 16, 16, 256)
     names = ["_sel_fwd_kernel", "_delta_kernel", "_sel_dkv_kernel"] if dq_atomic else \
