@@ -103,6 +103,7 @@ def plot(layer, runs, path):
         return pts
 
     lines = [("paper", "nsa_layer", "random", "tab:blue", "NSA layer, paper shape"),
+             ("paper", "nsa_layer", "trained", "tab:cyan", "NSA layer, paper, trained sel. (125M model's)"),
              ("paper", "fla_parallel_nsa", "", "tab:green", "fla parallel_nsa (no window/proj.)"),
              ("titan_125M", "nsa_layer", "random", "tab:purple", "NSA layer, 125M shape"),
              ("titan_125M", "nsa_layer", "trained", "tab:red", "NSA layer, 125M, trained sel.")]

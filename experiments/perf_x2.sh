@@ -31,6 +31,7 @@
 #   selpapertr selected_gpu.py at the paper shape, 8k / 16k: layouts 16 / 32 rows, random and trained
 #              (PAPER_TRACE) selections
 #   layerspapertr  the paper-shape layer and full attention at 8k / 16k on trained picks (PAPER_TRACE)
+#   paperlayers the paper-shape layer and full attention at 8k / 16k, random and trained picks
 #   winprobe   experiments/win_flash_probe.py (the window branch on FA2's local kernels vs flex)
 #   cmpprobe   experiments/cmp_sdpa_probe.py (the compressed branch on SDPA's kernels vs flex)
 #   cmpab      layer rows at the 125M shape (8k, 32k, trained) and the paper shape (16k) with each
@@ -70,6 +71,10 @@ step() {  # STEP: run it unless done
               --shapes paper:8192,paper:16384 --layouts 16:1,32:0 --trace "$PAPER_TRACE" ;;
     layerspapertr) timeout 900 $B --configs paper --T 8192,16384 --stages-at 0 --item-limit 200 \
               --selection-trace "$PAPER_TRACE" --only full_layer,nsa_layer --out "$o" ;;
+    paperlayers) for sel in random trained; do A=""; [ $sel = trained ] && A="--selection-trace $PAPER_TRACE"
+                 # shellcheck disable=SC2086
+                 timeout 600 $B --configs paper --T 8192,16384 --stages-at 0 --item-limit 200 $A \
+                   --only full_layer,nsa_layer --out "$o/$sel"; done ;;
     titan32k) bash experiments/titan_perf_runs.sh "$o" "$DATA" "32768:125M" 40 240 ;;
     titan32klean) ATTNS=nsa NSA_EXTRA="--nsa.cmp_kernel cudnn_lean" NSA_TAG=lean bash experiments/titan_perf_runs.sh \
               "$o" "$DATA" "32768:125M" 40 240 ;;

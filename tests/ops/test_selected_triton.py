@@ -25,11 +25,14 @@ from nsa_flex.ops import HAS_TRITON, triton_interpreted
 from nsa_flex.rules import random_topn
 
 
-def make_case(rng: random.Random, device="cpu", small=True):
+def make_case(rng: random.Random, device="cpu", small=True, shape=None):
+    """A random case; shape (G, Hkv, d_k, d_v) fixes the heads and dims."""
     G = rng.choice([1, 2, 4, 8, 16])
     Hkv = rng.choice([1, 2])
     dk, dv = rng.choice([(16, 16), (32, 16), (48, 32), (24, 16)] if small else
                         [(64, 64), (192, 128), (128, 128)])
+    if shape is not None:
+        G, Hkv, dk, dv = shape
     l_sel = rng.choice([16, 32]) if small else 64
     T = rng.randint(l_sel + 1, 3 * l_sel + 7) if small else rng.randint(600, 1100)
     B = rng.choice([1, 2])
@@ -55,13 +58,13 @@ def rel(a, b):
     return ((a[fin] - b[fin]).norm() / b[fin].norm().clamp_min(1e-30)).item()
 
 
-def check_case(seed: int, device="cpu", dtype=torch.float32, small=True, heavy=None):
+def check_case(seed: int, device="cpu", dtype=torch.float32, small=True, heavy=None, shape=None):
     """Op vs reference (fp64) on one random case: out, lse, dq, dk, dv (gradients of a random
     linear function of out and lse)."""
     from nsa_flex.ops import selected_triton
 
     rng = random.Random(seed)
-    cfg, B, T, spec = make_case(rng, device, small)
+    cfg, B, T, spec = make_case(rng, device, small, shape)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     shapes = [(B, cfg.n_heads, T, cfg.d_qk), (B, cfg.n_kv_heads, T, cfg.d_qk),
               (B, cfg.n_kv_heads, T, cfg.d_v)]
@@ -162,6 +165,9 @@ def _interpreter_main():
     with op_settings(DQ_ATOMIC=False):
         check_case(9, heavy=(3, 1))
         n += 1
+    # the paper's group: forward on two positions' union lists, dQ on one position's (fwd_rows)
+    check_case(11, shape=(16, 1, 48, 32))
+    n += 1
     print(f"OK {n} cases")
 
 
@@ -171,7 +177,7 @@ def test_op_matches_reference_and_is_causal_under_interpreter():
     from tests.ops.triton_harness import run_interpreted
 
     r = run_interpreted(__file__, timeout=900)
-    assert r.returncode == 0 and "OK 12 cases" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
+    assert r.returncode == 0 and "OK 13 cases" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
 
 
 @pytest.mark.skipif(not HAS_TRITON or triton_interpreted(), reason="needs triton, not interpreted")
@@ -267,6 +273,18 @@ def test_dq_mode_by_shape():
 def test_cuda_matches_reference(seed, dtype):
     check_case(seed, device="cuda", dtype=dtype, small=False)
     check_case(seed, device="cuda", dtype=dtype, small=False, heavy=(3, 1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_paper_shape(dtype):
+    """The paper's group (G = 16, d_k 192, d_v 128): a forward of two positions per q block on the
+    union lists, a dQ pass of one position per q block on its own lists (`fwd_rows`)."""
+    from nsa_flex.ops.selected_triton import fwd_rows, tile_positions
+
+    assert tile_positions(16, fwd_rows(16)) == 2 and tile_positions(16) == 1
+    for seed in range(2):
+        check_case(seed, device="cuda", dtype=dtype, small=False, shape=(16, 4, 192, 128))
 
 
 @pytest.mark.gpu
