@@ -53,8 +53,7 @@ import torch.nn.functional as F
 from masks import MaskContext, get_mask_builder
 from nsa_flex import NSAAttention, NSAConfig
 from nsa_flex.config import CMP_KERNEL_CHOICES
-from nsa_flex import attention as nsa_attention
-from nsa_flex.attention import attend_flex
+from nsa_flex.attention import attend_flex, mix_branches
 from nsa_flex.bench import (Clock, Lazy, PhaseTimeout, Rot, TimingLock, error_line, figure,
                             first_call, kernel_ms, kernel_overrides, median_ms, phase, write_csv as _write)
 from nsa_flex.kernel_options import packed_block_size
@@ -294,10 +293,9 @@ def build_items(cname, T, dev, dtype, compile_=True):
     def gate_out():
         lay, x_, outs = layer(), x(), Rot(lambda: [R(B, H, T, dv) for _ in range(3)])
 
-        def f(o3):
-            g = torch.sigmoid(lay.gate(x_)).view(B, T, H, 3).permute(0, 2, 1, 3)
-            o = sum(g[..., i:i + 1] * o3[i] for i in range(3))
-            return lay.wo(o.transpose(1, 2).reshape(B, T, H * dv))
+        def f(o3):  # as the layer mixes them (Eq. 5)
+            g = torch.sigmoid(lay.gate(x_)).view(B, T, H, 3)
+            return lay.wo(mix_branches(g, o3, lay.cfg.backend))
 
         cf = comp(f)
         return lambda: cf(outs())
@@ -393,8 +391,7 @@ def run_config(cname, T, dev, dtype, rows, stages, baselines, compile_=True, onl
             return
         label = TRACE[1]
     meta = dict(config=cname, T=T, device=torch.cuda.get_device_name() if dev == "cuda" else "cpu",
-                sel_kernel=SEL_KERNEL, cmp_kernel=CMP_KERNEL,
-                gate_mix="op" if nsa_attention.GATE_MIX_OP else "torch", selection=label)
+                sel_kernel=SEL_KERNEL, cmp_kernel=CMP_KERNEL, selection=label)
     log(f"config {cname} T={T} on {meta['device']}")
     for name, has_bwd, make in build_items(cname, T, dev, dtype, compile_):
         if (only is not None and name not in only) or (name in STAGES and not stages) or (
@@ -561,9 +558,6 @@ def main(argv=None):
                          "attn_selected_flex flex)")
     ap.add_argument("--cmp-kernel", default="auto", choices=CMP_KERNEL_CHOICES,
                     help="NSAConfig.cmp_kernel of the layer items")
-    ap.add_argument("--gate-mix", default="op", choices=("op", "torch"),
-                    help="the gate's mix of the branch outputs: the fused op (default) or the torch "
-                         "math (nsa_flex.attention.GATE_MIX_OP)")
     ap.add_argument("--sel-rows", type=int, default=0,
                     help="rows of the selected-attention op's q block (positions x G): overrides "
                          "nsa_flex.ops.selected_triton.ROWS during the run")
@@ -604,7 +598,6 @@ def main(argv=None):
     LOCK = TimingLock(args.timing_lock)
     SEL_KERNEL = args.sel_kernel
     CMP_KERNEL = args.cmp_kernel
-    nsa_attention.GATE_MIX_OP = args.gate_mix == "op"
     if args.selection_trace:
         from nsa_flex.eval.selection_stats import load_trace_arg
 

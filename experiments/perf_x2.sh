@@ -30,18 +30,12 @@
 #              kernel profiles
 #   selpapertr selected_gpu.py at the paper shape, 8k / 16k: layouts 16 / 32 rows, random and trained
 #              (PAPER_TRACE) selections
-#   layerspapertr  the paper-shape layer and full attention at 8k / 16k on trained picks (PAPER_TRACE)
 #   paperlayers the paper-shape layer and full attention at 8k / 16k, random and trained picks
-#   winprobe   experiments/win_flash_probe.py (the window branch on FA2's local kernels vs flex)
 #   cmpprobe   experiments/cmp_sdpa_probe.py (the compressed branch on SDPA's kernels vs flex)
 #   cmpab      layer rows at the 125M shape (8k, 32k, trained) and the paper shape (16k) with each
 #              cuDNN route of the compressed branch (cmp_kernel cudnn, cudnn_lean)
 #   gpucmp     the GPU tests of the compressed branch (tests/layer/test_flex_gpu.py -k compressed)
 #   tunedq     tune_selected.py at the paper shape, 16k: the dQ kernel's launch options (untuned)
-#   fusionab   the layer with inductor's epilogue fusion on and off (paper 8k / 16k, profiled; 125M
-#              8k / 32k trained): what the gate fused into the window's flex forward costs
-#   gateab     the layer with the gate's mix as the fused op and as torch math (paper 8k / 16k,
-#              125M 32k trained; profiled)
 #   gpugate    the GPU tests of the gate's mix op and the flex layer
 #   nofusion   layers125's trained 32k row with inductor's epilogue fusion off (what fusing the gate
 #              into the window branch's flex forward costs; experiments/NOTES.md 55), profiled
@@ -69,8 +63,6 @@ step() {  # STEP: run it unless done
               --shapes paper:16384 --layouts "${PAPER_LAYOUTS:-16:1,16:1:1,32:0:1}" ;;
     selpapertr) timeout 900 $PY experiments/selected_gpu.py --out "$o" --skip-check \
               --shapes paper:8192,paper:16384 --layouts 16:1,32:0 --trace "$PAPER_TRACE" ;;
-    layerspapertr) timeout 900 $B --configs paper --T 8192,16384 --stages-at 0 --item-limit 200 \
-              --selection-trace "$PAPER_TRACE" --only full_layer,nsa_layer --out "$o" ;;
     paperlayers) for sel in random trained; do A=""; [ $sel = trained ] && A="--selection-trace $PAPER_TRACE"
                  # shellcheck disable=SC2086
                  timeout 600 $B --configs paper --T 8192,16384 --stages-at 0 --item-limit 200 $A \
@@ -100,17 +92,6 @@ step() {  # STEP: run it unless done
                --item-limit 200 --only full_layer,nsa_layer --cmp-kernel $k --out "$o/125M_$k"
              timeout 600 $B --configs paper --T 16384 --stages-at 0 --item-limit 200 \
                --only full_layer,nsa_layer --cmp-kernel $k --out "$o/paper_$k"; done ;;
-    fusionab) for f in True False; do  # inductor's epilogue fusion on / off, paper and 125M shapes
-                timeout 600 $B --configs paper --T 8192,16384 --stages-at 0 --profile --item-limit 200 \
-                  --only full_layer,nsa_layer --inductor epilogue_fusion=$f --out "$o/paper_fusion$f"
-                timeout 600 $B --configs titan_125M --T 8192,32768 --stages-at 0 --selection-trace "$TRACE" \
-                  --item-limit 200 --only full_layer,nsa_layer --inductor epilogue_fusion=$f \
-                  --out "$o/125M_fusion$f"; done ;;
-    gateab) for m in op torch; do  # the gate's mix: fused op / torch math (fused into flex by inductor)
-              timeout 600 $B --configs paper --T 8192,16384 --stages-at 0 --profile --item-limit 200 \
-                --only full_layer,nsa_layer --gate-mix $m --out "$o/paper_$m"
-              timeout 600 $B --configs titan_125M --T 32768 --stages-at 0 --selection-trace "$TRACE" \
-                --profile --item-limit 200 --only full_layer,nsa_layer --gate-mix $m --out "$o/125M_$m"; done ;;
     gpugate) timeout 900 $PY -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
               tests/ops/test_gate_triton.py tests/layer/test_flex_gpu.py -k "gate or layer_flex_bf16 or every_dtype or compiles_at_32k" ;;
     layerspaper) timeout 1200 $B --configs paper --T 8192,16384,65536 --stages-at 0 --item-limit 200 \
@@ -127,7 +108,6 @@ step() {  # STEP: run it unless done
               tests/layer/test_flex_gpu.py ;;
     paper16k) timeout 600 $B --configs paper --T 16384 --stages-at 0 --profile --item-limit 200 \
               --only full_layer,nsa_layer --out "$o" ;;
-    winprobe) timeout 600 $PY experiments/win_flash_probe.py --out "$o" ;;
     cmpprobe) timeout 600 $PY experiments/cmp_sdpa_probe.py --out "$o" --ops flex,cudnn,op ;;
     gpucmp) timeout 600 $PY -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
               tests/layer/test_flex_gpu.py -k "compressed or layer_flex_bf16" ;;

@@ -275,7 +275,7 @@ def main():
     ap.add_argument("--layouts", default="16:1,16:0,32:0",
                     help="comma list of ROWS:PAD[:DQ] (the op's q-block rows, PAD_HEADS, DQ_ATOMIC) "
                          "to time and to check")
-    ap.add_argument("--trace", default="", metavar="NPZ[:LAYER]",
+    ap.add_argument("--trace", default="", metavar="NPZ[:LAYER[+LAYER]]",
                     help="a trained selection (selection_L<T>.npz of python -m nsa_flex.eval --task "
                          "selection): timed beside random selections")
     ap.add_argument("--flex", action="store_true", help="also time FlexAttention's template")

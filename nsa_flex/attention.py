@@ -199,6 +199,11 @@ def merge_parts(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
     return out.to(parts[0][0].dtype), torch.log(den) + m
 
 
+def triton_runs_on(x: Tensor) -> bool:
+    """Whether our Triton ops can run on x's device: CUDA, or the CPU under TRITON_INTERPRET=1."""
+    return HAS_TRITON and (x.is_cuda or triton_interpreted())
+
+
 def use_selected_op(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, sel_kernel: str) -> bool:
     """Whether the flex backend runs `spec` through our selected-attention op
     (`nsa_flex.ops.selected_attention`, sel_kernel auto | flex | triton) instead of flex's
@@ -207,7 +212,7 @@ def use_selected_op(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, sel_kernel:
         return False
     why = "triton is not importable" if not HAS_TRITON else \
         selected_unsupported(q, k, v, spec.selection[1])
-    if why is None and not (q.is_cuda or triton_interpreted()):
+    if why is None and not triton_runs_on(q):
         why = f"it needs CUDA tensors (got {q.device.type}; on CPU only under TRITON_INTERPRET=1)"
     if why is None:
         return True
@@ -311,18 +316,13 @@ def gate_mix_reference(g: Tensor, outs: list[Tensor]) -> Tensor:
     return o.transpose(1, 2).reshape(B, T, -1)
 
 
-# False: the torch math on every backend (A/B measurements: bench_attention.py --gate-mix torch)
-GATE_MIX_OP = True
-
-
 def mix_branches(g: Tensor, outs: list[Tensor], backend: str) -> Tensor:
     """The gate's mix (paper Eq. 5): g [B, T, H, n] sigmoid gates, one column per output, outs n x
     [B, H, T, Dv] -> [B, T, H*Dv], the output projection's layout. The flex backend on CUDA runs
     the fused op (`nsa_flex.ops.gate_triton`: torch.compile would otherwise fuse the sum into the
     window's flex forward, which is slower than both apart); the reference backend the torch
     math (`gate_mix_reference`)."""
-    if GATE_MIX_OP and resolve_backend(backend, outs[0].device) == "flex" and HAS_TRITON and (
-            outs[0].is_cuda or triton_interpreted()):
+    if resolve_backend(backend, outs[0].device) == "flex" and triton_runs_on(outs[0]):
         return gate_mix(g, outs)
     return gate_mix_reference(g, outs)
 

@@ -88,10 +88,9 @@ ATOMIC_MAX_ROW = 512
 
 # Positions per q block of the forward where one position's heads fill at most half of 32 rows
 # (G = 16: 32 rows, two positions, the union of their selections; the dQ pass keeps ROWS rows,
-# one position, and its own lists). H100, paper shape, 16k (NOTES 57): the forward kernel 4.96 ->
-# 4.16 ms on a trained selection (it is bound by its K/V loads, which two positions share), on
-# random ones 5.20 -> 4.96 (op alone) or 5.18 -> 5.52 (kernel profile): about even; the dQ pass on
-# the two positions' lists lost (5.06 -> 5.37 trained, 5.24 -> 7.31 random), so it keeps one.
+# one position, and its own lists). Chosen on the H100 at the paper shape (experiments/NOTES.md
+# 57): the forward is bound by its K/V loads, which two positions share on trained selections
+# (about even on random ones); the dQ pass on two positions' union lists was slower on both.
 FWD_POSITIONS = 2
 
 
