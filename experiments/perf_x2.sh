@@ -35,8 +35,14 @@
 #   cmpab      layer rows at the 125M shape (8k, 32k, trained) and the paper shape (16k) with each
 #              cuDNN route of the compressed branch (cmp_kernel cudnn, cudnn_lean)
 #   gpucmp     the GPU tests of the compressed branch (tests/layer/test_flex_gpu.py -k compressed)
-#   tunedq     tune_selected.py at the paper shape, 16k: the dQ kernel's launch options (untuned)
 #   gpugate    the GPU tests of the gate's mix op and the flex layer
+#   tunerows   tune_selected.py: the query-centric kernels' q block rows x warps x stages, paper
+#              shape at 16k (fwd and dQ) and 125M shape at 32k (fwd), random and trained picks
+#   selhyb     selected_gpu.py at the paper shape, 8k / 16k, the default layout (forward on 64-row
+#              blocks, hybrid dQ), random and trained picks, kernel by kernel
+#   tunedq     tune_selected.py at the paper shape, 16k: the dQ pass on 16-row and on 64-row blocks
+#              alone (the two halves of the hybrid)
+#   paper64k   the paper-shape layer and full attention at 64k, random picks
 #   nofusion   layers125's trained 32k row with inductor's epilogue fusion off (what fusing the gate
 #              into the window branch's flex forward costs; experiments/NOTES.md 55), profiled
 # Knobs: LAYOUTS (selected_gpu.py --layouts), TRACE (NPZ:LAYER), PAPER_TRACE, PLAN_1B, PYTHON.
@@ -111,8 +117,18 @@ step() {  # STEP: run it unless done
     cmpprobe) timeout 600 $PY experiments/cmp_sdpa_probe.py --out "$o" --ops flex,cudnn,op ;;
     gpucmp) timeout 600 $PY -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
               tests/layer/test_flex_gpu.py -k "compressed or layer_flex_bf16" ;;
-    tunedq) timeout 600 $PY experiments/tune_selected.py --out "$o" --shape paper:64:4:192:128:16384 \
-              --selection random --fwd 2:2 --dkv 128:8:2 ;;
+    tunerows) timeout 420 $PY experiments/tune_selected.py --out "$o/paper" --shape paper:64:4:192:128:16384 \
+                --trace "$PAPER_TRACE" --rep-ms 100 --dkv 128:8:2 \
+                --fwd 16:2:2,0:2:2,0:4:2,0:4:3,0:8:2,64:4:2,64:4:3,64:8:2,64:8:3 \
+                --dq 0:2:2,0:2:1,32:2:2,32:4:2,32:4:1,32:8:2,64:4:2,64:4:1,64:8:2,64:8:1
+              timeout 240 $PY experiments/tune_selected.py --out "$o/125M" --trace "$TRACE" --rep-ms 100 \
+                --dkv 128:8:2 --dq none --fwd 0:2:2,0:4:2,32:2:2,32:4:2,32:4:3,64:4:2,64:8:2 ;;
+    selhyb) timeout 400 $PY experiments/selected_gpu.py --out "$o" --skip-check \
+              --shapes paper:8192,paper:16384 --layouts 16:0 --trace "$PAPER_TRACE" ;;
+    tunedq) timeout 300 $PY experiments/tune_selected.py --out "$o" --shape paper:64:4:192:128:16384 \
+              --trace "$PAPER_TRACE" --rep-ms 100 --dkv 128:8:2 --fwd 0:4:2 --dq 16:2:2,64:4:1 ;;
+    paper64k) timeout 600 $B --configs paper --T 65536 --stages-at 0 --item-limit 200 \
+              --only full_layer,nsa_layer --out "$o" ;;
     nofusion) timeout 600 $B --configs titan_125M --T 32768 --stages-at 0 --selection-trace "$TRACE" \
               --profile --item-limit 200 --only full_layer,nsa_layer --inductor epilogue_fusion=False \
               --out "$o" ;;

@@ -5,10 +5,11 @@ trained selections.
     python experiments/tune_selected.py --out OUT                        # 125M shape at 32k
     python experiments/tune_selected.py --out OUT --shape paper:64:4:192:128:16384
 
-Grids: the forward kernel's num_warps x num_stages (`LAUNCH["fwd"]`), timed forward only (no
-grad); the dK/dV kernel's gathered rows x num_warps x num_stages (`DKV_ROWS`, `LAUNCH["dkv"]`)
-and the dQ kernel's num_warps x num_stages (`LAUNCH["dq"]`, where dQ is not atomic), timed
-fwd+bwd (`ms`, triton's do_bench median) and by their own kernel (`kernel_ms`, torch.profiler). Before timing, every config's outputs (fwd: out, lse) or gradients (dkv: dq, dk,
+Grids: the forward kernel's q block rows x num_warps x num_stages (`selected_lists(rows=...)`,
+`LAUNCH["fwd"]`), timed forward only (no grad); the dK/dV kernel's gathered rows x num_warps x
+num_stages (`DKV_ROWS`, `LAUNCH["dkv"]`) and the dQ kernel's q block rows x num_warps x num_stages
+(`LAUNCH["dq"]`, where dQ is not atomic; rows > 0 are the forward's too, so the dQ pass runs on
+those blocks alone, not hybrid), timed fwd+bwd (`ms`, triton's do_bench median) and by their own kernel (`kernel_ms`, torch.profiler). Before timing, every config's outputs (fwd: out, lse) or gradients (dkv: dq, dk,
 dv) are compared with the default config's: `err` = max abs diff (a heavy block's dK/dV and an
 atomic dQ are fp32 sums in arrival order: small diffs there are expected, a wrong config shows as
 a large one). A config that fails (compile: shared memory, registers) gets its error in the row and
@@ -35,12 +36,13 @@ from selected_gpu import DEV, log, selection, spec_of, trace_selection
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRACE = os.path.join(HERE, "results", "quality", "selection_traces", "nsa_L32768.npz") + ":6"
-FWD = [(w, s) for w in (2, 4, 8) for s in (1, 2, 3, 4)]  # (num_warps, num_stages)
+# (q block rows, num_warps, num_stages); rows 0: the layer's default for the shape
+FWD = [(r, w, s) for r in (0, 32, 64) for w in (2, 4, 8) for s in (2, 3)]
 DKV = [(r, w, s) for r in (32, 64, 128) for w in (4, 8) for s in (1, 2, 3)]  # (DKV_ROWS, ...)
-DQ = [(w, s) for w in (2, 4, 8) for s in (1, 2, 3)]  # the dQ kernel (runs where dQ is not atomic)
+DQ = [(r, w, s) for r in (16, 32, 64) for w in (2, 4, 8) for s in (1, 2)]  # where dQ is not atomic
 # --quick: the first config of each grid is the default in fp32 (the interpreter's dtype)
-QUICK = dict(shape="tiny:4:2:48:32:96", l_sel=16, n_sel=4, fwd=[(8, 2), (2, 1)],
-             dkv=[(128, 8, 2), (16, 4, 1)])
+QUICK = dict(shape="tiny:4:2:48:32:96", l_sel=16, n_sel=4, fwd=[(0, 8, 2), (32, 2, 1)],
+             dkv=[(128, 8, 2), (16, 4, 1)], dq=[(0, 8, 2), (32, 4, 1)])
 KERNELS = {"fwd": "_sel_fwd_kernel", "dkv": "_sel_dkv_kernel", "dq": "_sel_dq_kernel"}
 FIELDS = ["shape", "T", "selection", "kernel", "config", "ms", "kernel_ms", "err", "error", "device"]
 
@@ -56,32 +58,39 @@ def parse_shape(text: str) -> tuple[str, int, int, int, int, int]:
 
 
 def parse_grid(text: str, n: int, what: str) -> list[tuple[int, ...]]:
-    """"4:2,8:1" -> [(4, 2), (8, 1)] (n ints an entry)."""
+    """"32:4:2,8:1" -> [(32, 4, 2), (0, 8, 1)] (n ints an entry; for fwd / dq the rows may be left
+    out: 0, the default rows)."""
     out = []
     for item in [x for x in text.split(",") if x]:
         parts = item.split(":")
-        if len(parts) != n or not all(p.isdigit() and int(p) > 0 for p in parts):
-            raise SystemExit(f"--{what}: {item!r} must be {n} positive ints joined by ':'")
+        if what in ("fwd", "dq") and len(parts) == n - 1:
+            parts = ["0", *parts]
+        ok = len(parts) == n and all(p.isdigit() and int(p) > 0 for p in parts[1:]) and \
+            parts[0].isdigit() and (int(parts[0]) > 0 or what in ("fwd", "dq"))
+        if not ok:
+            raise SystemExit(f"--{what}: {item!r} must be {n} positive ints joined by ':'"
+                             + (" (rows 0 or left out: the default)" if what != "dkv" else ""))
         out.append(tuple(map(int, parts)))
     return out
 
 
 def config_name(kernel: str, cfg: tuple) -> str:
-    """fwd (4, 2) -> w4:s2; dkv (64, 4, 2) -> r64:w4:s2."""
-    *rows, w, s = cfg
-    return "".join(f"r{r}:" for r in rows) + f"w{w}:s{s}"
+    """fwd (32, 4, 2) -> r32:w4:s2, (0, 4, 2) -> w4:s2 (default rows); dkv (64, 4, 2) -> r64:w4:s2."""
+    rows, w, s = cfg
+    return (f"r{rows}:" if rows else "") + f"w{w}:s{s}"
 
 
 @contextlib.contextmanager
 def launch(kernel: str, cfg: tuple | None):
-    """The op's launch options for `kernel` set to cfg (None: the defaults), restored after."""
+    """The op's launch options for `kernel` set to cfg (None: the defaults), restored after (the
+    q block rows of fwd / dq are the lists' business: `lists_for`)."""
     old_launch, old_rows = dict(selected_triton.LAUNCH), selected_triton.DKV_ROWS
     try:
         if cfg is not None:
-            *rows, w, s = cfg
+            rows, w, s = cfg
             selected_triton.LAUNCH[kernel] = {"num_warps": w, "num_stages": s}
-            if rows:
-                selected_triton.DKV_ROWS = rows[0]
+            if kernel == "dkv":
+                selected_triton.DKV_ROWS = rows
         yield
     finally:
         selected_triton.LAUNCH.clear()
@@ -106,10 +115,12 @@ def sweep(a, shape: str, sel_names: list[str], grids: dict, rows: list, path: st
                     n_sel=a.n_sel, backend="flex")
     dt = torch.bfloat16 if DEV == "cuda" else torch.float32  # the interpreter computes in fp32
     device = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (interpreted)"
-    opts = {kern: selected_triton._launch_opts(kern, dk, dv, dt) for kern in KERNELS}
+    fwd_rows = selected_triton.fwd_rows(G)
+    opts = {kern: selected_triton._launch_opts(kern, dk, dv, dt, r) for kern, r in
+            (("fwd", fwd_rows), ("dq", selected_triton.ROWS), ("dkv", 0))}
     ws = {kern: (o["num_warps"], o["num_stages"]) for kern, o in opts.items()}
-    defaults.update({(name, T, "fwd"): config_name("fwd", ws["fwd"]),
-                     (name, T, "dq"): config_name("dq", ws["dq"]),
+    defaults.update({(name, T, "fwd"): config_name("fwd", (0, *ws["fwd"])),
+                     (name, T, "dq"): config_name("dq", (0, *ws["dq"])),
                      (name, T, "dkv"): config_name("dkv", (selected_triton.DKV_ROWS, *ws["dkv"]))})
     torch.manual_seed(0)
     q, k, v = [torch.randn(B, h, T, d, device=DEV, dtype=dt, requires_grad=True)
@@ -127,18 +138,27 @@ def sweep(a, shape: str, sel_names: list[str], grids: dict, rows: list, path: st
                 write_csv(rows, path, fields=FIELDS)
                 continue
         base["selection"] = label
-        lists = selected_lists(spec_of(cfg, B, T, idx), B, T, T, G, q.shape[-1], DEV)
+        spec, cache = spec_of(cfg, B, T, idx), {}
 
-        def fwd():
+        def lists_for(kern, c):  # the op's lists with this config's q block rows (0: default);
+            # a dQ config's rows are the forward's too: one dQ pass on them, not the hybrid one
+            key = (c[0], 0) if kern == "fwd" else (c[0], c[0]) if kern == "dq" else (0, 0)
+            if key not in cache:
+                cache[key] = selected_lists(spec, B, T, T, G, q.shape[-1], DEV, rows=key[0] or None,
+                                            rows_dq=key[1] or None)
+            return cache[key]
+
+        def fwd(lists):
             with torch.no_grad():
                 return list(selected_triton.selected_attention(q, k, v, **lists))
 
-        def fwd_bwd():
+        def fwd_bwd(lists):
             o, _ = selected_triton.selected_attention(q, k, v, **lists)
             return list(torch.autograd.grad(o, (q, k, v), do))
 
         fns = {"fwd": fwd, "dkv": fwd_bwd, "dq": fwd_bwd}
-        ref = {kern: fn() for kern, fn in fns.items()}  # the defaults: what every config is compared with
+        default = lists_for("fwd", (0,))
+        ref = {kern: fn(default) for kern, fn in fns.items()}  # what every config is compared with
         for kern, grid in grids.items():
             for c in grid:
                 if time.time() > t_end:
@@ -148,10 +168,11 @@ def sweep(a, shape: str, sel_names: list[str], grids: dict, rows: list, path: st
                            kernel_ms=math.nan, err=math.nan, error="")
                 try:
                     with launch(kern, c):
-                        row["err"] = max_diff(fns[kern](), ref[kern])  # compiles: errors here
-                        row["ms"] = median_ms(fns[kern], DEV, reps=1, warmup=25, rep_ms=a.rep_ms)
+                        fn = (lambda f, li: lambda: f(li))(fns[kern], lists_for(kern, c))
+                        row["err"] = max_diff(fn(), ref[kern])  # compiles: errors here
+                        row["ms"] = median_ms(fn, DEV, reps=1, warmup=25, rep_ms=a.rep_ms)
                         if DEV == "cuda":
-                            row["kernel_ms"] = sum(ms for kname, _, ms in kernel_ms(fns[kern])
+                            row["kernel_ms"] = sum(ms for kname, _, ms in kernel_ms(fn)
                                                    if KERNELS[kern] in kname)
                 except Exception as e:  # keep the sweep going; the row says why
                     row["error"] = f"{type(e).__name__}: " + " ".join(str(e).split())[-300:]
@@ -191,13 +212,14 @@ def main(argv=None):
                     help="the trained selection (python -m nsa_flex.eval --task selection)")
     ap.add_argument("--l-sel", type=int, default=0, help="selection block l' (default 64; --quick 16)")
     ap.add_argument("--n-sel", type=int, default=0, help="selected blocks n (default 16; --quick 4)")
-    ap.add_argument("--fwd", default="", help="comma list of WARPS:STAGES for the forward kernel "
-                    "(default: {2,4,8} x {1,2,3,4})")
+    ap.add_argument("--fwd", default="", help="comma list of [ROWS:]WARPS:STAGES for the forward "
+                    "kernel (ROWS: its q blocks' rows, 0 or left out: the default; default grid: "
+                    "{0,32,64} x {2,4,8} x {2,3})")
     ap.add_argument("--dkv", default="", help="comma list of ROWS:WARPS:STAGES for the dK/dV "
                     "kernel (default: {32,64,128} x {4,8} x {1,2,3})")
-    ap.add_argument("--dq", default="", help="comma list of WARPS:STAGES for the dQ kernel "
-                    "(default: {2,4,8} x {1,2,3}; 'none': skip; it runs only where dQ is not "
-                    "accumulated by atomics in the dK/dV pass, e.g. the paper shape)")
+    ap.add_argument("--dq", default="", help="comma list of [ROWS:]WARPS:STAGES for the dQ kernel "
+                    "(default: {16,32,64} x {2,4,8} x {1,2}; 'none': skip; it runs only where dQ is "
+                    "not accumulated by atomics in the dK/dV pass, e.g. the paper shape)")
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench's repetition time per config")
     ap.add_argument("--max-minutes", type=float, default=0,
                     help="stop the sweep after this long (0: no limit), keeping what it has")
@@ -215,10 +237,10 @@ def main(argv=None):
     sels = [s for s in a.selection.split(",") if s]
     if not sels or set(sels) - {"random", "trained"}:
         ap.error(f"--selection: a comma list of random, trained; got {a.selection!r}")
-    grids = {"fwd": parse_grid(a.fwd, 2, "fwd") or (QUICK["fwd"] if a.quick else FWD),
+    grids = {"fwd": parse_grid(a.fwd, 3, "fwd") or (QUICK["fwd"] if a.quick else FWD),
              "dkv": parse_grid(a.dkv, 3, "dkv") or (QUICK["dkv"] if a.quick else DKV)}
     if a.dq != "none" and (a.dq or not a.quick):  # --quick: only a --dq given explicitly
-        grids["dq"] = parse_grid(a.dq, 2, "dq") or DQ
+        grids["dq"] = parse_grid(a.dq, 3, "dq") or DQ
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "tune_selected.csv")
     t_end = time.time() + (a.max_minutes * 60 if a.max_minutes > 0 else math.inf)

@@ -222,12 +222,14 @@ def use_selected_op(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, sel_kernel:
     return False
 
 
-def selected_lists(spec: MaskSpec, B: int, T: int, S: int, G: int, d_qk: int, device) -> dict:
+def selected_lists(spec: MaskSpec, B: int, T: int, S: int, G: int, d_qk: int, device,
+                   rows: int | None = None, rows_dq: int | None = None) -> dict:
     """What the selected op reads of a per-position block selection, as `selected_attention`'s
     keyword arguments: sel, l_sel, lo, hi and the selection's BlockMask in the packed layout (kv
     block = l') as q-major lists, without kv-major lists (the op's backward inverts `sel` itself,
-    per position): the forward's (q blocks of `tile_positions(G, fwd_rows(G))` positions x G
-    heads) and, where the dQ pass runs with q blocks of another size, the dQ pass's."""
+    per position): the forward's (q blocks of `tile_positions(G, rows)` positions x G heads; rows
+    default `fwd_rows(G)`) and, where the dQ pass runs with q blocks of another size (`rows_dq`,
+    default the op's ROWS), the dQ pass's."""
     sel, l_sel = spec.selection
 
     def lists(rows):
@@ -238,10 +240,10 @@ def selected_lists(spec: MaskSpec, B: int, T: int, S: int, G: int, d_qk: int, de
         return [captured(x) for x in (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks,
                                       bm.full_kv_indices)]
 
-    rows = fwd_rows(G)
+    rows = rows or fwd_rows(G)
     out = dict(sel=sel, l_sel=l_sel, block_mask=lists(rows), rows=rows, lo=None, hi=None)
-    if not dq_atomic(G, d_qk) and tile_positions(G) != tile_positions(G, rows):
-        out.update(dq_block_mask=lists(None), rows_dq=None)  # the default rows (ROWS)
+    if not dq_atomic(G, d_qk) and tile_positions(G, rows_dq) != tile_positions(G, rows):
+        out.update(dq_block_mask=lists(rows_dq), rows_dq=rows_dq)  # None: the op's ROWS
     if spec.row_band is not None:
         out["lo"], out["hi"] = spec.row_band(torch.arange(T, device=device))
     return out

@@ -86,12 +86,16 @@ DQ_ATOMIC: bool | None = None
 ATOMIC_MAX_ROW = 512
 
 
-# Positions per q block of the forward where one position's heads fill at most half of 32 rows
-# (G = 16: 32 rows, two positions, the union of their selections; the dQ pass keeps ROWS rows,
-# one position, and its own lists). Chosen on the H100 at the paper shape (experiments/NOTES.md
-# 57): the forward is bound by its K/V loads, which two positions share on trained selections
-# (about even on random ones); the dQ pass on two positions' union lists was slower on both.
-FWD_POSITIONS = 2
+# Rows of the forward's q blocks where a position has 16 heads or more (G >= 16): 64, four positions
+# at G = 16 on the union of their selections, on 4 warps (the dQ pass keeps ROWS rows, one position,
+# and its own lists, and takes the wide blocks where they are cheaper: `dq_hybrid`). G < 16 keeps
+# ROWS (two positions at G = 8). Chosen on the H100 (experiments/NOTES.md 57-58): the forward is
+# bound by its K/V loads, which the positions share on trained selections; at the paper shape 64
+# rows beat 32 on trained picks and tie on random ones, at G = 8 they lose on random ones.
+FWD_WIDE_ROWS = 64
+# A wide (FWD_WIDE_ROWS) dQ block step costs about this many narrow (ROWS) ones (H100, paper
+# shape, NOTES 58): the hybrid dQ pass's rule (`_wide_wins`).
+WIDE_DQ_COST = 2
 
 
 def padded_group(G: int) -> int:
@@ -109,9 +113,8 @@ def tile_positions(G: int, rows: int | None = None) -> int:
 
 
 def fwd_rows(G: int) -> int:
-    """Rows of the forward's q blocks: FWD_POSITIONS positions where their heads fit in 32 rows,
-    at least ROWS."""
-    return max(ROWS, min(FWD_POSITIONS * padded_group(G), 32))
+    """Rows of the forward's q blocks: FWD_WIDE_ROWS at G >= 16, else (and at least) ROWS."""
+    return max(ROWS, FWD_WIDE_ROWS if G >= 16 else ROWS)
 
 
 def supported(q: Tensor, k: Tensor, v: Tensor, l_sel: int) -> str | None:
@@ -315,13 +318,49 @@ def _dq_step(dq1, dq2, q1, q2, do, lse2, delta, K, V, koff, voff, j, t, lo, hi, 
 
 
 @triton.jit
-def _sel_dq_kernel(Q, K, V, DO, LSE, DELTA, SEL, LO, HI, KVN, KVI, FKVN, FKVI, DQ,
-                   T, HKV, NQB, W, s_lb,
+def _wide_wins(NKVN, NFKVN, WKVN, WFKVN, bh, wtile, NQB_N, NQB_W, KW: tl.constexpr,
+               WCOST: tl.constexpr):
+    """Whether wide q block `wtile` (KW narrow blocks' positions) runs its dQ as one wide tile over
+    the union of their lists rather than as KW narrow tiles over their own: a wide block step costs
+    about WCOST narrow ones."""
+    u = tl.load(WKVN + bh * NQB_W + wtile) + tl.load(WFKVN + bh * NQB_W + wtile)
+    n = wtile * KW + tl.arange(0, KW)
+    ok = n < NQB_N
+    s = tl.sum(tl.load(NKVN + bh * NQB_N + n, mask=ok, other=0)
+               + tl.load(NFKVN + bh * NQB_N + n, mask=ok, other=0))
+    return u * WCOST <= s
+
+
+@triton.jit
+def _sel_dq_kernel(Q, K, V, DO, LSE, DELTA, SEL, LO, HI, KVN, KVI, FKVN, FKVI, NKVN, NFKVN, WKVN,
+                   WFKVN, DQ, T, HKV, NQB, W, NQB_N, NQB_W, s_lb,
                    QK_SCALE: tl.constexpr, SM_SCALE: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, NSEL: tl.constexpr,
                    NP: tl.constexpr, BLOCK: tl.constexpr, DK: tl.constexpr, DK1: tl.constexpr,
                    DK2: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
-                   HAS_BAND: tl.constexpr, PREC: tl.constexpr):
+                   HAS_BAND: tl.constexpr, PREC: tl.constexpr, MODE: tl.constexpr,
+                   KW: tl.constexpr, WCOST: tl.constexpr):
+    """dQ of q blocks walking KVN..FKVI. MODE 0: every block. Hybrid (experiments/NOTES.md 58):
+    MODE 1 (narrow blocks) skips the positions whose wide block `_wide_wins`, MODE 2 (wide blocks)
+    runs only those; NKVN / NFKVN and WKVN / WFKVN are the narrow and wide lists' counts."""
     tile, bh, b, t, row_ok, qrow = _q_rows(T, HKV, G, GP, BT, BM)
+    if MODE == 1:
+        run = not _wide_wins(NKVN, NFKVN, WKVN, WFKVN, bh, tile // KW, NQB_N, NQB_W, KW, WCOST)
+    elif MODE == 2:
+        run = _wide_wins(NKVN, NFKVN, WKVN, WFKVN, bh, tile, NQB_N, NQB_W, KW, WCOST)
+    else:
+        run = True
+    if run:
+        _dq_tile(Q, K, V, DO, LSE, DELTA, SEL, LO, HI, KVN, KVI, FKVN, FKVI, DQ, T, NQB, W, s_lb,
+                 tile, bh, b, t, row_ok, qrow, QK_SCALE, SM_SCALE, NSEL, NP, BLOCK, DK, DK1, DK2,
+                 DV, DVP, HAS_BAND, PREC, BM)
+
+
+@triton.jit
+def _dq_tile(Q, K, V, DO, LSE, DELTA, SEL, LO, HI, KVN, KVI, FKVN, FKVI, DQ, T, NQB, W, s_lb,
+             tile, bh, b, t, row_ok, qrow, QK_SCALE: tl.constexpr, SM_SCALE: tl.constexpr,
+             NSEL: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr, DK: tl.constexpr,
+             DK1: tl.constexpr, DK2: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
+             HAS_BAND: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr):
     q1, q2, sel, lo, hi = _q_state(Q, SEL, LO, HI, qrow, bh, b, t, row_ok, T, s_lb, NSEL, NP, DK,
                                    DK1, DK2, HAS_BAND)
     koff = bh * T * DK
@@ -486,15 +525,25 @@ def _sel_dkv_kernel(Q, K, V, DO, LSE, DELTA, LO, HI, QN, QOFF, QI, HSLOT, HEAVY,
 
 
 # ---------------------------------------------------------------------- launchers
-def _launch_opts(kernel: str, dk: int, dv: int, dtype) -> dict:
-    """num_warps / num_stages of `kernel` (fwd, dq, dkv), LAUNCH's override over the defaults.
-    16-bit, chosen on the H100 (experiments/tune_selected.py, NOTES.md 55): the query-centric
-    kernels hold 16 rows, which 2 warps cover best at both the 125M and the paper shape; the dK/dV
-    pass gathers DKV_ROWS rows on 8 warps. fp32 tiles take twice the registers: 8 warps."""
+# (num_warps, num_stages) of the query-centric kernels in 16-bit by kernel and q block rows, chosen
+# on the H100 (experiments/tune_selected.py, NOTES.md 55, 58): 2 warps cover 16 rows best at both
+# the 125M and the paper shape; 64 rows take 4 (a warp group), the dQ pass there 1 stage.
+QC_LAUNCH = {("fwd", 16): (2, 2), ("fwd", 32): (2, 2), ("fwd", 64): (4, 2),
+             ("dq", 16): (2, 2), ("dq", 32): (2, 2), ("dq", 64): (4, 1)}
+
+
+def _launch_opts(kernel: str, dk: int, dv: int, dtype, rows: int = 16) -> dict:
+    """num_warps / num_stages of `kernel` (fwd, dq, dkv; `rows`: the query-centric kernels' q block
+    rows), LAUNCH's override over the defaults. 16-bit: QC_LAUNCH (4 warps, 2 stages for rows it
+    does not list); the dK/dV pass gathers DKV_ROWS rows on 8 warps. fp32 tiles take twice the
+    registers: 8 warps."""
     if dtype == torch.float32:
         opts = {"num_warps": 8, "num_stages": 2}
+    elif kernel == "dkv":
+        opts = {"num_warps": 8, "num_stages": 2}
     else:
-        opts = {"num_warps": 8 if kernel == "dkv" else 2, "num_stages": 2}
+        w, st = QC_LAUNCH.get((kernel, rows), (4, 2))
+        opts = {"num_warps": w, "num_stages": st}
     return {**opts, **(LAUNCH[kernel] or {})}
 
 
@@ -520,7 +569,7 @@ def _q_block_consts(q: Tensor, v: Tensor, sel: Tensor, l_sel: int, rows: int,
     return dict(G=G, GP=gp, BT=BT, BM=BT * gp, NSEL=sel.shape[-1],
                 NP=max(2, triton.next_power_of_2(sel.shape[-1])), BLOCK=l_sel, DK=Dk, DK1=dk1,
                 DK2=dk2, DV=Dv, DVP=max(16, triton.next_power_of_2(Dv)), HAS_BAND=has_band,
-                PREC=_prec(q.dtype), **_launch_opts(name, Dk, Dv, q.dtype))
+                PREC=_prec(q.dtype), **_launch_opts(name, Dk, Dv, q.dtype, BT * gp))
 
 
 @triton_op("nsa_flex::selected_attention_fwd", mutates_args=())
@@ -551,13 +600,26 @@ def dq_atomic(G: int, d_qk: int) -> bool:
     return DQ_ATOMIC if DQ_ATOMIC is not None else G * d_qk <= ATOMIC_MAX_ROW
 
 
+def dq_hybrid(G: int, rows_wide: int, rows: int) -> int:
+    """Wide q blocks' positions per narrow one when the dQ pass runs hybrid (0: not): where the
+    forward's q blocks (`rows_wide`) hold a power-of-two multiple of the dQ pass's positions."""
+    kw, r = divmod(tile_positions(G, rows_wide), tile_positions(G, rows))
+    return kw if kw > 1 and r == 0 and kw & (kw - 1) == 0 else 0
+
+
 @triton_op("nsa_flex::selected_attention_bwd", mutates_args=())
 def selected_attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor,
                            o: Tensor, lse: Tensor, sel: Tensor, lo: Optional[Tensor],
                            hi: Optional[Tensor], kv_num: Tensor, kv_idx: Tensor, full_num: Tensor,
-                           full_idx: Tensor, scale: float, l_sel: int, rows: int,
+                           full_idx: Tensor, w_num: Tensor, w_idx: Tensor, w_full_num: Tensor,
+                           w_full_idx: Tensor, scale: float, l_sel: int, rows: int, rows_wide: int,
                            heavy: int, split_tiles: int) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv; kv_num .. full_idx: the dQ pass's q-major lists (q blocks of `rows` rows)."""
+    """dq, dk, dv; kv_num .. full_idx: the dQ pass's q-major lists (q blocks of `rows` rows);
+    w_num .. w_full_idx: the forward's (`rows_wide` rows). Where the forward's q blocks hold several
+    of the dQ pass's (`dq_hybrid`), each of its blocks runs its dQ either as one wide tile over
+    their union list or as its narrow blocks over their own lists, whichever is fewer steps by
+    WIDE_DQ_COST (`_wide_wins`): trained picks share most blocks between adjacent positions (wide
+    wins), random ones few (narrow wins)."""
     B, Hq, T, Dk = q.shape
     Hkv, Dv = k.shape[1], v.shape[-1]
     G = Hq // Hkv
@@ -583,10 +645,21 @@ def selected_attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Ten
         dqa = torch.zeros(B, Hq, T, Dk, dtype=torch.float32, device=q.device)
     else:
         dqa = dq  # not written by the dK/dV pass
+        kw = dq_hybrid(G, rows_wide, rows)
+        nqb_w = w_num.shape[-1]
+        args = (do, lse, delta, sel, lo_, hi_)
+        counts = (kv_num, full_num, w_num, w_full_num)
         wrap_triton(_sel_dq_kernel)[(nqb, B * Hkv)](
-            q, k, v, do, lse, delta, sel, lo_, hi_, kv_num, kv_idx, full_num, full_idx, dq,
-            T, Hkv, nqb, kv_idx.shape[-1], s_lb, QK_SCALE=scale * LOG2E, SM_SCALE=scale,
+            q, k, v, *args, kv_num, kv_idx, full_num, full_idx, *counts, dq, T, Hkv, nqb,
+            kv_idx.shape[-1], nqb, nqb_w, s_lb, QK_SCALE=scale * LOG2E, SM_SCALE=scale,
+            MODE=1 if kw else 0, KW=max(kw, 1), WCOST=WIDE_DQ_COST,
             **_q_block_consts(q, v, sel, l_sel, rows, has_band, "dq"))
+        if kw:
+            wrap_triton(_sel_dq_kernel)[(nqb_w, B * Hkv)](
+                q, k, v, *args, w_num, w_idx, w_full_num, w_full_idx, *counts, dq, T, Hkv, nqb_w,
+                w_idx.shape[-1], nqb, nqb_w, s_lb, QK_SCALE=scale * LOG2E, SM_SCALE=scale,
+                MODE=2, KW=kw, WCOST=WIDE_DQ_COST,
+                **_q_block_consts(q, v, sel, l_sel, rows_wide, has_band, "dq"))
     # dK/dV walk the inverse of the per-position selection (whatever the forward's q blocks):
     # for each kv block, the positions that selected it (CSR), so no gathered row is wasted on a
     # position that did not choose the block and no row needs the selection test
@@ -633,11 +706,11 @@ def selected_attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Ten
 
 def _setup(ctx, inputs, output):
     q, k, v, sel, lo, hi = inputs[:6]
-    dq_lists = inputs[10:14]  # the backward reads the dQ pass's lists only
+    fwd_lists, dq_lists = inputs[6:10], inputs[10:14]  # the dQ pass's, and the forward's (hybrid)
     scale, l_sel, rows, rows_dq, heavy, split_tiles = inputs[14:]
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, sel, lo, hi, *dq_lists)
-    ctx.extra = (scale, l_sel, rows_dq, heavy, split_tiles)
+    ctx.save_for_backward(q, k, v, o, lse, sel, lo, hi, *dq_lists, *fwd_lists)
+    ctx.extra = (scale, l_sel, rows_dq, rows, heavy, split_tiles)
 
 
 def _backward(ctx, do, dlse):

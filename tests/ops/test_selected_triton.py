@@ -168,6 +168,14 @@ def _interpreter_main():
     # the paper's group: forward on two positions' union lists, dQ on one position's (fwd_rows)
     check_case(11, shape=(16, 1, 48, 32))
     n += 1
+    with op_settings(ROWS=64):  # G = 16 on 64-row q blocks (4 positions' union) in both passes
+        check_case(12, shape=(16, 1, 48, 32))
+        n += 1
+    # the hybrid dQ pass of the paper's group with every wide block taken wide, and none
+    for cost in (0, 10**6):
+        with op_settings(WIDE_DQ_COST=cost):
+            check_case(13, shape=(16, 1, 48, 32))
+            n += 1
     print(f"OK {n} cases")
 
 
@@ -177,7 +185,7 @@ def test_op_matches_reference_and_is_causal_under_interpreter():
     from tests.ops.triton_harness import run_interpreted
 
     r = run_interpreted(__file__, timeout=900)
-    assert r.returncode == 0 and "OK 13 cases" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
+    assert r.returncode == 0 and "OK 16 cases" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
 
 
 @pytest.mark.skipif(not HAS_TRITON or triton_interpreted(), reason="needs triton, not interpreted")
@@ -205,18 +213,24 @@ def test_kernels_compile_for_h100(monkeypatch, shape, dtype, dq_atomic):
     lo = hi = torch.zeros(B, T, dtype=torch.int64)
     i32 = lambda *s: torch.zeros(*s, dtype=torch.int32)  # noqa: E731
     lists = (i32(B, Hkv, nqb), i32(B, Hkv, nqb, n), i32(B, Hkv, nqb), i32(B, Hkv, nqb, n))
-    o, lse = M.selected_attention_fwd._init_fn(q, k, v, sel, lo, hi, *lists, *lists, 0.125, 64, 16,
+    # the layer's forward rows; where its q blocks hold several dQ blocks, the dQ pass is hybrid
+    rows = M.fwd_rows(H // Hkv)
+    kw = 0 if dq_atomic else M.dq_hybrid(H // Hkv, rows, M.ROWS)
+    nqw = nqb // max(kw, 1)
+    wide = (i32(B, Hkv, nqw), i32(B, Hkv, nqw, n), i32(B, Hkv, nqw), i32(B, Hkv, nqw, n))
+    o, lse = M.selected_attention_fwd._init_fn(q, k, v, sel, lo, hi, *wide, *lists, 0.125, 64, rows,
                                                16, 16, 256)
     M.selected_attention_bwd._init_fn(torch.randn_like(o), None, q, k, v, o, lse.normal_(), sel,
-                                      lo, hi, *lists, 0.125, 64, 16, 16, 256)
+                                      lo, hi, *lists, *wide, 0.125, 64, 16, rows, 16, 256)
     names = ["_sel_fwd_kernel", "_delta_kernel", "_sel_dkv_kernel"] if dq_atomic else \
-        ["_sel_fwd_kernel", "_delta_kernel", "_sel_dq_kernel", "_sel_dkv_kernel"]
+        ["_sel_fwd_kernel", "_delta_kernel"] + ["_sel_dq_kernel"] * (2 if kw else 1) + ["_sel_dkv_kernel"]
     assert [c[0].__name__ for c in calls] == names
+    assert kw == (4 if H // Hkv == 16 and not dq_atomic else 0)  # the paper's group: hybrid dQ
     for c in calls:
         compile_for_h100(*c)
     # torch's mutation analysis sees only the outputs written (else compile copies inputs back)
     writes = [["LSE", "O"], ["DELTA"], ["DKA", "DK_", "DQA", "DVA", "DV_"]] if dq_atomic else \
-        [["LSE", "O"], ["DELTA"], ["DQ"], ["DKA", "DK_", "DVA", "DV_"]]
+        [["LSE", "O"], ["DELTA"]] + [["DQ"]] * (2 if kw else 1) + [["DKA", "DK_", "DVA", "DV_"]]
     assert [written_args(*c) for c in calls] == writes
 
 
