@@ -212,3 +212,30 @@ def test_saved_memory_runs_on_cpu(tmp_path):
     assert float(summary["nsa"]["saved_MiB"]) > float(summary["nsa_recompute_cmp_win"]["saved_MiB"])
     rows = list(csv.DictReader(open(tmp_path / "saved_tensors.csv")))
     assert sum(r["layer"] == "nsa" for r in rows) == int(summary["nsa"]["saved_tensors"])
+
+
+def test_saved_memory_live_at_peak_replays_the_trace():
+    """saved_memory.py --at-peak: the allocator's trace replayed -- the peak is the largest sum of
+    live blocks (not the last), blocks freed before it are not listed, blocks are summed by where
+    they were allocated (torch's own frames skipped)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("saved_memory", ROOT / "experiments" / "saved_memory.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    MiB = 2 ** 20
+
+    def alloc(addr, mib, where):
+        frames = [{"filename": "/site/torch/nn/functional.py", "line": 9, "name": "linear"},
+                  {"filename": f"/src/{where}.py", "line": 3, "name": where}]
+        return dict(action="alloc", addr=addr, size=int(mib * MiB), frames=frames)
+
+    free = lambda addr: dict(action="free_requested", addr=addr, size=0)  # noqa: E731
+    trace = [alloc(1, 4, "gate"), alloc(2, 8, "dq"), free(1), alloc(3, 2, "dq"), alloc(4, 1, "lse"),
+             free(2), free(3), alloc(5, 1, "late")]
+    peak, blocks = mod.live_at_peak({"device_traces": [trace]})
+    assert peak == 12 and blocks == [(8.0, "dq.py:3:dq | "), (4.0, "gate.py:3:gate | ")]
+    trace.insert(4, alloc(6, 5, "gate"))  # now the peak is later: dq 10 + lse 1 + gate 5
+    peak, blocks = mod.live_at_peak({"device_traces": [trace]})
+    assert peak == 16 and blocks == [(10.0, "dq.py:3:dq | "), (5.0, "gate.py:3:gate | "),
+                                     (1.0, "lse.py:3:lse | ")]
