@@ -42,6 +42,7 @@
 #              blocks, hybrid dQ), random and trained picks, kernel by kernel
 #   tunedq     tune_selected.py at the paper shape, 16k: the dQ pass on 16-row and on 64-row blocks
 #              alone (the two halves of the hybrid)
+#   gpu1b      the GPU test of the selected op at torchtitan 1B's group (G = 16, d 64)
 #   memorypeak saved_memory.py --at-peak: what is live at the 125M-shape layer's fwd+bwd peak at
 #              32k (NSA with recompute none / cmp_win, full attention)
 #   paper64k   the paper-shape layer and full attention at 64k, random picks
@@ -129,6 +130,8 @@ step() {  # STEP: run it unless done
               --shapes paper:8192,paper:16384 --layouts 16:0 --trace "$PAPER_TRACE" ;;
     tunedq) timeout 300 $PY experiments/tune_selected.py --out "$o" --shape paper:64:4:192:128:16384 \
               --trace "$PAPER_TRACE" --rep-ms 100 --dkv 128:8:2 --fwd 0:4:2 --dq 16:2:2,64:4:1 ;;
+    gpu1b) timeout 300 $PY -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
+              tests/ops/test_selected_triton.py -k "paper_shape and 1B" ;;
     memorypeak) timeout 600 $PY experiments/saved_memory.py --out "$o" --configs titan_125M --T 32768 \
               --recompute none,cmp_win --at-peak ;;
     paper64k) timeout 600 $B --configs paper --T 65536 --stages-at 0 --item-limit 200 \

@@ -9,7 +9,9 @@ r // G, head r % G; q block = P positions x G heads, P = `tile_positions(G)`: 16
   * forward and dQ are query-centric: one program per (q block, batch, KV head) holds the G heads of
     its P positions (G < 16 heads as next_power_of_2(G) rows; PAD_HEADS pads them to 16) and walks the
     block's q-major lists (partial, then full blocks: the union of the P positions' selections),
-    loading each selected K/V block once for all its rows;
+    loading each selected K/V block once for all its rows. The forward's q blocks may hold more
+    positions than the dQ pass's (`fwd_rows`); then the dQ pass is hybrid (`dq_hybrid`): each of
+    the forward's blocks runs as one wide tile or as its narrow blocks, whichever walks fewer steps;
   * dK/dV is KV-block-centric: one program per (kv block, batch, KV head) walks the inverse of
     the per-position selection (for each kv block, the positions that selected it: CSR, built from
     `sel` in the backward) and gathers DKV_ROWS rows of them per MMA step (each position's G heads

@@ -291,18 +291,20 @@ def test_cuda_matches_reference(seed, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_cuda_paper_shape(dtype):
+@pytest.mark.parametrize("shape", [(16, 4, 192, 128), (16, 2, 64, 64)], ids=["paper", "1B"])
+def test_cuda_paper_shape(dtype, shape):
     """The paper's group (G = 16, d_k 192, d_v 128): a forward of four positions per q block on the
     union lists (`fwd_rows`), the hybrid dQ pass (one position per q block on its own lists, or
-    the forward's blocks), also with every block taken wide and none."""
+    the forward's blocks), also with every block taken wide and none; also at torchtitan's 1B
+    flavor's group (G = 16, d 64)."""
     from nsa_flex.ops.selected_triton import fwd_rows, tile_positions
 
     assert tile_positions(16, fwd_rows(16)) == 4 and tile_positions(16) == 1
     for seed in range(2):
-        check_case(seed, device="cuda", dtype=dtype, small=False, shape=(16, 4, 192, 128))
+        check_case(seed, device="cuda", dtype=dtype, small=False, shape=shape)
     for cost in (0, 10**6):
         with op_settings(WIDE_DQ_COST=cost):
-            check_case(2, device="cuda", dtype=dtype, small=False, shape=(16, 4, 192, 128))
+            check_case(2, device="cuda", dtype=dtype, small=False, shape=shape)
 
 
 @pytest.mark.gpu
