@@ -28,8 +28,6 @@
 #   gpuflex    every GPU test of the flex backend and the layer (tests/layer/test_flex_gpu.py)
 #   paper16k   bench_attention.py, paper shape at 16k: the NSA and full-attention layers with
 #              kernel profiles
-#   selpapertr selected_gpu.py at the paper shape, 8k / 16k: layouts 16 / 32 rows, random and trained
-#              (PAPER_TRACE) selections
 #   paperlayers the paper-shape layer and full attention at 8k / 16k, random and trained picks
 #   cmpprobe   experiments/cmp_sdpa_probe.py (the compressed branch on SDPA's kernels vs flex)
 #   cmpab      layer rows at the 125M shape (8k, 32k, trained) and the paper shape (16k) with each
@@ -70,8 +68,6 @@ step() {  # STEP: run it unless done
               --check-len 1000 --shapes titan_125M:32768 --trace "$TRACE" --layouts "$LAYOUTS" ;;
     selpaper) timeout 900 $PY experiments/selected_gpu.py --out "$o" --skip-check \
               --shapes paper:16384 --layouts "${PAPER_LAYOUTS:-16:1,16:1:1,32:0:1}" ;;
-    selpapertr) timeout 900 $PY experiments/selected_gpu.py --out "$o" --skip-check \
-              --shapes paper:8192,paper:16384 --layouts 16:1,32:0 --trace "$PAPER_TRACE" ;;
     paperlayers) for sel in random trained; do A=""; [ $sel = trained ] && A="--selection-trace $PAPER_TRACE"
                  # shellcheck disable=SC2086
                  timeout 600 $B --configs paper --T 8192,16384 --stages-at 0 --item-limit 200 $A \

@@ -9,7 +9,8 @@ Writes OUT/selected_check.csv (relative errors of out, lse, dq, dk, dv per case 
 OUT/selected_time.csv (fwd and fwd+bwd medians, ms: `branch` = mask build + op compiled as in the
 layer, `mask_build` alone, `op_only` on the prebuilt lists, SDPA causal of the same shape beside,
 flex's template with --flex) and OUT/selected_kernels.csv (the op-only fwd+bwd kernel by kernel).
-Layouts ROWS:PAD[:DQ]: the op's q-block rows, PAD_HEADS (1: a position's G < 16 heads padded to 16
+Layouts ROWS:PAD[:DQ]: the op's q-block rows (`ROWS`: the dQ pass's, and the forward's where G < 16;
+at G >= 16 the forward takes `fwd_rows`, at least 64), PAD_HEADS (1: a position's G < 16 heads padded to 16
 rows) and DQ_ATOMIC (1: dQ in the dK/dV pass). Selections: `random` (uniform scores: the worst case
 for sharing loads across positions) and, with --trace NPZ[:LAYER], a trained model's
 (`python -m nsa_flex.eval --task selection`; its first T positions). On a machine without CUDA it
