@@ -44,9 +44,15 @@
 #   memorypeak saved_memory.py --at-peak: what is live at the 125M-shape layer's fwd+bwd peak at
 #              32k (NSA with recompute none / cmp_win, full attention)
 #   paper64k   the paper-shape layer and full attention at 64k, random picks
+#   ab125      layers125's trained rows (8k, 32k: the NSA and full-attention layers) for this tree
+#              and for the tree at BASE_TREE (an unpacked `git archive` of the commit before a
+#              change): the change's A/B on one machine
+#   titan32kall torchtitan 125M at 32k, NSA with recompute = all (every branch rebuilt)
+#   sel8k      selected_gpu.py at the 125M shape, 8k: the default layout, random and trained picks,
+#              kernel by kernel (where the op's time goes at short T)
 #   nofusion   layers125's trained 32k row with inductor's epilogue fusion off (what fusing the gate
 #              into the window branch's flex forward costs; experiments/NOTES.md 55), profiled
-# Knobs: LAYOUTS (selected_gpu.py --layouts), TRACE (NPZ:LAYER), PAPER_TRACE, PLAN_1B, PYTHON.
+# Knobs: BASE_TREE, LAYOUTS (selected_gpu.py --layouts), TRACE (NPZ:LAYER), PAPER_TRACE, PLAN_1B, PYTHON.
 set -uo pipefail
 OUT=${1:?usage: perf_x2.sh OUT DATA}
 DATA=${2:?usage: perf_x2.sh OUT DATA}
@@ -132,6 +138,14 @@ step() {  # STEP: run it unless done
               --recompute none,cmp_win --at-peak ;;
     paper64k) timeout 600 $B --configs paper --T 65536 --stages-at 0 --item-limit 200 \
               --only full_layer,nsa_layer --out "$o" ;;
+    ab125) for tree in base this; do root=.; [ $tree = base ] && root=${BASE_TREE:?ab125 needs BASE_TREE}
+             (cd "$root" && PYTHONPATH="$(pwd):${PYTHONPATH:-}" timeout 400 $B --configs titan_125M \
+               --T 8192,32768 --stages-at 0 --selection-trace "$TRACE" --item-limit 200 \
+               --only full_layer,nsa_layer --out "$o/$tree"); done ;;
+    titan32kall) ATTNS=nsa NSA_EXTRA="--nsa.recompute all" NSA_TAG=all bash experiments/titan_perf_runs.sh \
+              "$o" "$DATA" "32768:125M" 40 240 ;;
+    sel8k) timeout 400 $PY experiments/selected_gpu.py --out "$o" --skip-check \
+              --shapes titan_125M:8192,titan_125M:32768 --layouts 16:0 --trace "$TRACE" ;;
     nofusion) timeout 600 $B --configs titan_125M --T 32768 --stages-at 0 --selection-trace "$TRACE" \
               --profile --item-limit 200 --only full_layer,nsa_layer --inductor epilogue_fusion=False \
               --out "$o" ;;

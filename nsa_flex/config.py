@@ -20,7 +20,7 @@ SCORER_CHOICES = ("auto", "torch", "triton")
 SEL_KERNEL_CHOICES = ("auto", "flex", "triton")
 CMP_KERNEL_CHOICES = ("auto", "flex", "cudnn", "cudnn_lean")
 # NSAConfig.recompute -> the branches run under activation checkpointing (NSAAttention.branch)
-RECOMPUTED = {"none": (), "win": ("win",), "cmp_win": ("cmp", "win")}
+RECOMPUTED = {"none": (), "win": ("win",), "cmp_win": ("cmp", "win"), "all": ("cmp", "sel", "win")}
 RECOMPUTE_CHOICES = tuple(RECOMPUTED)
 
 
@@ -132,7 +132,8 @@ class NSAConfig:
                                   "from x and q instead of keeping them (activation memory for "
                                   "compute): none | win (the sliding window) | cmp_win (the "
                                   "compressed and window branches: the layer then keeps about what "
-                                  "full attention keeps, the selected branch's K/V and output aside)")
+                                  "full attention keeps, the selected branch's K/V and output aside) "
+                                  "| all (the three branches; the selection's block lists are kept)")
     seed: int = knob(0, "seed of the random_selection ablation (a fresh draw per step, reproducible "
                         "per seed)")
 

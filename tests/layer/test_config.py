@@ -70,7 +70,7 @@ RELATIONS = [
     (dict(d_qk=7), "d_qk=7", "even"),
     (dict(phi="max"), "phi='max'", "('avg', 'mlp')"),
     (dict(backend="cuda"), "backend='cuda'", "('auto', 'flex', 'reference')"),
-    (dict(recompute="all"), "recompute='all'", "('none', 'win', 'cmp_win')"),
+    (dict(recompute="sel"), "recompute='sel'", "('none', 'win', 'cmp_win', 'all')"),
     (dict(rope_theta=0.0), "rope_theta=0.0", "positive"),
     (dict(rope_theta="big"), "rope_theta='big'", "positive"),
     (dict(masks="nope"), "masks='nope'", lambda: str(sorted(PRESETS))),

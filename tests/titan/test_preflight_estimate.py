@@ -47,19 +47,19 @@ def test_block_estimate_quadratic_on_reference_linear_on_flex():
 
 @pytest.mark.parametrize("backend", ["reference", "flex"])
 def test_recompute_lowers_the_estimate(backend):
-    """nsa.recompute: a block keeps less (cmp_win < win < none), one block's backward holds the
+    """nsa.recompute: a block keeps less (all < cmp_win < win < none), one block's backward holds the
     rebuilt branches again, and the whole step's activations shrink."""
     import dataclasses
 
     a = _args("125M", backend=backend)
-    runs = {rc: dataclasses.replace(a, recompute=rc) for rc in ("none", "win", "cmp_win")}
+    runs = {rc: dataclasses.replace(a, recompute=rc) for rc in ("none", "win", "cmp_win", "all")}
     kept = {rc: est.block_activation_bytes(x, 1, 4096, 2) for rc, x in runs.items()}
     again = {rc: est.block_activation_bytes(x, 1, 4096, 2, recomputed=True) for rc, x in runs.items()}
-    assert kept["cmp_win"] < kept["win"] < kept["none"]
-    assert again["none"] == 0 < again["win"] < again["cmp_win"]
+    assert kept["all"] < kept["cmp_win"] < kept["win"] < kept["none"]
+    assert again["none"] == 0 < again["win"] < again["cmp_win"] < again["all"]
     acts = {rc: est.training_bytes(x, 160_000_000, 1, 4096, 2, "none", 1)["activations"]
             for rc, x in runs.items()}
-    assert acts["cmp_win"] < acts["win"] < acts["none"]
+    assert acts["all"] < acts["cmp_win"] < acts["win"] < acts["none"]
 
 
 def test_training_bytes_parts():
