@@ -459,18 +459,18 @@ def _dkv_step(dk1, dk2, dv_acc, k1, k2, v, kk, e, e_end, qi, Q, DO, LSE, DELTA, 
 
 
 @triton.jit
-def _sel_dkv_kernel(Q, K, V, DO, LSE, DELTA, LO, HI, QN, QOFF, QI, HSLOT, HEAVY, DK_, DV_, DKA,
-                    DVA, DQA, T, TP, HKV, NKB, WP, NH, NSPLIT, s_lb,
+def _sel_dkv_kernel(Q, K, V, DO, LSE, DELTA, LO, HI, QN, QOFF, QI, ORDER, HSLOT, HEAVY, DK_, DV_, DKA,
+                    DVA, DQA, T, TP, HKV, BHKV, NKB, WP, NH, NSPLIT, s_lb,
                     QK_SCALE: tl.constexpr, SM_SCALE: tl.constexpr, NG: tl.constexpr,
                     G: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr, DK: tl.constexpr,
                     DK1: tl.constexpr, DK2: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
                     HAS_BAND: tl.constexpr, PREC: tl.constexpr, FUSE_DQ: tl.constexpr):
-    pid = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
+    pid = tl.program_id(0) // BHKV  # the heads interleaved: program (pid, bh) is BHKV * pid + bh
+    bh = (tl.program_id(0) % BHKV).to(tl.int64)
     b = bh // HKV
     h = bh % HKV
-    if pid < NKB:  # one program per kv block; a heavy block is left to its shares
-        j = pid
+    if pid < NKB:  # one program per kv block, longest list first; a heavy block is left to its shares
+        j = tl.load(ORDER + bh * NKB + pid)
         slot = tl.load(HSLOT + bh * NKB + j)
         share = slot * 0
     else:
@@ -681,6 +681,12 @@ def selected_attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Ten
     dka = torch.zeros(B * Hkv, nh, l_sel, Dk, dtype=torch.float32, device=q.device)
     dva = torch.zeros(B * Hkv, nh, l_sel, Dv, dtype=torch.float32, device=q.device)
     p_off = (torch.cumsum(p_num, -1) - p_num).to(torch.int32)  # CSR row starts
+    # launch order: the heads interleaved and each head's kv blocks by list length,
+    # longest first (heavy ones last: their programs exit at once), the shares after them. In block
+    # order, one head after the other, the longest lists of the last head started last and ran
+    # alone at the end (experiments/NOTES.md 59)
+    order = torch.where(hslot < 0, count, -1).argsort(dim=-1, descending=True, stable=True) \
+        .to(torch.int32).contiguous()
     # a position's G heads take next_power_of_2(G) rows of the gathered tile (no tensor-core
     # minimum per position there: the tile is NG positions deep), so at G = 8 a 128-row step holds
     # 16 positions
@@ -689,9 +695,9 @@ def selected_attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Ten
     # need more shared memory than an H100 has); fp32 tiles take twice the registers: 64
     wide_ok = q.dtype != torch.float32 and (Dk <= 64 or not fuse_dq)
     rows_dkv = DKV_ROWS if wide_ok else min(DKV_ROWS, 64)
-    wrap_triton(_sel_dkv_kernel)[(nkb + nh * nsplit, B * Hkv)](
-        q, k, v, do, lse, delta, lo_, hi_, p_num, p_off, p_idx, hslot, heavy_idx, dk_pad, dv_pad,
-        dka, dva, dqa, T, nkb * l_sel, Hkv, nkb, p_idx.shape[-1], nh, nsplit, s_lb,
+    wrap_triton(_sel_dkv_kernel)[((nkb + nh * nsplit) * B * Hkv,)](
+        q, k, v, do, lse, delta, lo_, hi_, p_num, p_off, p_idx, order, hslot, heavy_idx, dk_pad, dv_pad,
+        dka, dva, dqa, T, nkb * l_sel, Hkv, B * Hkv, nkb, p_idx.shape[-1], nh, nsplit, s_lb,
         QK_SCALE=scale * LOG2E, SM_SCALE=scale, NG=max(1, rows_dkv // gd), G=G, GP=gd,
         BLOCK=l_sel, DK=Dk, DK1=dk1, DK2=dk2, DV=Dv, DVP=dvp, HAS_BAND=has_band,
         PREC=_prec(q.dtype), FUSE_DQ=fuse_dq,
