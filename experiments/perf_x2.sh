@@ -48,6 +48,8 @@
 #              and for the tree at BASE_TREE (an unpacked `git archive` of the commit before a
 #              change): the change's A/B on one machine
 #   titan32kall torchtitan 125M at 32k, NSA with recompute = all (every branch rebuilt)
+#   dkvorder   tune_selected.py: the dK/dV pass in each launch order (selected_triton.DKV_ORDER),
+#              125M shape at 8k / 32k and paper shape at 8k / 16k, random and trained picks
 #   sel8k      selected_gpu.py at the 125M shape, 8k: the default layout, random and trained picks,
 #              kernel by kernel (where the op's time goes at short T)
 #   nofusion   layers125's trained 32k row with inductor's epilogue fusion off (what fusing the gate
@@ -144,6 +146,12 @@ step() {  # STEP: run it unless done
                --only full_layer,nsa_layer --out "$o/$tree"); done ;;
     titan32kall) ATTNS=nsa NSA_EXTRA="--nsa.recompute all" NSA_TAG=all bash experiments/titan_perf_runs.sh \
               "$o" "$DATA" "32768:125M" 40 240 ;;
+    dkvorder) timeout 300 $PY experiments/tune_selected.py --out "$o/125M" --trace "$TRACE" --rep-ms 100 \
+                --shape 125M:16:2:64:64:8192,125M:16:2:64:64:32768 --fwd 0:2:2 --dkv 128:8:2 --dq none \
+                --dkv-order block,interleave,lpt
+              timeout 300 $PY experiments/tune_selected.py --out "$o/paper" --trace "$PAPER_TRACE" \
+                --rep-ms 100 --shape paper:64:4:192:128:8192,paper:64:4:192:128:16384 --fwd 0:4:2 \
+                --dkv 128:8:2 --dq none --dkv-order block,interleave,lpt ;;
     sel8k) timeout 400 $PY experiments/selected_gpu.py --out "$o" --skip-check \
               --shapes titan_125M:8192,titan_125M:32768 --layouts 16:0 --trace "$TRACE" ;;
     nofusion) timeout 600 $B --configs titan_125M --T 32768 --stages-at 0 --selection-trace "$TRACE" \

@@ -44,7 +44,9 @@ DQ = [(r, w, s) for r in (16, 32, 64) for w in (2, 4, 8) for s in (1, 2)]  # whe
 # --quick: the first config of each grid is the default in fp32 (the interpreter's dtype)
 QUICK = dict(shape="tiny:4:2:48:32:96", l_sel=16, n_sel=4, fwd=[(0, 8, 2), (32, 2, 1)],
              dkv=[(128, 8, 2), (16, 4, 1)])
-KERNELS = {"fwd": "_sel_fwd_kernel", "dkv": "_sel_dkv_kernel", "dq": "_sel_dq_kernel"}
+KERNELS = {"fwd": "_sel_fwd_kernel", "dkv": "_sel_dkv_kernel", "dq": "_sel_dq_kernel",
+           "dkvorder": "_sel_dkv_kernel"}
+DKV_ORDERS = ("block", "interleave", "lpt")
 FIELDS = ["shape", "T", "selection", "kernel", "config", "ms", "kernel_ms", "err", "error", "device"]
 
 
@@ -76,7 +78,10 @@ def parse_grid(text: str, n: int, what: str) -> list[tuple[int, ...]]:
 
 
 def config_name(kernel: str, cfg: tuple) -> str:
-    """fwd (32, 4, 2) -> r32:w4:s2, (0, 4, 2) -> w4:s2 (default rows); dkv (64, 4, 2) -> r64:w4:s2."""
+    """fwd (32, 4, 2) -> r32:w4:s2, (0, 4, 2) -> w4:s2 (default rows); dkv (64, 4, 2) -> r64:w4:s2;
+    dkvorder ("lpt",) -> lpt."""
+    if kernel == "dkvorder":
+        return cfg[0]
     rows, w, s = cfg
     return (f"r{rows}:" if rows else "") + f"w{w}:s{s}"
 
@@ -86,8 +91,11 @@ def launch(kernel: str, cfg: tuple | None):
     """The op's launch options for `kernel` set to cfg (None: the defaults), restored after (the
     q block rows of fwd / dq are the lists' business: `lists_for`)."""
     old_launch, old_rows = dict(selected_triton.LAUNCH), selected_triton.DKV_ROWS
+    old_order = selected_triton.DKV_ORDER
     try:
-        if cfg is not None:
+        if kernel == "dkvorder":
+            selected_triton.DKV_ORDER = cfg[0]
+        elif cfg is not None:
             rows, w, s = cfg
             selected_triton.LAUNCH[kernel] = {"num_warps": w, "num_stages": s}
             if kernel == "dkv":
@@ -97,6 +105,7 @@ def launch(kernel: str, cfg: tuple | None):
         selected_triton.LAUNCH.clear()
         selected_triton.LAUNCH.update(old_launch)
         selected_triton.DKV_ROWS = old_rows
+        selected_triton.DKV_ORDER = old_order
 
 
 def max_diff(a: list, b: list) -> float:
@@ -122,7 +131,8 @@ def sweep(a, shape: str, sel_names: list[str], grids: dict, rows: list, path: st
     ws = {kern: (o["num_warps"], o["num_stages"]) for kern, o in opts.items()}
     defaults.update({(name, T, "fwd"): config_name("fwd", (0, *ws["fwd"])),
                      (name, T, "dq"): config_name("dq", (0, *ws["dq"])),
-                     (name, T, "dkv"): config_name("dkv", (selected_triton.DKV_ROWS, *ws["dkv"]))})
+                     (name, T, "dkv"): config_name("dkv", (selected_triton.DKV_ROWS, *ws["dkv"])),
+                     (name, T, "dkvorder"): selected_triton.DKV_ORDER})
     torch.manual_seed(0)
     q, k, v = [torch.randn(B, h, T, d, device=DEV, dtype=dt, requires_grad=True)
                for h, d in ((H, dk), (Hkv, dk), (Hkv, dv))]
@@ -157,7 +167,7 @@ def sweep(a, shape: str, sel_names: list[str], grids: dict, rows: list, path: st
             o, _ = selected_triton.selected_attention(q, k, v, **lists)
             return list(torch.autograd.grad(o, (q, k, v), do))
 
-        fns = {"fwd": fwd, "dkv": fwd_bwd, "dq": fwd_bwd}
+        fns = {"fwd": fwd, "dkv": fwd_bwd, "dq": fwd_bwd, "dkvorder": fwd_bwd}
         default = lists_for("fwd", (0,))
         ref = {kern: fn(default) for kern, fn in fns.items()}  # what every config is compared with
         for kern, grid in grids.items():
@@ -221,6 +231,8 @@ def main(argv=None):
     ap.add_argument("--dq", default="", help="comma list of [ROWS:]WARPS:STAGES for the dQ kernel "
                     "(default: {16,32,64} x {2,4,8} x {1,2}; 'none': skip; it runs only where dQ is "
                     "not accumulated by atomics in the dK/dV pass, e.g. the paper shape)")
+    ap.add_argument("--dkv-order", default="", help="comma list of the dK/dV pass's launch orders "
+                    f"to time ({', '.join(DKV_ORDERS)}: selected_triton.DKV_ORDER; default: none)")
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench's repetition time per config")
     ap.add_argument("--max-minutes", type=float, default=0,
                     help="stop the sweep after this long (0: no limit), keeping what it has")
@@ -240,6 +252,11 @@ def main(argv=None):
         ap.error(f"--selection: a comma list of random, trained; got {a.selection!r}")
     grids = {"fwd": parse_grid(a.fwd, 3, "fwd") or (QUICK["fwd"] if a.quick else FWD),
              "dkv": parse_grid(a.dkv, 3, "dkv") or (QUICK["dkv"] if a.quick else DKV)}
+    orders = [o for o in a.dkv_order.split(",") if o]
+    if set(orders) - set(DKV_ORDERS):
+        ap.error(f"--dkv-order: a comma list of {', '.join(DKV_ORDERS)}; got {a.dkv_order!r}")
+    if orders:
+        grids["dkvorder"] = [(o,) for o in orders]
     if a.dq != "none" and (a.dq or not a.quick):  # --quick: only a --dq given explicitly
         grids["dq"] = parse_grid(a.dq, 3, "dq") or DQ
     os.makedirs(a.out, exist_ok=True)

@@ -52,6 +52,13 @@ SPLIT_TILES = 256  # positions per share of a heavy block's list (at most), sets
 DKV_ROWS = 128  # rows of the dK/dV pass's gathered tile (several positions of one kv block's list;
 # at most 64 where 128 would not fit: see selected_attention_bwd)
 
+# Launch order of the dK/dV pass's programs: "block" (one KV head after the other, kv blocks in
+# index order), "interleave" (the heads interleaved, kv blocks in index order) or "lpt" (the heads
+# interleaved, each head's kv blocks by list length, longest first). With few KV heads, in block
+# order the last head's longest lists start last and can run alone at the end; sorted, concurrent
+# programs read unrelated positions (less reuse in L2). H100: experiments/NOTES.md 59.
+DKV_ORDER = "lpt"
+
 # Launch options per kernel ("fwd", "dq", "dkv": num_warps, num_stages) over those of
 # `_launch_opts` (None: its defaults), read at each launch: for tuning scripts
 # (experiments/tune_selected.py).
@@ -464,12 +471,17 @@ def _sel_dkv_kernel(Q, K, V, DO, LSE, DELTA, LO, HI, QN, QOFF, QI, ORDER, HSLOT,
                     QK_SCALE: tl.constexpr, SM_SCALE: tl.constexpr, NG: tl.constexpr,
                     G: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr, DK: tl.constexpr,
                     DK1: tl.constexpr, DK2: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
-                    HAS_BAND: tl.constexpr, PREC: tl.constexpr, FUSE_DQ: tl.constexpr):
-    pid = tl.program_id(0) // BHKV  # the heads interleaved: program (pid, bh) is BHKV * pid + bh
-    bh = (tl.program_id(0) % BHKV).to(tl.int64)
+                    HAS_BAND: tl.constexpr, PREC: tl.constexpr, FUSE_DQ: tl.constexpr,
+                    INTERLEAVE: tl.constexpr):
+    if INTERLEAVE:  # program (pid, bh) is BHKV * pid + bh
+        pid = tl.program_id(0) // BHKV
+        bh = (tl.program_id(0) % BHKV).to(tl.int64)
+    else:  # one head after the other
+        pid = tl.program_id(0) % (NKB + NH * NSPLIT)
+        bh = (tl.program_id(0) // (NKB + NH * NSPLIT)).to(tl.int64)
     b = bh // HKV
     h = bh % HKV
-    if pid < NKB:  # one program per kv block, longest list first; a heavy block is left to its shares
+    if pid < NKB:  # one program per kv block, in ORDER; a heavy block is left to its shares
         j = tl.load(ORDER + bh * NKB + pid)
         slot = tl.load(HSLOT + bh * NKB + j)
         share = slot * 0
@@ -681,12 +693,12 @@ def selected_attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Ten
     dka = torch.zeros(B * Hkv, nh, l_sel, Dk, dtype=torch.float32, device=q.device)
     dva = torch.zeros(B * Hkv, nh, l_sel, Dv, dtype=torch.float32, device=q.device)
     p_off = (torch.cumsum(p_num, -1) - p_num).to(torch.int32)  # CSR row starts
-    # launch order: the heads interleaved and each head's kv blocks by list length,
-    # longest first (heavy ones last: their programs exit at once), the shares after them. In block
-    # order, one head after the other, the longest lists of the last head started last and ran
-    # alone at the end (experiments/NOTES.md 59)
-    order = torch.where(hslot < 0, count, -1).argsort(dim=-1, descending=True, stable=True) \
-        .to(torch.int32).contiguous()
+    # launch order of the kv blocks' programs (DKV_ORDER), the heavy blocks' shares after them
+    if DKV_ORDER == "lpt":  # longest list first (heavy ones last: their programs exit at once)
+        order = torch.where(hslot < 0, count, -1).argsort(dim=-1, descending=True, stable=True) \
+            .to(torch.int32).contiguous()
+    else:
+        order = torch.arange(nkb, dtype=torch.int32, device=q.device).expand(B * Hkv, nkb).contiguous()
     # a position's G heads take next_power_of_2(G) rows of the gathered tile (no tensor-core
     # minimum per position there: the tile is NG positions deep), so at G = 8 a 128-row step holds
     # 16 positions
@@ -700,7 +712,7 @@ def selected_attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Ten
         dka, dva, dqa, T, nkb * l_sel, Hkv, B * Hkv, nkb, p_idx.shape[-1], nh, nsplit, s_lb,
         QK_SCALE=scale * LOG2E, SM_SCALE=scale, NG=max(1, rows_dkv // gd), G=G, GP=gd,
         BLOCK=l_sel, DK=Dk, DK1=dk1, DK2=dk2, DV=Dv, DVP=dvp, HAS_BAND=has_band,
-        PREC=_prec(q.dtype), FUSE_DQ=fuse_dq,
+        PREC=_prec(q.dtype), FUSE_DQ=fuse_dq, INTERLEAVE=DKV_ORDER != "block",
         **_launch_opts("dkv", Dk, Dv, q.dtype))
     if fuse_dq:
         dq = dqa.to(q.dtype)
