@@ -148,10 +148,10 @@ step() {  # STEP: run it unless done
               "$o" "$DATA" "32768:125M" 40 240 ;;
     dkvorder) timeout 300 $PY experiments/tune_selected.py --out "$o/125M" --trace "$TRACE" --rep-ms 100 \
                 --shape 125M:16:2:64:64:8192,125M:16:2:64:64:32768 --fwd 0:2:2 --dkv 128:8:2 --dq none \
-                --dkv-order block,interleave,lpt
+                --dkv-order block,interleave
               timeout 300 $PY experiments/tune_selected.py --out "$o/paper" --trace "$PAPER_TRACE" \
                 --rep-ms 100 --shape paper:64:4:192:128:8192,paper:64:4:192:128:16384 --fwd 0:4:2 \
-                --dkv 128:8:2 --dq none --dkv-order block,interleave,lpt ;;
+                --dkv 128:8:2 --dq none --dkv-order block,interleave ;;
     sel8k) timeout 400 $PY experiments/selected_gpu.py --out "$o" --skip-check \
               --shapes titan_125M:8192,titan_125M:32768 --layouts 16:0 --trace "$TRACE" ;;
     nofusion) timeout 600 $B --configs titan_125M --T 32768 --stages-at 0 --selection-trace "$TRACE" \

@@ -46,7 +46,7 @@ QUICK = dict(shape="tiny:4:2:48:32:96", l_sel=16, n_sel=4, fwd=[(0, 8, 2), (32, 
              dkv=[(128, 8, 2), (16, 4, 1)])
 KERNELS = {"fwd": "_sel_fwd_kernel", "dkv": "_sel_dkv_kernel", "dq": "_sel_dq_kernel",
            "dkvorder": "_sel_dkv_kernel"}
-DKV_ORDERS = ("block", "interleave", "lpt")
+DKV_ORDERS = ("block", "interleave")
 FIELDS = ["shape", "T", "selection", "kernel", "config", "ms", "kernel_ms", "err", "error", "device"]
 
 
@@ -79,7 +79,7 @@ def parse_grid(text: str, n: int, what: str) -> list[tuple[int, ...]]:
 
 def config_name(kernel: str, cfg: tuple) -> str:
     """fwd (32, 4, 2) -> r32:w4:s2, (0, 4, 2) -> w4:s2 (default rows); dkv (64, 4, 2) -> r64:w4:s2;
-    dkvorder ("lpt",) -> lpt."""
+    dkvorder ("block",) -> block."""
     if kernel == "dkvorder":
         return cfg[0]
     rows, w, s = cfg

@@ -52,12 +52,11 @@ SPLIT_TILES = 256  # positions per share of a heavy block's list (at most), sets
 DKV_ROWS = 128  # rows of the dK/dV pass's gathered tile (several positions of one kv block's list;
 # at most 64 where 128 would not fit: see selected_attention_bwd)
 
-# Launch order of the dK/dV pass's programs: "block" (one KV head after the other, kv blocks in
-# index order), "interleave" (the heads interleaved, kv blocks in index order) or "lpt" (the heads
-# interleaved, each head's kv blocks by list length, longest first). With few KV heads, in block
-# order the last head's longest lists start last and can run alone at the end; sorted, concurrent
-# programs read unrelated positions (less reuse in L2). H100: experiments/NOTES.md 59.
-DKV_ORDER = "lpt"
+# Launch order of the dK/dV pass's programs (kv blocks in index order, then the heavy blocks'
+# shares): "interleave" (the KV heads interleaved) or "block" (one head after the other: with few
+# KV heads the last head's long lists start last and can run alone at the end; H100, 125M and
+# paper shapes at 8k: 0.10-0.27 ms slower, the same within noise at 16k-32k; experiments/NOTES.md 59).
+DKV_ORDER = "interleave"
 
 # Launch options per kernel ("fwd", "dq", "dkv": num_warps, num_stages) over those of
 # `_launch_opts` (None: its defaults), read at each launch: for tuning scripts
@@ -466,7 +465,7 @@ def _dkv_step(dk1, dk2, dv_acc, k1, k2, v, kk, e, e_end, qi, Q, DO, LSE, DELTA, 
 
 
 @triton.jit
-def _sel_dkv_kernel(Q, K, V, DO, LSE, DELTA, LO, HI, QN, QOFF, QI, ORDER, HSLOT, HEAVY, DK_, DV_, DKA,
+def _sel_dkv_kernel(Q, K, V, DO, LSE, DELTA, LO, HI, QN, QOFF, QI, HSLOT, HEAVY, DK_, DV_, DKA,
                     DVA, DQA, T, TP, HKV, BHKV, NKB, WP, NH, NSPLIT, s_lb,
                     QK_SCALE: tl.constexpr, SM_SCALE: tl.constexpr, NG: tl.constexpr,
                     G: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr, DK: tl.constexpr,
@@ -481,8 +480,8 @@ def _sel_dkv_kernel(Q, K, V, DO, LSE, DELTA, LO, HI, QN, QOFF, QI, ORDER, HSLOT,
         bh = (tl.program_id(0) // (NKB + NH * NSPLIT)).to(tl.int64)
     b = bh // HKV
     h = bh % HKV
-    if pid < NKB:  # one program per kv block, in ORDER; a heavy block is left to its shares
-        j = tl.load(ORDER + bh * NKB + pid)
+    if pid < NKB:  # one program per kv block; a heavy block is left to its shares
+        j = pid
         slot = tl.load(HSLOT + bh * NKB + j)
         share = slot * 0
     else:
@@ -693,12 +692,6 @@ def selected_attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Ten
     dka = torch.zeros(B * Hkv, nh, l_sel, Dk, dtype=torch.float32, device=q.device)
     dva = torch.zeros(B * Hkv, nh, l_sel, Dv, dtype=torch.float32, device=q.device)
     p_off = (torch.cumsum(p_num, -1) - p_num).to(torch.int32)  # CSR row starts
-    # launch order of the kv blocks' programs (DKV_ORDER), the heavy blocks' shares after them
-    if DKV_ORDER == "lpt":  # longest list first (heavy ones last: their programs exit at once)
-        order = torch.where(hslot < 0, count, -1).argsort(dim=-1, descending=True, stable=True) \
-            .to(torch.int32).contiguous()
-    else:
-        order = torch.arange(nkb, dtype=torch.int32, device=q.device).expand(B * Hkv, nkb).contiguous()
     # a position's G heads take next_power_of_2(G) rows of the gathered tile (no tensor-core
     # minimum per position there: the tile is NG positions deep), so at G = 8 a 128-row step holds
     # 16 positions
@@ -708,11 +701,11 @@ def selected_attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Ten
     wide_ok = q.dtype != torch.float32 and (Dk <= 64 or not fuse_dq)
     rows_dkv = DKV_ROWS if wide_ok else min(DKV_ROWS, 64)
     wrap_triton(_sel_dkv_kernel)[((nkb + nh * nsplit) * B * Hkv,)](
-        q, k, v, do, lse, delta, lo_, hi_, p_num, p_off, p_idx, order, hslot, heavy_idx, dk_pad, dv_pad,
+        q, k, v, do, lse, delta, lo_, hi_, p_num, p_off, p_idx, hslot, heavy_idx, dk_pad, dv_pad,
         dka, dva, dqa, T, nkb * l_sel, Hkv, B * Hkv, nkb, p_idx.shape[-1], nh, nsplit, s_lb,
         QK_SCALE=scale * LOG2E, SM_SCALE=scale, NG=max(1, rows_dkv // gd), G=G, GP=gd,
         BLOCK=l_sel, DK=Dk, DK1=dk1, DK2=dk2, DV=Dv, DVP=dvp, HAS_BAND=has_band,
-        PREC=_prec(q.dtype), FUSE_DQ=fuse_dq, INTERLEAVE=DKV_ORDER != "block",
+        PREC=_prec(q.dtype), FUSE_DQ=fuse_dq, INTERLEAVE=DKV_ORDER == "interleave",
         **_launch_opts("dkv", Dk, Dv, q.dtype))
     if fuse_dq:
         dq = dqa.to(q.dtype)
