@@ -95,8 +95,11 @@ def select_topn(q: Tensor, k_cmp: Tensor, lse: Tensor | None, cfg, doc_starts: T
     chunk = chunk or cfg.score_chunk
     fused = use_triton_scorer(cfg, q, lse) and Nc > 0
     if fused:
-        # the fused kernel keeps only [B, Hkv, chunk, Ns] fp32: a few large chunks
-        chunk = max(chunk, -(-T // MAX_CHUNKS))
+        # the fused kernel keeps only [B, Hkv, chunk, Ns] fp32: as few chunks as SCORE_BUFFER_MAX
+        # allows (each chunk is a scorer and a top-n launch), at most MAX_CHUNKS
+        Ns = -(-T // cfg.l_sel)
+        n = min(MAX_CHUNKS, max(1, -(-B * Hkv * T * Ns * 4 // SCORE_BUFFER_MAX)))
+        chunk = max(chunk, -(-T // n))
     out = []
     for t0 in range(0, T, chunk):
         t1 = min(T, t0 + chunk)
@@ -111,3 +114,6 @@ def select_topn(q: Tensor, k_cmp: Tensor, lse: Tensor | None, cfg, doc_starts: T
 
 
 MAX_CHUNKS = 8  # score chunks of the Triton scorer per call at most (its buffer is one chunk)
+# the Triton scorer's chunk buffer at most (bytes) where MAX_CHUNKS allows: one chunk at the 125M
+# shape up to 16k, two at 32k (experiments/NOTES.md 59)
+SCORE_BUFFER_MAX = 64 * 2**20

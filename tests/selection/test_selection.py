@@ -303,3 +303,28 @@ def test_custom_selection_builder_gets_the_scorer(cmp):
     RECORDED.clear()
     torch.testing.assert_close(a(x, doc_ids), b(x, doc_ids), atol=1e-6, rtol=1e-6)
     assert len(RECORDED) == 1 and RECORDED[0].shape == (2, 2, 29, 3)
+
+
+@pytest.mark.parametrize("Hkv, T, chunks", [(2, 8192, 1), (2, 32768, 2), (4, 65536, 8)])
+def test_fused_scorer_chunks_fill_the_buffer(monkeypatch, Hkv, T, chunks):
+    """The fused scorer's path (each chunk one scorer and one top-n launch) takes as few chunks
+    as SCORE_BUFFER_MAX allows for its fp32 [B, Hkv, chunk, Ns] buffer, at most MAX_CHUNKS, and
+    covers every query once: one chunk at the 125M shape (2 KV heads) at 8k, two at 32k, eight
+    at the paper shape (4 KV heads) at 64k."""
+    import nsa_flex.selection as S
+
+    cfg = NSAConfig(dim=64, n_heads=4 * Hkv, n_kv_heads=Hkv, d_qk=4, d_v=4, backend="reference")
+    spans = []
+
+    def scores(q, k_cmp, lse, cfg, doc_starts, t0, t1):
+        spans.append((t0, t1))
+        return torch.zeros(1, Hkv, t1 - t0, 1)
+
+    monkeypatch.setattr(S, "use_triton_scorer", lambda *a: True)
+    monkeypatch.setattr(S, "block_scores", scores)
+    monkeypatch.setattr(S, "topn_blocks", lambda p, *a: torch.zeros(*p.shape[:3], cfg.n_sel,
+                                                                    dtype=torch.long))
+    q = torch.zeros(1, 4 * Hkv, T, 1)
+    idx = select_topn(q, torch.zeros(1, Hkv, (T - cfg.l) // cfg.d + 1, 1), torch.zeros(1), cfg)
+    assert len(spans) == chunks and spans[0][0] == 0 and spans[-1][1] == T
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])) and idx.shape[2] == T
