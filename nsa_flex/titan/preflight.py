@@ -351,7 +351,7 @@ def check_memory(cl: Checklist, jc) -> None:
     if need["total"] > MEMORY_SHARE * have:
         cl.add(FAIL, "memory", what, [
             "the run would run out of memory: lower training.local_batch_size or training.seq_len, set "
-            "activation_checkpoint.mode = \"full\" or nsa.recompute = \"cmp_win\""
+            "activation_checkpoint.mode = \"full\" or nsa.recompute = \"cmp_win\" (or \"all\")"
             + (", or run on a GPU (the CPU's reference backend materializes [B, H, T, T] scores)"
                if dev.type == "cpu" else "")])
     else:
