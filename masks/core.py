@@ -175,7 +175,7 @@ def _kv_major_sorted(num, idx, nkb):
     srt = j.sort(dim=-1, stable=True)
     # pairs per kv block: where each block's run starts in the sorted keys (a binary search per
     # block), not a scatter_add of ones onto nkb + 1 counters (one atomic per slot, all on a few
-    # addresses: 0.17 ms at the 125M shape, 32k, on the H100; experiments/NOTES.md 59)
+    # addresses: slow on a GPU; experiments/NOTES.md 59)
     bounds = torch.arange(nkb + 2, dtype=narrow, device=dev).expand(B, H, nkb + 2).contiguous()
     counts = torch.searchsorted(srt.values, bounds).diff(dim=-1)
     return srt.values.long(), (srt.indices // W).to(torch.int32), counts

@@ -54,8 +54,8 @@ DKV_ROWS = 128  # rows of the dK/dV pass's gathered tile (several positions of o
 
 # Launch order of the dK/dV pass's programs (kv blocks in index order, then the heavy blocks'
 # shares): "interleave" (the KV heads interleaved) or "block" (one head after the other: with few
-# KV heads the last head's long lists start last and can run alone at the end; H100, 125M and
-# paper shapes at 8k: 0.10-0.27 ms slower, the same within noise at 16k-32k; experiments/NOTES.md 59).
+# KV heads the last head's long lists start last and can run alone at the end, which shows at
+# short T). Chosen on the H100 (experiments/NOTES.md 59); "block" is kept for tune_selected.py.
 DKV_ORDER = "interleave"
 
 # Launch options per kernel ("fwd", "dq", "dkv": num_warps, num_stages) over those of
