@@ -50,8 +50,8 @@
 #   titan32kall torchtitan 125M at 32k, NSA with recompute = all (every branch rebuilt)
 #   dkvorder   tune_selected.py: the dK/dV pass in each launch order (selected_triton.DKV_ORDER),
 #              125M shape at 8k / 32k and paper shape at 8k / 16k, random and trained picks
-#   sel8k      selected_gpu.py at the 125M shape, 8k: the default layout, random and trained picks,
-#              kernel by kernel (where the op's time goes at short T)
+#   sel8k      selected_gpu.py at the 125M shape, 8k and 32k: the default layout, random and
+#              trained picks, kernel by kernel (where the op's time goes at short T)
 #   nofusion   layers125's trained 32k row with inductor's epilogue fusion off (what fusing the gate
 #              into the window branch's flex forward costs; experiments/NOTES.md 55), profiled
 # Knobs: BASE_TREE, LAYOUTS (selected_gpu.py --layouts), TRACE (NPZ:LAYER), PAPER_TRACE, PLAN_1B, PYTHON.
