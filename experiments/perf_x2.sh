@@ -54,6 +54,14 @@
 #              trained picks, kernel by kernel (where the op's time goes at short T)
 #   nofusion   layers125's trained 32k row with inductor's epilogue fusion off (what fusing the gate
 #              into the window branch's flex forward costs; experiments/NOTES.md 55), profiled
+#   hostprof   host_overhead.py, 125M shape at 8k (trained picks): wall against kernel time per
+#              layer call, the host's time per forward / backward, its top ops, one call's trace
+#   hostcpp    hostprof with inductor's Python wrapper and with its C++ wrapper (cpp_wrapper), one
+#              machine
+#   paper8kprof the paper-shape layer and full attention at 8k, trained picks, kernel profiles
+#   paper64kprof the paper-shape layer and full attention at 64k, random picks, kernel profiles
+#   layer1b    the torchtitan 1B attention shape (32 q / 2 KV heads, d 64) at 32k, trained picks,
+#              the NSA and full-attention layers with kernel profiles
 # Knobs: BASE_TREE, LAYOUTS (selected_gpu.py --layouts), TRACE (NPZ:LAYER), PAPER_TRACE, PLAN_1B, PYTHON.
 set -uo pipefail
 OUT=${1:?usage: perf_x2.sh OUT DATA}
@@ -157,6 +165,16 @@ step() {  # STEP: run it unless done
     nofusion) timeout 600 $B --configs titan_125M --T 32768 --stages-at 0 --selection-trace "$TRACE" \
               --profile --item-limit 200 --only full_layer,nsa_layer --inductor epilogue_fusion=False \
               --out "$o" ;;
+    hostprof) timeout 400 $PY experiments/host_overhead.py --out "$o" --configs titan_125M --T 8192 \
+              --selection-trace "$TRACE" ;;
+    hostcpp) for w in False True; do timeout 400 $PY experiments/host_overhead.py --out "$o/cpp_$w" \
+              --configs titan_125M --T 8192 --selection-trace "$TRACE" --inductor cpp_wrapper=$w; done ;;
+    paper8kprof) timeout 600 $B --configs paper --T 8192 --stages-at 0 --item-limit 200 --profile \
+              --selection-trace "$PAPER_TRACE" --only full_layer,nsa_layer --out "$o" ;;
+    paper64kprof) timeout 600 $B --configs paper --T 65536 --stages-at 0 --item-limit 200 --profile \
+              --only full_layer,nsa_layer --out "$o" ;;
+    layer1b) timeout 400 $B --configs titan_1B --T 32768 --stages-at 0 --item-limit 200 --profile \
+              --selection-trace "$TRACE" --only full_layer,nsa_layer --out "$o" ;;
     *) echo "unknown step $s"; return ;;
   esac > "$o.log" 2>&1
   rc=$?; touch "$o/DONE"; progress "$s: rc=$rc"
