@@ -17,6 +17,7 @@ Sections:
   [metrics]   + ``jsonl_file``: per-step metrics (full-precision loss, grad norm, tps, memory) as JSONL.
   [checkpoint] + ``allow_config_change`` (resume across a model / data-stream change).
   [experimental] default custom_import = "nsa_flex.titan.train_spec".
+  [compile]   + ``combo_kernels`` (inductor's combo kernels for the compiled blocks; default on).
   [ops]       operating long runs (nsa_flex/titan/ops.py): stall watchdog, SIGUSR1 dumps, HALT file /
               SIGTERM halt, data-wait telemetry; preflight thresholds.
 """
@@ -117,6 +118,14 @@ class Experimental:
 
 
 @dataclass
+class Compile:
+    combo_kernels: bool = True
+    """inductor's combo_kernels for the compiled blocks (backend "inductor"): independent small
+    kernels (NSA's per-step mask and block-list building, the gate) launched together as one
+    kernel, fewer launches for the host to issue; false = each kernel its own launch"""
+
+
+@dataclass
 class Ops:
     """[ops] operating long runs (nsa_flex/titan/ops.py). Files go under job.dump_folder."""
 
@@ -160,4 +169,5 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     experimental: Experimental = field(default_factory=Experimental)
+    compile: Compile = field(default_factory=Compile)
     ops: Ops = field(default_factory=Ops)

@@ -1,10 +1,11 @@
 """parallelize_fn for the NSA decoder: activation checkpointing -> per-block torch.compile -> FSDP2 / DDP.
 
 Reuses torchtitan's llama3 helpers: ``apply_ac`` (modes full / selective layer / selective op /
-memory_budget, with llama3's op save list, which already saves flex_attention), ``apply_compile``
-(each block compiled with fullgraph=True), ``apply_fsdp`` (``fully_shard`` on the embedding, every block,
+memory_budget, with llama3's op save list, which already saves flex_attention), ``apply_fsdp`` (``fully_shard`` on the embedding, every block,
 norm+output, and the root; mixed precision from ``[training] mixed_precision_param/reduce``) and
-``apply_ddp``. Tensor / context / pipeline parallelism are not supported.
+``apply_ddp``. Each block is compiled as llama3's ``apply_compile`` does (fullgraph=True), with
+``[compile] combo_kernels`` passed to inductor (:func:`compile_blocks`). Tensor / context / pipeline
+parallelism are not supported.
 
 Masks: NSA rebuilds its masks inside every block from that step's activations; they are traced as
 computation by torch.compile, never captured as constants. CUDA graphs (which would freeze them) are
@@ -19,7 +20,7 @@ from torch import nn
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import apply_ac
-from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list, apply_compile, apply_ddp, apply_fsdp
+from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list, apply_ddp, apply_fsdp
 from torchtitan.tools.logging import logger
 
 from nsa_flex.config import UserError
@@ -39,6 +40,19 @@ def check_no_cudagraphs(backend: str) -> None:
     if inductor_config.triton.cudagraphs:
         raise CompileConfigError("inductor's triton.cudagraphs is on (TORCHINDUCTOR_CUDAGRAPHS=1?): CUDA graphs "
                                  "would capture NSA's per-step masks; unset it")
+
+
+def compile_blocks(model: nn.Module, compile_cfg) -> None:
+    """torch.compile each transformer block with fullgraph=True (llama3's ``apply_compile``), and
+    for the inductor backend with ``combo_kernels`` from [compile]: the NSA layer's many small
+    kernels are launched in fewer, larger launches, which matters where the host's launch rate
+    bounds a step (short sequences; experiments/NOTES.md 60)."""
+    options = {"combo_kernels": compile_cfg.combo_kernels} if compile_cfg.backend == "inductor" else None
+    for layer_id, block in model.layers.named_children():
+        model.layers.register_module(layer_id, torch.compile(block, backend=compile_cfg.backend,
+                                                             fullgraph=True, options=options))
+    logger.info("Compiling each TransformerBlock with torch.compile (%s)",
+                f"combo_kernels={compile_cfg.combo_kernels}" if options else compile_cfg.backend)
 
 
 def cpu_data_parallel_problem(parallelism, world_size: int, cuda: bool) -> str | None:
@@ -75,7 +89,7 @@ def parallelize_nsa(model: nn.Module, parallel_dims: ParallelDims, job_config) -
 
     if model_compile_enabled:
         check_no_cudagraphs(compile_cfg.backend)
-        apply_compile(model, compile_cfg)  # per block, fullgraph=True
+        compile_blocks(model, compile_cfg)  # per block, fullgraph=True
 
     if parallel_dims.fsdp_enabled:
         names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]

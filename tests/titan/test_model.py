@@ -188,3 +188,17 @@ def test_compile_per_block_fullgraph():
         torch.testing.assert_close(grads[k], ref_grads[k], rtol=1e-4, atol=1e-6, msg=k)
     with pytest.raises(ValueError, match="CUDA graphs"):
         parallelize_nsa(build(a), _parallel_dims(), job("--compile.enable", "--compile.backend", "cudagraphs"))
+
+
+@pytest.mark.parametrize("cli,options", [((), {"combo_kernels": True}),
+                                         (("--compile.no_combo_kernels",), {"combo_kernels": False}),
+                                         (("--compile.backend", "aot_eager"), None)])
+def test_compile_options_from_config(monkeypatch, cli, options):
+    """Every block is compiled with fullgraph=True and, on inductor, [compile] combo_kernels (on by
+    default: fewer launches where the host bounds a step); other backends get no inductor options."""
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda block, **kw: seen.append(kw) or block)
+    a = args_for("--training.seq_len", "64")
+    parallelize_nsa(build(a), _parallel_dims(), job("--compile.enable", *cli))
+    backend = "aot_eager" if "aot_eager" in cli else "inductor"
+    assert seen == [dict(backend=backend, fullgraph=True, options=options)] * a.n_layers
