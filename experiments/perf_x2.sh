@@ -58,14 +58,11 @@
 #              layer call, the host's time per forward / backward, its top ops, one call's trace
 #   hostab     hostprof for each inductor setting in HOST_AB (default "cpp_wrapper=False
 #              cpp_wrapper=True": inductor's Python wrapper against its C++ one), one machine
-#   titan8kcpp titan8k with inductor's C++ wrapper (cpp_wrapper, kernels compiled at their first
-#              run) for both attentions
-#   titan8kcombo, titan32kcombo  titan8k / titan32k with inductor's combo_kernels (independent small
-#              kernels in one launch)
 #   paper8kprof the paper-shape layer and full attention at 8k, trained picks, kernel profiles
 #   paper64kprof the paper-shape layer and full attention at 64k, random picks, kernel profiles
 #   layer1b    the torchtitan 1B attention shape (32 q / 2 KV heads, d 64) at 32k, trained picks,
 #              the NSA and full-attention layers with kernel profiles
+# (The torchtitan steps without inductor's combo kernels: TITAN_EXTRA="--compile.no_combo_kernels".)
 # Knobs: BASE_TREE, LAYOUTS (selected_gpu.py --layouts), TRACE (NPZ:LAYER), PAPER_TRACE, PLAN_1B, PYTHON.
 set -uo pipefail
 OUT=${1:?usage: perf_x2.sh OUT DATA}
@@ -173,12 +170,6 @@ step() {  # STEP: run it unless done
               --selection-trace "$TRACE" ;;
     hostab) for w in ${HOST_AB:-cpp_wrapper=False cpp_wrapper=True}; do timeout 400 $PY experiments/host_overhead.py \
               --out "$o/${w//=/_}" --configs titan_125M --T 8192 --selection-trace "$TRACE" --inductor "$w"; done ;;
-    titan8kcpp) TORCHINDUCTOR_CPP_WRAPPER=1 TORCHINDUCTOR_AUTOTUNE_AT_COMPILE_TIME=0 \
-              bash experiments/titan_perf_runs.sh "$o" "$DATA" "8192:125M" 40 300 ;;
-    titan8kcombo|titan32kcombo) site=$(mktemp -d)  # combo_kernels has no environment variable: set at startup
-              printf 'import torch._inductor.config as c\nc.combo_kernels = True\n' > "$site/sitecustomize.py"
-              seq=8192; [ $s = titan32kcombo ] && seq=32768
-              PYTHONPATH="$site:${PYTHONPATH:-}" bash experiments/titan_perf_runs.sh "$o" "$DATA" "$seq:125M" 40 300 ;;
     paper8kprof) timeout 600 $B --configs paper --T 8192 --stages-at 0 --item-limit 200 --profile \
               --selection-trace "$PAPER_TRACE" --only full_layer,nsa_layer --out "$o" ;;
     paper64kprof) timeout 600 $B --configs paper --T 65536 --stages-at 0 --item-limit 200 --profile \
