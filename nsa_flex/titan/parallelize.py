@@ -1,11 +1,11 @@
 """parallelize_fn for the NSA decoder: activation checkpointing -> per-block torch.compile -> FSDP2 / DDP.
 
 Reuses torchtitan's llama3 helpers: ``apply_ac`` (modes full / selective layer / selective op /
-memory_budget, with llama3's op save list, which already saves flex_attention), ``apply_fsdp`` (``fully_shard`` on the embedding, every block,
-norm+output, and the root; mixed precision from ``[training] mixed_precision_param/reduce``) and
-``apply_ddp``. Each block is compiled as llama3's ``apply_compile`` does (fullgraph=True), with
-``[compile] combo_kernels`` passed to inductor (:func:`compile_blocks`). Tensor / context / pipeline
-parallelism are not supported.
+memory_budget, with llama3's op save list, which already saves flex_attention), ``apply_fsdp``
+(``fully_shard`` on the embedding, every block, norm+output, and the root; mixed precision from
+``[training] mixed_precision_param/reduce``) and ``apply_ddp``. Each block is compiled as llama3's
+``apply_compile`` does (fullgraph=True), with ``[compile] combo_kernels`` passed to inductor
+(:func:`compile_blocks`). Tensor / context / pipeline parallelism are not supported.
 
 Masks: NSA rebuilds its masks inside every block from that step's activations; they are traced as
 computation by torch.compile, never captured as constants. CUDA graphs (which would freeze them) are
