@@ -241,3 +241,20 @@ def test_saved_memory_live_at_peak_replays_the_trace():
     peak, blocks = mod.live_at_peak({"device_traces": [trace]})
     assert peak == 16 and blocks == [(10.0, "dq.py:3:dq | "), (5.0, "gate.py:3:gate | "),
                                      (1.0, "lse.py:3:lse | ")]
+
+
+def test_host_overhead_refuses_clearly_on_cpu(tmp_path):
+    """experiments/host_overhead.py times the host's launches of GPU kernels: without CUDA it stops
+    with a message saying so, and a bad --inductor item names itself (before any GPU work)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    run = lambda *a: subprocess.run([sys.executable, "experiments/host_overhead.py", "--out",
+                                     str(tmp_path), *a], cwd=ROOT, env=env, capture_output=True,
+                                    text=True, timeout=300)
+    r = run()
+    assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr, r.stderr[-2000:]
+    r = run("--inductor", "no_such_option=1")
+    assert r.returncode == 2 and "--inductor 'no_such_option=1'" in r.stderr, r.stderr[-2000:]
+    assert not any(tmp_path.iterdir())
