@@ -56,8 +56,8 @@
 #              into the window branch's flex forward costs; experiments/NOTES.md 55), profiled
 #   hostprof   host_overhead.py, 125M shape at 8k (trained picks): wall against kernel time per
 #              layer call, the host's time per forward / backward, its top ops, one call's trace
-#   hostab     hostprof for each inductor setting in HOST_AB (default "cpp_wrapper=False
-#              cpp_wrapper=True": inductor's Python wrapper against its C++ one), one machine
+#   hostab     hostprof for each inductor setting in HOST_AB (default "combo_kernels=False
+#              combo_kernels=True"), one machine
 #   paper8kprof the paper-shape layer and full attention at 8k, trained picks, kernel profiles
 #   paper64kprof the paper-shape layer and full attention at 64k, random picks, kernel profiles
 #   layer1b    the torchtitan 1B attention shape (32 q / 2 KV heads, d 64) at 32k, trained picks,
@@ -168,7 +168,7 @@ step() {  # STEP: run it unless done
               --out "$o" ;;
     hostprof) timeout 400 $PY experiments/host_overhead.py --out "$o" --configs titan_125M --T 8192 \
               --selection-trace "$TRACE" ;;
-    hostab) for w in ${HOST_AB:-cpp_wrapper=False cpp_wrapper=True}; do timeout 400 $PY experiments/host_overhead.py \
+    hostab) for w in ${HOST_AB:-combo_kernels=False combo_kernels=True}; do timeout 400 $PY experiments/host_overhead.py \
               --out "$o/${w//=/_}" --configs titan_125M --T 8192 --selection-trace "$TRACE" --inductor "$w"; done ;;
     paper8kprof) timeout 600 $B --configs paper --T 8192 --stages-at 0 --item-limit 200 --profile \
               --selection-trace "$PAPER_TRACE" --only full_layer,nsa_layer --out "$o" ;;
