@@ -57,11 +57,12 @@ def synthetic_filler(tokenizer, n: int, seed: str) -> list[int]:
     return got
 
 
-# The key follows the cue ":" which nothing else in a synthetic document has: "is" alone occurs
+# The key follows the cue ":" and nothing else in a document has that token: "is" alone occurs
 # three times per filler sentence, so retrieving after "... is" needs a two-token match, and small
 # models trained from scratch learn no copy at all; after ":" it is a one-token
-# match (an induction head). The needle states the key twice, the second a short-range copy of the
-# same pattern.
+# match (an induction head). Real filler (source code, prose) has the cue token too, so every
+# document builder removes it from its filler (:func:`cue_free`). The needle states the key twice,
+# the second a short-range copy of the same pattern.
 PASSKEY_NEEDLE = " The pass key is: {key}. Remember it. The pass key is: {key}. "
 # The space before the key belongs to the answer, as in the needle (": {key}."): with a BPE
 # tokenizer (gpt2) the answer's key tokens are then exactly the needle's (" 60", "494"), so the
@@ -72,6 +73,23 @@ PASSKEY_ANSWER = " {key}."
 
 
 MAX_QUESTIONS = 16
+
+
+def cue_id(tokenizer) -> int:
+    """The token right before the key in the needle and at the end of the question (":" for the
+    byte and the gpt2 tokenizers): the one-token match that retrieval copies after."""
+    needle = tokenizer.encode(PASSKEY_NEEDLE.format(key=12345))
+    key = tokenizer.encode(PASSKEY_ANSWER.format(key=12345))[:-1]  # " 12345" without the "."
+    at = next((i for i in range(1, len(needle)) if needle[i:i + len(key)] == key), None)
+    cue = None if at is None else needle[at - 1]
+    if cue is None or tokenizer.encode(PASSKEY_QUESTION)[-1] != cue:
+        raise DatasetError("passkey: this tokenizer splits the question's cue from the needle's differently")
+    return cue
+
+
+def cue_free(filler: list[int], cue: int) -> list[int]:
+    """``filler`` without the cue token, so that the needles and questions hold the only cues."""
+    return [t for t in filler if t != cue]
 
 
 def check_questions(questions) -> int:
@@ -96,6 +114,7 @@ class PasskeyCorpus:
         self._question = tokenizer.encode(PASSKEY_QUESTION)
         self._bos = [tokenizer.bos_id] if getattr(tokenizer, "bos_id", None) is not None else []
         self._eos = [tokenizer.eos_id]
+        self.cue = cue_id(tokenizer)
         # the longest needle/answer (5-digit keys) must fit, with at least some filler
         probe = self._parts(99999)
         fixed = (len(self._bos) + len(probe[0]) + questions * (len(probe[1]) + len(self._question))
@@ -128,7 +147,7 @@ class PasskeyCorpus:
         evaluation passes one per trial, or real text).
         ``extra_questions`` (each in [0, 1)): one more question + answer per value, placed at that
         fraction of the filler that follows the needle (training documents, passkey_questions)."""
-        filler = synthetic_filler(self.tok, self.length, "build") if filler is None else filler
+        filler = cue_free(synthetic_filler(self.tok, self.length, "build") if filler is None else filler, self.cue)
         needle, answer = self._parts(key)
         qa = self._question + answer
         head = self._bos + self._intro
@@ -162,24 +181,31 @@ MULTI_QUESTION = "\nWhat is the pass key of {name}? The pass key of {name} is:" 
 
 
 def multikey_document(tokenizer, length: int, names: list[str], keys: list[int], depths: list[float],
-                      filler: list[int]) -> tuple[list[int], int]:
+                      filler: list[int], extra_questions: list[tuple[int, float]] = ()) -> tuple[list[int], int]:
     """(tokens, answer_start) of a document of exactly ``length`` tokens: [BOS] intro, ``filler``
     with needle i (``names[i]``, ``keys[i]``) inserted at ``depths[i]`` (0..1) of it, the question
     for ``names[0]`` and its answer " {keys[0]}." and EOS; tokens[answer_start:-1] is the answer.
+    ``extra_questions`` ((i, f) each): one more question + answer for ``names[i]`` at fraction f of
+    the filler that follows the last needle (training documents, passkey_questions).
     The intro is dropped when the sequence is short; DatasetError when even that does not fit."""
+    filler = cue_free(filler, cue_id(tokenizer))
     needles = [tokenizer.encode(MULTI_NEEDLE.format(name=n, key=k)) for n, k in zip(names, keys)]
+    qas = [tokenizer.encode(MULTI_QUESTION.format(name=n)) + tokenizer.encode(PASSKEY_ANSWER.format(key=k))
+           for n, k in zip(names, keys)]
     question = tokenizer.encode(MULTI_QUESTION.format(name=names[0]))
     answer = tokenizer.encode(PASSKEY_ANSWER.format(key=keys[0]))
     bos = [tokenizer.bos_id] if getattr(tokenizer, "bos_id", None) is not None else []
     head = bos + tokenizer.encode(PASSKEY_INTRO)
-    fixed = len(question) + len(answer) + 1 + sum(map(len, needles))
+    fixed = (len(question) + len(answer) + 1 + sum(map(len, needles))
+             + sum(len(qas[i]) for i, _ in extra_questions))
     n_fill = length - len(head) - fixed
     if n_fill < 8:
         head = list(bos)
         n_fill = length - len(head) - fixed
     if n_fill < 8:
         raise DatasetError(f"multi-key: seq_len={length - 1} is too short for a {len(names)}-key document "
-                           f"(needs seq_len >= {len(head) + fixed + 7} with this tokenizer)")
+                           f"with {1 + len(extra_questions)} question(s) (needs seq_len >= "
+                           f"{len(head) + fixed + 7} with this tokenizer)")
     if len(filler) < n_fill:
         raise DatasetError(f"multi-key: filler of {len(filler)} tokens, the document needs {n_fill}")
     at = [min(int(d * (n_fill + 1)), n_fill) for d in depths]  # insertion points, as PasskeyCorpus.build
@@ -187,8 +213,12 @@ def multikey_document(tokenizer, length: int, names: list[str], keys: list[int],
     for i in sorted(range(len(names)), key=lambda i: (at[i], i)):
         body += filler[prev:at[i]] + needles[i]
         prev = at[i]
-    body += filler[prev:n_fill]
-    toks = head + body + question + answer + [tokenizer.eos_id]
+    after = filler[prev:n_fill]
+    n_after = len(after)
+    for i, f in sorted(extra_questions, key=lambda e: -e[1]):  # from the back: earlier cuts stay valid
+        cut = min(int(f * (n_after + 1)), n_after)
+        after = after[:cut] + qas[i] + after[cut:]
+    toks = head + body + after + question + answer + [tokenizer.eos_id]
     assert len(toks) == length, (len(toks), length)
     return toks, length - len(answer) - 1
 

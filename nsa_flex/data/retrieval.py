@@ -5,7 +5,8 @@ Document g (seeded by the corpus seed, the split and g) is either a passkey docu
 (:func:`multikey_document`: ``n_keys`` needles naming different people, the question asks for one),
 both of exactly ``length`` tokens, their haystack a stretch of real text of the same split: the
 filler of document g starts at a text drawn by g and goes on through the next texts until it is
-long enough. The interface is PasskeyCorpus's (``length``, ``seed``, ``document(g)``), so
+long enough. ``questions`` = q > 1 asks q times (``[training] passkey_questions``): q - 1 extra
+question + answer pairs after the needles (a multi-key document asks for random ones of its names). The interface is PasskeyCorpus's (``length``, ``seed``, ``document(g)``), so
 PackedTokenDataset mixes either.
 """
 
@@ -13,7 +14,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .passkey import MULTIKEY_NAMES, PasskeyCorpus, multikey_document
+from .passkey import MULTIKEY_NAMES, PasskeyCorpus, cue_free, multikey_document
 
 
 @dataclass(eq=False)
@@ -31,20 +32,24 @@ class RetrievalCorpus:
     split: str = "train"
     multikey_share: float = 0.5
     n_keys: int = 4
+    questions: int = 1
     passkey: PasskeyCorpus = field(init=False, repr=False)
 
     def __post_init__(self):
-        self.passkey = PasskeyCorpus(self.tokenizer, self.length, seed=self.seed, split=self.split)
+        self.passkey = PasskeyCorpus(self.tokenizer, self.length, seed=self.seed, split=self.split,
+                                     questions=self.questions)
         if self.multikey_share > 0:  # the longest names must fit: fail now, not at the first multi-key document
             n, longest = self.n_keys, sorted(MULTIKEY_NAMES, key=len)[-self.n_keys:]
-            multikey_document(self.tokenizer, self.length, longest, [99999] * n, [0.0] * n, [0] * self.length)
+            extra = [(n - 1, 0.0)] * (self.questions - 1)
+            multikey_document(self.tokenizer, self.length, longest, [99999] * n, [0.0] * n,
+                              [0] * self.length, extra)
 
     def filler(self, rng: random.Random, n: int) -> list[int]:
-        """At least ``n`` tokens of real text, from a unit drawn by ``rng`` on."""
+        """At least ``n`` tokens of real text without the cue token, from a unit drawn by ``rng`` on."""
         i, toks = rng.randrange(self.n_texts), []
         for _ in range(self.n_texts):
             need = n - len(toks)
-            toks += self.tokenizer.encode(self.texts(i, 4 * need + 256)[: 4 * need + 256])
+            toks += cue_free(self.tokenizer.encode(self.texts(i, 4 * need + 256)[: 4 * need + 256]), self.passkey.cue)
             if len(toks) >= n:
                 return toks
             i = (i + 1) % self.n_texts
@@ -62,10 +67,13 @@ class RetrievalCorpus:
         filler = self.filler(rng, self.length)
         if self.kind(g) == "passkey":
             key = rng.randint(10000, 99999)
-            toks, ans = self.passkey.build(key, rng.random(), filler)
+            depth = rng.random()
+            extra = [rng.random() for _ in range(self.questions - 1)]
+            toks, ans = self.passkey.build(key, depth, filler, extra_questions=extra)
             return toks, ans, key
         names = rng.sample(MULTIKEY_NAMES, self.n_keys)
         keys = rng.sample(range(10000, 100000), self.n_keys)
         depths = [rng.random() for _ in range(self.n_keys)]
-        toks, ans = multikey_document(self.tokenizer, self.length, names, keys, depths, filler)
+        extra = [(rng.randrange(self.n_keys), rng.random()) for _ in range(self.questions - 1)]
+        toks, ans = multikey_document(self.tokenizer, self.length, names, keys, depths, filler, extra)
         return toks, ans, keys[0]

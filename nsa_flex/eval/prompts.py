@@ -93,9 +93,11 @@ class Filler:
                                          "--filler pysource" if self.kind == "pysource" else "--fineweb")
             i = (trial * 37) % len(self._texts)
             start = i
-            got = []
-            while len(got) < n:
-                got += self.tok.encode(self._texts[i] + "\n\n")
+            from nsa_flex.data.passkey import cue_free, cue_id
+
+            got, cue = [], cue_id(self.tok)
+            while len(got) < n:  # without the cue token, as the documents' builders use it
+                got += cue_free(self.tok.encode(self._texts[i] + "\n\n"), cue)
                 i = (i + 1) % len(self._texts)
                 if i == start and len(got) < n:
                     got += got  # a small file: repeat it
@@ -109,7 +111,7 @@ def make_prompt(tok, kind: str, length: int, depth: int, trial: int, filler: Fil
     """One prompt of ``length`` (= the training document of seq_len ``length``, cut before the
     answer): {"tokens", "expected", "answer_tokens"}."""
     from nsa_flex.data.errors import DatasetError
-    from nsa_flex.data.passkey import PASSKEY_ANSWER, PASSKEY_INTRO, PasskeyCorpus
+    from nsa_flex.data.passkey import PasskeyCorpus, multikey_document
 
     rng = random.Random(f"needle:{seed}:{kind}:{length}:{depth}:{trial}")
     if kind == "passkey":
@@ -127,32 +129,11 @@ def make_prompt(tok, kind: str, length: int, depth: int, trial: int, filler: Fil
     names = rng.sample(NAMES, n_keys)
     keys = rng.sample(range(10000, 100000), n_keys)
     depths = [depth / 100.0] + [rng.random() for _ in range(n_keys - 1)]
-    needles = [tok.encode(MULTI_NEEDLE.format(name=n, key=k)) for n, k in zip(names, keys)]
-    question = tok.encode(MULTI_QUESTION.format(name=names[0]))
-    answer = tok.encode(PASSKEY_ANSWER.format(key=keys[0]))
-    bos = [tok.bos_id] if getattr(tok, "bos_id", None) is not None else []
-    eos = [tok.eos_id]
-    head = bos + tok.encode(PASSKEY_INTRO)
-    fixed = len(question) + len(answer) + len(eos) + sum(map(len, needles))
-    n_fill = length + 1 - len(head) - fixed
-    if n_fill < 8:
-        head = list(bos)
-        n_fill = length + 1 - len(head) - fixed
-    if n_fill < 8:
-        raise EvalError(f"--lengths: {length} is too short for a {n_keys}-key prompt "
-                        f"(needs >= {len(head) + fixed + 7} tokens with this tokenizer)")
-    fill = filler.tokens(n_fill, trial)[:n_fill]
-    at = lambda d: min(int(d * (n_fill + 1)), n_fill)  # insertion point, as PasskeyCorpus.build
-    order = sorted(range(n_keys), key=lambda i: (at(depths[i]), i))
-    body, prev = [], 0
-    for i in order:
-        cut = at(depths[i])
-        body += fill[prev:cut] + needles[i]
-        prev = cut
-    body += fill[prev:]
-    toks = head + body + question
-    assert len(toks) + len(answer) + len(eos) == length + 1
-    return {"tokens": toks, "expected": str(keys[0]), "answer_tokens": len(answer)}
+    try:
+        toks, ans = multikey_document(tok, length + 1, names, keys, depths, filler.tokens(length + 1, trial))
+    except DatasetError as e:
+        raise EvalError(f"--lengths: {length} is too short for a {n_keys}-key prompt ({e})") from None
+    return {"tokens": toks[:ans], "expected": str(keys[0]), "answer_tokens": len(toks) - 1 - ans}
 
 
 def score(text: str, expected: str) -> tuple[bool, str]:

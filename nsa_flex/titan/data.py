@@ -58,7 +58,8 @@ def _build(section, job_config, dp_world_size, dp_rank, tokenizer, infinite, spl
     )
     passkey = None
     if mix > 0 and section.dataset.lower() == "pysource":
-        passkey = pysource_retrieval(tokenizer, section.seq_len + 1, split, seed, section.dataset_path)
+        passkey = pysource_retrieval(tokenizer, section.seq_len + 1, split, seed, section.dataset_path,
+                                     questions=questions)
         logger.info(f"Dataset pysource: {100 * mix:g}% of the sequences are retrieval documents (passkey "
                     f"and {passkey.n_keys}-key needles, half each, in source-code filler)")
     elif mix > 0:

@@ -18,7 +18,7 @@ from nsa_flex.titan.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 NAMES = [f"pkg{i}" for i in range(30)]
-HEADER = re.compile(r"# file: (\w+)/")
+HEADER = re.compile(r"# file:? (\w+)/")  # the filler's own ":" is taken out (the cue)
 
 
 def _write(path, text):
@@ -129,6 +129,30 @@ def test_loader_mixes_retrieval_documents_at_the_default_share(site):
     assert build_dataloader(1, 0, TOK, _job(site, "--training.passkey_mix", "0")).dataset.passkey is None
     with pytest.raises(DatasetError, match=r"seq_len=256 is too short for a 4-key document"):
         build_dataloader(1, 0, TOK, _job(site, "--training.seq_len", "256"))
+
+
+def test_retrieval_documents_ask_passkey_questions_and_hold_the_only_cues(site):
+    """``[training] passkey_questions`` reaches the pysource retrieval documents (passkey and
+    multi-key alike), and the cue ":" before every key occurs only in needles and questions, though
+    the source-code filler is full of it."""
+    loader = build_dataloader(1, 0, TOK, _job(site, "--training.passkey_mix", "0.6",
+                                              "--training.passkey_questions", "4",
+                                              "--training.seq_len", "1024"))
+    ds = loader.dataset
+    assert ds.passkey.questions == 4
+    seen = {"passkey": 0, "multikey": 0}
+    for g, (row, *_rest) in zip(range(60), ((r.tolist(),) for _, (x, _y) in zip(range(8), loader)
+                                            for r in x["input"])):
+        if not ds.is_passkey(g):
+            continue
+        kind = ds.passkey.kind(g)
+        seen[kind] += 1
+        toks, ans, key = ds.passkey.document(g)
+        text = TOK.decode(toks)
+        assert text.count("What is the pass key") == 4 and TOK.decode(toks[ans:-1]) == f" {key}."
+        assert text.count(":") == (2 + 4 if kind == "passkey" else 2 * ds.passkey.n_keys + 4), text
+        assert "return x + " in text  # the haystack is source code
+    assert seen["passkey"] >= 2 and seen["multikey"] >= 2, seen
 
 
 def test_token_report_counts_and_extrapolates(site):

@@ -118,7 +118,9 @@ def test_pysource_filler_and_docs_are_the_validation_packages():
     assert all(split_of(p) == "validation" for p in pkgs), (SPLIT_SALT, pkgs)
     fill = ne.Filler("pysource", BYTE)
     p = ne.make_prompt(BYTE, "passkey", 3000, 50, 0, fill)
-    assert "# file: " in BYTE.decode(p["tokens"]) and len(p["tokens"]) < 3000
+    text = BYTE.decode(p["tokens"])  # the filler's own cue tokens (":") are taken out
+    assert "# file " in text and len(p["tokens"]) < 3000
+    assert text.count(":") == 3  # the needle's two and the question's
 
 
 def test_score():
