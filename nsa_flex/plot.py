@@ -5,7 +5,8 @@
 Each argument is a run's dump folder (its ``metrics.jsonl`` is read) or a ``.jsonl`` file. Panels:
 training loss (and validation loss when logged), tokens/s, peak memory, and, when the run logged
 NSA telemetry (``[nsa] telemetry_every``), the mean gate of each branch and the mean distance of
-the selected blocks (layer means). A resumed run's later records of a step replace the earlier
+the selected blocks (layer means), and, when validation scored retrieval (``[validation]
+retrieval_docs``), the answer loss and the share of exact answers per kind of document. A resumed run's later records of a step replace the earlier
 ones. Needs matplotlib (a dependency of nsa-flex).
 """
 
@@ -21,6 +22,7 @@ TPS = "throughput(tps)"
 MEMORY = "memory/max_reserved(GiB)"
 BRANCHES = ("cmp", "sel", "win")
 SEL_DIST = "nsa/sel_dist_mean"
+RETRIEVAL_KINDS = ("passkey", "multikey")
 
 
 class PlotError(Exception):
@@ -97,6 +99,11 @@ def plot(paths: list[str], out: str | None = None):
         panels.append(("NSA gate mean", "gate mean (layer mean)", gates))
     if has(SEL_DIST):
         panels.append(("NSA selected-block distance", "mean distance (blocks)", [(SEL_DIST, "")]))
+    for metric, title, ylabel in (("answer_loss", "retrieval: answer loss (validation)", "nats per answer token"),
+                                  ("exact", "retrieval: exact answers (validation)", "share of documents")):
+        keys = [(f"retrieval/{k}_{metric}", k) for k in RETRIEVAL_KINDS if has(f"retrieval/{k}_{metric}")]
+        if keys:
+            panels.append((title, ylabel, keys))
     cols = 2 if len(panels) > 1 else 1
     rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(6.4 * cols, 3.6 * rows), squeeze=False)

@@ -13,7 +13,7 @@ Sections:
   [training]  + ``dataset_config``, ``dataset_text_column``, ``dataset_seed``, ``passkey_mix``, ``passkey_questions``,
               ``skip_bad_records``; default
               dataset "passkey".
-  [validation] default dataset "passkey" (validation stream uses its own seed).
+  [validation] default dataset "passkey" (validation stream uses its own seed); + ``retrieval_docs``.
   [metrics]   + ``jsonl_file``: per-step metrics (full-precision loss, grad norm, tps, memory) as JSONL.
   [checkpoint] + ``allow_config_change`` (resume across a model / data-stream change).
   [experimental] default custom_import = "nsa_flex.titan.train_spec".
@@ -91,12 +91,18 @@ class Training:
     passkey_questions: int = 1
     """training passkey documents ask the question this many times (1..16): the extra question +
     answer pairs replace filler at random points after the needle (more retrieval targets per
-    document, at shorter distances too); validation and evaluation documents ask once"""
+    document, at shorter distances too; passkey, passkey_mix and pysource documents alike);
+    validation and evaluation documents ask once"""
 
 
 @dataclass
 class Validation:
     dataset: str = "passkey"
+    retrieval_docs: int = 16
+    """held-out retrieval documents of the training data (its validation split, at the validation
+    seq_len) scored at every validation step: teacher-forced answer loss and exact answers per kind,
+    logged as retrieval/* (0..1024; 0 = off; off too when the training data holds no retrieval
+    documents)"""
 
 
 @dataclass

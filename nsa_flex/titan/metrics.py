@@ -39,6 +39,7 @@ from torchtitan.tools.logging import logger as log
 from nsa_flex import telemetry as tm
 
 from .ops import OpsMonitor
+from .retrieval import summary as retrieval_summary
 
 
 def _plain(v):
@@ -132,6 +133,7 @@ class NSAMetricsProcessor(MetricsProcessor):
         self._dl_seen = 0  # data_loading_times entries already counted by ops
         self._first_logged: tuple[int, float] | None = None  # (step, time): the ETA's rate
         self.total_steps = job_config.training.steps  # as configured (a halt lowers training.steps)
+        self.validation_extra: dict = {}  # the validator's retrieval metrics, for the next validation record
         super().__init__(job_config, parallel_dims, tag)
         self._base_logger = self.logger
         self.jsonl: JsonlLogger | None = None
@@ -155,6 +157,12 @@ class NSAMetricsProcessor(MetricsProcessor):
                     self.jsonl.close()
 
             self.logger = _Both()
+
+    def log_validation(self, loss, step, extra_metrics=None):
+        extra, self.validation_extra = {**self.validation_extra, **(extra_metrics or {})}, {}
+        super().log_validation(loss, step, extra or None)
+        if extra:
+            log.info(f"validate step: {step:2}  retrieval: {retrieval_summary(extra)}")
 
     # ------------------------------------------------------------------ NSA telemetry
     @property

@@ -5,10 +5,17 @@ torchtitan 0.2.2's ``Validator.__init__`` builds its loader with ``build_text_va
 PR 1362, "leaves this dataloader function unexposed to the train_spec"). So ``NSAValidator.__init__``
 sets the same state itself with nsa_flex's loader and inherits every other method;
 tests/titan/test_trainer.py fails when upstream's state or its loader call changes.
+
+Each validation also scores ``[validation] retrieval_docs`` held-out retrieval documents
+(:mod:`nsa_flex.titan.retrieval`); their metrics join the validation record (metrics.jsonl).
+Every rank scores the same documents, so FSDP's collectives stay in step.
 """
 
 from torchtitan.components.validate import Validator
+from torchtitan.tools import utils
+from torchtitan.tools.logging import logger
 
+from . import retrieval
 from .data import build_validation_dataloader
 
 
@@ -46,6 +53,33 @@ class NSAValidator(Validator):
         self.pp_schedule = pp_schedule
         self.pp_has_first_stage = pp_has_first_stage
         self.pp_has_last_stage = pp_has_last_stage
+        n = retrieval.check_docs(getattr(job_config.validation, "retrieval_docs", 0))
+        corpus = retrieval.probe_corpus(job_config, tokenizer) if n else None
+        self.retrieval_docs = retrieval.probe_documents(corpus, n) if corpus is not None else []
+        if self.retrieval_docs:
+            logger.info(f"Validation scores retrieval on {n} held-out documents of {job_config.validation.seq_len} "
+                        "tokens (answer loss, exact answers: retrieval/* in the validation records)")
+
+    def validate(self, model_parts, step: int) -> None:
+        if self.retrieval_docs:
+            self.metrics_processor.validation_extra = self.score_retrieval(model_parts)
+        super().validate(model_parts, step)
+
+    def score_retrieval(self, model_parts) -> dict[str, float]:
+        def logits_of(tokens):
+            inputs, _, extra_inputs, extra_kwargs = self.post_dataloading_process(
+                {"input": tokens}, tokens, model_parts)
+            with self.validation_context(), self.maybe_enable_amp:
+                return model_parts[0](inputs, **extra_inputs, **extra_kwargs)
+
+        for m in model_parts:
+            m.eval()
+        try:
+            return retrieval.score(logits_of, self.retrieval_docs, self.job_config.validation.local_batch_size,
+                                   utils.device_type)
+        finally:
+            for m in model_parts:
+                m.train()
 
 
 def build_validator(job_config, dp_world_size, dp_rank, tokenizer, parallel_dims, loss_fn, validation_context,

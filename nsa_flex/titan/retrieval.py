@@ -1,0 +1,87 @@
+"""Retrieval at every validation step: teacher-forced answer loss and exact answers on held-out
+retrieval documents (``[validation] retrieval_docs``), so a run shows whether and when it learns
+retrieval without waiting for the end-of-run evaluation.
+
+The documents are the validation split of the training data's own retrieval documents at the
+validation ``seq_len``: passkey documents (synthetic filler) for ``dataset = "passkey"`` or a
+``passkey_mix`` of a text dataset, passkey and multi-key needles in held-out source code for
+``pysource``. Each asks once, at its end. Per kind the metrics are
+``retrieval/<kind>_answer_loss`` (mean NLL of the answer's tokens, " 12345." with its space and
+period), ``retrieval/<kind>_exact`` (share of documents whose every answer token is the argmax)
+and ``retrieval/<kind>_digits`` (share of answer tokens that are the argmax).
+"""
+
+import torch
+import torch.nn.functional as F
+
+from nsa_flex.data.errors import DatasetError
+from nsa_flex.data.passkey import PasskeyCorpus
+from nsa_flex.data.pysource import pysource_retrieval
+
+from .data import passkey_mix_of
+
+MAX_DOCS = 1024
+KINDS = ("passkey", "multikey")
+
+
+def check_docs(n) -> int:
+    """``[validation] retrieval_docs``: an int in [0, MAX_DOCS], else DatasetError."""
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_DOCS:
+        raise DatasetError(f"validation.retrieval_docs={n!r}: must be an integer in [0, {MAX_DOCS}] (0 = off)")
+    return n
+
+
+def probe_corpus(job_config, tokenizer):
+    """The validation split's retrieval documents of the training data at the validation seq_len,
+    or None when the training data holds none (nothing to measure)."""
+    training, seq_len = job_config.training, job_config.validation.seq_len
+    seed = getattr(training, "dataset_seed", 0)
+    dataset = training.dataset.lower()
+    if dataset == "pysource":
+        return pysource_retrieval(tokenizer, seq_len + 1, "validation", seed, training.dataset_path)
+    if dataset == "passkey" or passkey_mix_of(training) > 0:
+        return PasskeyCorpus(tokenizer, seq_len + 1, seed=seed, split="validation")
+    return None
+
+
+def probe_documents(corpus, n: int) -> list[tuple[str, list[int], int]]:
+    """(kind, tokens, answer_start) of the corpus's first ``n`` documents."""
+    kind = getattr(corpus, "kind", lambda g: "passkey")
+    return [(kind(g), *corpus.document(g)[:2]) for g in range(n)]
+
+
+@torch.no_grad()
+def score(logits_of, docs: list[tuple[str, list[int], int]], batch_size: int, device) -> dict[str, float]:
+    """The metrics of ``docs`` under ``logits_of`` (tokens [B, T] -> logits [B, T, V]), in batches
+    of ``batch_size`` (the last one padded with its first document, so every call has one shape)."""
+    sums = {k: [0.0, 0, 0, 0] for k in KINDS}  # nll, answer tokens, right tokens, exact documents
+    docs_of = {k: 0 for k in KINDS}
+    for i in range(0, len(docs), batch_size):
+        batch = docs[i:i + batch_size]
+        rows = [d[1][:-1] for d in batch]
+        rows += [rows[0]] * (batch_size - len(rows))
+        logits = logits_of(torch.tensor(rows, dtype=torch.long, device=device)).float()
+        for b, (kind, toks, ans) in enumerate(batch):
+            target = torch.tensor(toks[ans:-1], device=logits.device)  # the answer, EOS excluded
+            pred = logits[b, ans - 1:len(toks) - 2]  # logits[t] predicts token t + 1
+            right = pred.argmax(-1) == target
+            s = sums[kind]
+            s[0] += F.cross_entropy(pred, target, reduction="sum").item()
+            s[1] += target.numel()
+            s[2] += int(right.sum())
+            s[3] += int(right.all())
+            docs_of[kind] += 1
+    out = {}
+    for kind, (nll, n, good, exact) in sums.items():
+        if docs_of[kind]:
+            out[f"retrieval/{kind}_answer_loss"] = nll / n
+            out[f"retrieval/{kind}_exact"] = exact / docs_of[kind]
+            out[f"retrieval/{kind}_digits"] = good / n
+    return out
+
+
+def summary(metrics: dict[str, float]) -> str:
+    """One console line: "passkey loss 0.123 exact 94% | multikey ..."."""
+    parts = [f"{k} loss {metrics[f'retrieval/{k}_answer_loss']:.3f} exact {100 * metrics[f'retrieval/{k}_exact']:.0f}%"
+             for k in KINDS if f"retrieval/{k}_answer_loss" in metrics]
+    return " | ".join(parts)

@@ -1,0 +1,95 @@
+"""Retrieval at validation (nsa_flex/titan/retrieval.py): which documents, the teacher-forced answer
+loss / exact answers on exactly the answer's tokens, the fixed batch shape, and the errors."""
+
+import math
+
+import pytest
+import torch
+from torchtitan.config import ConfigManager
+
+from nsa_flex.data.errors import DatasetError
+from nsa_flex.data.passkey import PasskeyCorpus
+from nsa_flex.titan import retrieval
+from nsa_flex.titan.tokenizer import ByteTokenizer
+
+TOK = ByteTokenizer()
+V = 260
+
+
+def _docs(n, seq=160):
+    return retrieval.probe_documents(PasskeyCorpus(TOK, seq + 1, split="validation"), n)
+
+
+def _oracle(docs, wrong=lambda toks, ans, t: False):
+    """logits_of that knows each row's document: the next token gets logit 20 at every position,
+    except where ``wrong(toks, ans, t)`` (then the token after it does)."""
+    by_row = {tuple(toks[:-1]): (toks, ans) for _, toks, ans in docs}
+    shapes = []
+
+    def logits_of(tokens):
+        shapes.append(tuple(tokens.shape))
+        out = torch.zeros(*tokens.shape, V)
+        for b, row in enumerate(tokens.tolist()):
+            toks, ans = by_row[tuple(row)]
+            for t in range(len(toks) - 1):
+                nxt = toks[t + 1] if not wrong(toks, ans, t + 1) else (toks[t + 1] + 1) % V
+                out[b, t, nxt] = 20.0
+        return out
+
+    return logits_of, shapes
+
+
+def test_exact_answers_and_loss_on_the_answer_tokens_only():
+    docs = _docs(5)
+    logits_of, shapes = _oracle(docs)
+    m = retrieval.score(logits_of, docs, 2, "cpu")
+    assert m["retrieval/passkey_exact"] == 1.0 and m["retrieval/passkey_digits"] == 1.0
+    assert m["retrieval/passkey_answer_loss"] < 1e-6
+    assert shapes == [(2, 160)] * 3  # the last batch padded: one shape for a compiled model
+    assert "retrieval/multikey_exact" not in m
+    # wrong everywhere but the answer: still exact; the answer's last token (".") wrong: not exact
+    m = retrieval.score(_oracle(docs, lambda toks, ans, t: t < ans)[0], docs, 2, "cpu")
+    assert m["retrieval/passkey_exact"] == 1.0
+    m = retrieval.score(_oracle(docs, lambda toks, ans, t: t == len(toks) - 2)[0], docs, 2, "cpu")
+    n_ans = len(docs[0][1]) - 1 - docs[0][2]  # " 12345." = 7 bytes
+    assert n_ans == 7 and m["retrieval/passkey_exact"] == 0.0
+    assert m["retrieval/passkey_digits"] == pytest.approx((n_ans - 1) / n_ans)
+    assert m["retrieval/passkey_answer_loss"] == pytest.approx(20.0 / n_ans, rel=1e-3)
+    # the EOS after the answer is not scored
+    m = retrieval.score(_oracle(docs, lambda toks, ans, t: t == len(toks) - 1)[0], docs, 2, "cpu")
+    assert m["retrieval/passkey_exact"] == 1.0
+    # uniform logits: ln V per token
+    m = retrieval.score(lambda x: torch.zeros(*x.shape, V), docs, 4, "cpu")
+    assert m["retrieval/passkey_answer_loss"] == pytest.approx(math.log(V)) and m["retrieval/passkey_exact"] == 0
+    assert "passkey loss" in retrieval.summary(m)
+
+
+def _job(*args):
+    return ConfigManager().parse_args(["--job.custom_config_module", "nsa_flex.titan.job_config",
+                                       "--validation.seq_len", "600", *args])
+
+
+def test_documents_follow_the_training_data(tmp_path):
+    corpus = retrieval.probe_corpus(_job(), TOK)  # dataset passkey
+    assert isinstance(corpus, PasskeyCorpus) and corpus.split == "validation" and corpus.length == 601
+    assert retrieval.probe_corpus(_job("--training.dataset", "local", "--training.dataset_path", "x.txt"), TOK) is None
+    mixed = retrieval.probe_corpus(_job("--training.dataset", "local", "--training.passkey_mix", "0.2"), TOK)
+    assert isinstance(mixed, PasskeyCorpus)
+    from nsa_flex.data.pysource import split_of
+
+    train, val = (next(f"p{i}" for i in range(999) if split_of(f"p{i}") == s) for s in ("train", "validation"))
+    for name in (train, val):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "core.py").write_text(f"def f(x):\n    return x  # {name}\n" * 300)
+    code = retrieval.probe_corpus(_job("--training.dataset", "pysource", "--training.dataset_path", str(tmp_path)), TOK)
+    docs = retrieval.probe_documents(code, 8)
+    assert {k for k, _, _ in docs} == {"passkey", "multikey"}
+    texts = [TOK.decode(t) for _, t, _ in docs]
+    assert all(f"# {val}\n" in x and f"# {train}\n" not in x for x in texts)  # held-out packages only
+
+
+def test_retrieval_docs_range_is_checked():
+    assert retrieval.check_docs(0) == 0 and retrieval.check_docs(16) == 16
+    for bad in (-1, 5000, 2.5, True, "8"):
+        with pytest.raises(DatasetError, match=r"validation.retrieval_docs=.*must be an integer in \[0, 1024\]"):
+            retrieval.check_docs(bad)
