@@ -128,11 +128,21 @@ def main(argv: list[str] | None = None) -> None:
     args = build_args([a for a in given if a != "--preflight-full"])
     if full and "--preflight" not in args:
         sys.exit(_user_error("--preflight-full is an option of --preflight (nsa-train --preflight --preflight-full ...)"))
+    from .curriculum import drive, phase_args, wants_driver
+
+    if wants_driver(args):  # [curriculum]: the short phase, then the long one, each its own process
+        sys.exit(drive(args))
     setup_env()
     if "--preflight" in args:
+        from nsa_flex.config import UserError
+
         from .preflight import main as preflight
 
-        sys.exit(preflight([a for a in args if a != "--preflight"], full=full))
+        try:
+            args = phase_args([a for a in args if a != "--preflight"])
+        except UserError as e:
+            sys.exit(_user_error(str(e)))
+        sys.exit(preflight(args, full=full))
     from .train import run
 
     sys.exit(run(args))

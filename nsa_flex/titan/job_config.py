@@ -18,6 +18,7 @@ Sections:
   [checkpoint] + ``allow_config_change`` (resume across a model / data-stream change).
   [experimental] default custom_import = "nsa_flex.titan.train_spec".
   [compile]   + ``combo_kernels`` (inductor's combo kernels for the compiled blocks; default on).
+  [curriculum] short-then-long training from one TOML (nsa_flex/titan/curriculum.py).
   [ops]       operating long runs (nsa_flex/titan/ops.py): stall watchdog, SIGUSR1 dumps, HALT file /
               SIGTERM halt, data-wait telemetry; preflight thresholds.
 """
@@ -167,6 +168,19 @@ class Ops:
 
 
 @dataclass
+class Curriculum:
+    """[curriculum] short-then-long training from one TOML (nsa_flex/titan/curriculum.py)"""
+
+    short: list[str] = field(default_factory=list)
+    """the short phase's settings, "section.field=value" each (or a boolean flag "section.field" /
+    "section.no-field"), over the TOML and the command line; empty = no curriculum"""
+    short_folder: str = "short"
+    """the short phase's dump folder, inside job.dump_folder"""
+    phase: str = ""
+    """"" (nsa-train runs the short phase, then the long one) | short | long: run one phase"""
+
+
+@dataclass
 class JobConfig:
     nsa: NSA = field(default_factory=NSA)
     model: Model = field(default_factory=Model)
@@ -177,3 +191,4 @@ class JobConfig:
     experimental: Experimental = field(default_factory=Experimental)
     compile: Compile = field(default_factory=Compile)
     ops: Ops = field(default_factory=Ops)
+    curriculum: Curriculum = field(default_factory=Curriculum)

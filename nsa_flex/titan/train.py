@@ -24,7 +24,7 @@ from torchtitan.train import main as titan_main
 
 from nsa_flex.config import UserError
 
-from . import console
+from . import console, curriculum
 from .cli import check_config_file
 from .job_config import JobConfig as NSAJobConfig
 from .ops import EXIT_NONFINITE, NonFiniteError
@@ -93,9 +93,12 @@ def run(args: list[str], prog: str = "nsa-train") -> int:
     """Parse ``args``, check the run and train with :class:`NSATrainer`; the exit code."""
     try:  # parse once up front: every error here is the user's (file, TOML, field, value)
         check_config_file(args)
+        args = curriculum.phase_args(args)
         job_config = ConfigManager().parse_args(args)
     except (ValueError, TypeError, OSError) as e:
         return user_error(config_error_message(e), prog=prog)
+    except UserError as e:
+        return user_error(str(e), prog=prog)
     problem = cpu_data_parallel_problem(job_config.parallelism, int(os.environ.get("WORLD_SIZE", "1")),
                                         torch.cuda.is_available())
     par = job_config.parallelism

@@ -1,0 +1,80 @@
+"""Short-then-long training from one TOML ([curriculum], nsa_flex/titan/curriculum.py): each
+phase's flags, the errors, and (slow) the two phases end to end on the CPU: the long phase starts
+from the short phase's weights, both log retrieval at validation, and the same command resumes."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tests.titan.helpers import launch_env
+
+from nsa_flex.config import UserError
+from nsa_flex.titan import curriculum
+
+ROOT = Path(__file__).resolve().parents[2]
+DEBUG = (ROOT / "titan_configs" / "debug_nsa.toml").read_text()
+
+
+def _toml(tmp_path, short='["training.seq_len=192", "training.steps=3", "validation.seq_len=192"]'):
+    text = DEBUG.replace('dump_folder = "./outputs/debug_nsa"', f'dump_folder = "{tmp_path / "run"}"')
+    text = text.replace("steps = 50", "steps = 3")
+    text += ("\n[validation]\nenable = true\ndataset = \"passkey\"\nseq_len = 256\nlocal_batch_size = 4\n"
+             f"freq = 3\nsteps = 1\nretrieval_docs = 4\n\n[curriculum]\nshort = {short}\n")
+    path = tmp_path / "cur.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_phase_flags_and_errors(tmp_path):
+    cfg = _toml(tmp_path)
+    base = ["--job.config_file", cfg]
+    assert curriculum.wants_driver(base)
+    assert not curriculum.wants_driver(base + ["--curriculum.phase", "short"])
+    assert not curriculum.wants_driver(["--job.config_file", str(ROOT / "titan_configs" / "debug_nsa.toml")])
+    assert curriculum.phase_args(base) == base
+    short = curriculum.phase_args(base + ["--curriculum.phase", "short"])
+    assert short[short.index("--job.dump_folder") + 1] == str(tmp_path / "run" / "short")
+    assert short[-3:] == ["--training.seq_len=192", "--training.steps=3", "--validation.seq_len=192"]
+    assert "--checkpoint.enable" in short
+    with pytest.raises(UserError, match=r"short phase has not finished .*has no step-3"):
+        curriculum.phase_args(base + ["--curriculum.phase", "long"])
+    (tmp_path / "run" / "short" / "checkpoint" / "step-3").mkdir(parents=True)
+    long = curriculum.phase_args(base + ["--curriculum.phase=long"])
+    assert long[-2:] == ["--checkpoint.initial_load_path", str(tmp_path / "run" / "short" / "checkpoint" / "step-3")]
+    assert "--checkpoint.enable" in long and "--job.dump_folder" not in long
+    with pytest.raises(UserError, match=r"curriculum.phase='mid': must be one of short, long"):
+        curriculum.phase_args(base + ["--curriculum.phase", "mid"])
+    with pytest.raises(UserError, match=r"curriculum.short\[1\]='seq 2048': must look like section.field=value"):
+        curriculum.short_items(["training.seq_len=2048", "seq 2048"])
+    assert curriculum.short_items(["validation.enable", "training.no-x"]) == ["--validation.enable", "--training.no-x"]
+
+
+def test_bad_item_is_one_line_from_nsa_train(tmp_path):
+    cfg = _toml(tmp_path, short='["training.seq_len 192"]')
+    p = subprocess.run([sys.executable, "-m", "nsa_flex.titan.cli", "--job.config_file", cfg], cwd=ROOT,
+                       env=launch_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip().splitlines()[-1].startswith("nsa-train: error: curriculum.short[0]=")
+
+
+@pytest.mark.slow
+def test_two_phases_end_to_end_and_resume(tmp_path):
+    cfg = _toml(tmp_path)
+    cmd = [sys.executable, "-m", "nsa_flex.titan.cli", "--job.config_file", cfg]
+    p = subprocess.run(cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=600)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    run = tmp_path / "run"
+    short_ck = run / "short" / "checkpoint" / "step-3"
+    assert short_ck.is_dir() and (run / "checkpoint" / "step-3").is_dir()
+    assert f"Loading the checkpoint from {short_ck}" in out
+    recs = lambda f: [json.loads(x) for x in f.read_text().splitlines()]  # noqa: E731
+    short, long = recs(run / "short" / "metrics.jsonl"), recs(run / "metrics.jsonl")
+    first = lambda rs: next(r["loss_metrics/global_avg_loss"] for r in rs if "loss_metrics/global_avg_loss" in r)  # noqa: E731
+    assert first(long) < first(short) - 0.2  # the long phase starts from trained weights
+    for rs in (short, long):
+        assert any("retrieval/passkey_answer_loss" in r for r in rs)
+    again = subprocess.run(cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "curriculum: short phase done" in again.stdout
