@@ -15,7 +15,8 @@
 #   then, with the three variants' OUT:  python experiments/quality_report.py OUT
 #
 # Stages, in order, each done once (OUT/VARIANT/stages.txt records them; the cheap evaluations first):
-#   train      until the checkpoint of training.steps exists. A segment ends by SIGTERM at its time
+#   train      until the checkpoint of training.steps exists (a [curriculum] TOML: both phases, the
+#              short phase's metrics as metrics_short.jsonl). A segment ends by SIGTERM at its time
 #              limit: the trainer halts after the current step and saves a full checkpoint (exit 0);
 #              the next invocation resumes from it exactly (same TOML, data position and LR schedule).
 #   position   python -m nsa_flex.eval --task position-loss (POS_SEQ tokens, VAL_DOCS).
@@ -113,6 +114,7 @@ print(load_job_config(sys.argv[1], sys.argv[2:]).training.steps)" "$TOML" --nsa.
     --job.dump_folder "$DUMP" $DATA_ARGS --nsa.masks "$VARIANT" $TRAIN_ARGS > "$D/train_$n.log" 2>&1
   rc=$?
   [ -f "$DUMP/metrics.jsonl" ] && cp "$DUMP/metrics.jsonl" "$D/"
+  [ -f "$DUMP/short/metrics.jsonl" ] && cp "$DUMP/short/metrics.jsonl" "$D/metrics_short.jsonl"  # [curriculum]
   ck=$(latest_ckpt)
   note "train: rc=$rc, checkpoint ${ck:+$(basename "$ck")}"
   if [ "$rc" -ne 0 ]; then grep -E "Error|error:" "$D/train_$n.log" | tail -3; finish "training failed (rc=$rc, $D/train_$n.log)"; fi
