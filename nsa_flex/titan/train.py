@@ -29,7 +29,7 @@ from .cli import check_config_file
 from .job_config import JobConfig as NSAJobConfig
 from .ops import EXIT_NONFINITE, NonFiniteError
 from .parallelize import cpu_data_parallel_problem
-from .runlock import check_writable, lock_dump_folder, release_all
+from .runlock import check_writable, lock_run, release_all
 from .trainer import NSATrainer
 
 
@@ -62,7 +62,7 @@ def check_run(job_config) -> None:
         raise UserError("; ".join(errs))
     check_writable(job_config)
     if int(os.environ.get("RANK", "0")) == 0:
-        lock_dump_folder(job_config.job.dump_folder)
+        lock_run(job_config)
 
 
 @contextlib.contextmanager

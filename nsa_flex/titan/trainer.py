@@ -121,7 +121,7 @@ class NSATrainer(Trainer):
         self._signals = 0
         self._old_handlers: dict = {}
         self._group = None
-        self._lock = None
+        self._locks: list = []  # the run locks (rank 0)
         self._end = None  # the "Training completed" rewrite after a halt
         ops_cfg = job_config.ops
         self.halt_path = (os.path.join(job_config.job.dump_folder, ops_cfg.halt_file)
@@ -138,10 +138,10 @@ class NSATrainer(Trainer):
         self.rank, self.world = _dist_info()
         self.ops = OpsMonitor(jc)  # validates [ops] first
         if self.rank == 0:  # nsa-train has taken the lock already: a no-op then
-            from .runlock import check_writable, lock_dump_folder
+            from .runlock import check_writable, lock_run
 
             check_writable(jc)
-            self._lock = lock_dump_folder(jc.job.dump_folder)
+            self._locks = lock_run(jc)
         if jc.ops.halt_on_sigterm and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._old_handlers[sig] = signal.signal(sig, self.on_signal)
@@ -172,9 +172,9 @@ class NSATrainer(Trainer):
             for sig, old in self._old_handlers.items():
                 signal.signal(sig, old)
         self._old_handlers.clear()
-        if self._lock is not None:
-            self._lock.release()
-            self._lock = None
+        for lock in self._locks:
+            lock.release()
+        self._locks = []
         if self._group is not None:
             try:
                 torch.distributed.destroy_process_group(self._group)

@@ -18,6 +18,7 @@ from nsa_flex.titan import checkpoint as ck
 from nsa_flex.titan import run_record
 from nsa_flex.titan.ops import NonFiniteError
 from nsa_flex.titan.runlock import LOCK_NAME, DumpLock, FolderNotWritable, RunLockError, check_writable
+from tests.titan.helpers import fill, tmpfs
 
 
 # ----------------------------------------------------------------------------- lock
@@ -37,10 +38,18 @@ def test_lock_held_then_released(tmp_path):
     assert not (tmp_path / LOCK_NAME).exists()
 
 
+def _holder(folder, ready):
+    """A real second process holding the run lock of ``folder`` (it prints once it holds it)."""
+    code = ("import sys, time; from nsa_flex.titan.runlock import DumpLock; DumpLock(sys.argv[1]).acquire(); "
+            "print('held', flush=True); time.sleep(60)")
+    p = subprocess.Popen([sys.executable, "-c", code, str(folder)], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == ready
+    return p
+
+
 def test_live_holder_refuses_a_second_run(tmp_path):
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    other = _holder(tmp_path, "held")
     try:
-        _write_lock(tmp_path, other.pid)
         with pytest.raises(RunLockError) as e:
             DumpLock(str(tmp_path)).acquire()
         msg = str(e.value)
@@ -49,6 +58,26 @@ def test_live_holder_refuses_a_second_run(tmp_path):
     finally:
         other.kill()
         other.wait()
+    DumpLock(str(tmp_path)).acquire().release()  # killed (SIGKILL): its lock went with it
+
+
+def test_lock_of_a_reused_pid_or_an_empty_file_is_taken_over(tmp_path):
+    """A lock file naming a live process that does not hold it (its pid reused), or an empty one
+    (a run that could not write it), strands nothing: the next run takes it over."""
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        _write_lock(tmp_path, other.pid)  # a live pid, no lock held
+        lock = DumpLock(str(tmp_path)).acquire()
+        assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
+        lock.release()
+    finally:
+        other.kill()
+        other.wait()
+    (tmp_path / LOCK_NAME).write_text("")
+    lock = DumpLock(str(tmp_path)).acquire()
+    assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
+    lock.release()
+    assert not (tmp_path / LOCK_NAME).exists()
 
 
 def test_stale_lock_taken_over_other_host_refused(tmp_path):
@@ -225,3 +254,18 @@ def test_partial_folder_removed_at_start_and_free_space_checked(tmp_path, monkey
         ck.check_free_space(_Manager(empty, _job()))
     monkeypatch.setattr(ck.shutil, "disk_usage", lambda p: SimpleNamespace(free=3 * 20 * 4))
     ck.check_free_space(_Manager(empty, _job()))
+
+
+def test_disk_full_at_start_is_one_message_and_leaves_no_lock(tmp_path):
+    """A real full disk (a tmpfs filled to the last byte): the writable check and the lock say so
+    as one FolderNotWritable; no empty lock file strands the folder, the next run takes it."""
+    with tmpfs(tmp_path / "disk", "64k") as disk:
+        fill(disk)
+        with pytest.raises(FolderNotWritable, match="No space left on device"):
+            check_writable(_jc(disk, enable=False))
+        with pytest.raises(FolderNotWritable, match=f"cannot write the run lock {disk / LOCK_NAME} "
+                                                    r"\(No space left on device\): the disk is full"):
+            DumpLock(str(disk)).acquire()
+        assert sorted(os.listdir(disk)) == ["filler"]
+        (disk / "filler").unlink()
+        DumpLock(str(disk)).acquire().release()
