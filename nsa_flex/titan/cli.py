@@ -78,11 +78,14 @@ def check_config_file(args: list[str]) -> None:
     """The --job.config_file exists and is valid TOML (torchtitan would log a traceback)."""
     import tomllib
 
-    path = next((a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else "")
-                 for i, a in enumerate(args) if a.split("=", 1)[0] in ("--job.config_file", "--job.config-file")),
-                None)
-    if path is None:
+    paths = [a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else "")
+             for i, a in enumerate(args) if a.split("=", 1)[0] in ("--job.config_file", "--job.config-file")]
+    if len(paths) > 1:  # torchtitan reads the first one only
+        raise ValueError(f"--job.config_file given {len(paths)} times ({', '.join(map(repr, paths))}): give one "
+                         "config file, and change its values with --section.field options")
+    if not paths:
         return
+    path = paths[0]
     if not os.path.isfile(path):
         raise ValueError(f"--job.config_file {path!r} does not exist")
     try:
@@ -132,7 +135,9 @@ def main(argv: list[str] | None = None) -> None:
     if "--preflight" in args:
         from .preflight import main as preflight
 
-        sys.exit(preflight([a for a in args if a != "--preflight"], full=full))
+        from .train import bool_flags
+
+        sys.exit(preflight(bool_flags([a for a in args if a != "--preflight"]), full=full))
     from .train import run
 
     sys.exit(run(args))

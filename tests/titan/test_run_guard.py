@@ -4,6 +4,7 @@ the free-space check, the non-finite model check before a save."""
 
 import errno
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -206,8 +207,20 @@ def test_schedule_rebuilt_from_new_config():
 
 
 # ----------------------------------------------------------------------------- save / disk
+def _dcp_exception(error):
+    """DCP's wrapper of a rank's write error, as torch.distributed.checkpoint.save raises it."""
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    try:
+        raise error
+    except OSError as e:
+        return CheckpointException("CheckpointException ranks:dict_keys([0])", {0: _wrap_exception(e)})
+
+
 @pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"),
-                                   RuntimeError("unexpected pos 704 vs 598")])
+                                   RuntimeError("unexpected pos 704 vs 598"),
+                                   _dcp_exception(OSError(errno.ENOSPC, "No space left on device"))],
+                         ids=["ENOSPC", "unexpected-pos", "CheckpointException"])
 def test_disk_full_during_save(tmp_path, error):
     prev = _fake_ckpt(tmp_path, 2)
     before = sorted(p.name for p in prev.iterdir())
@@ -269,3 +282,106 @@ def test_disk_full_at_start_is_one_message_and_leaves_no_lock(tmp_path):
         assert sorted(os.listdir(disk)) == ["filler"]
         (disk / "filler").unlink()
         DumpLock(str(disk)).acquire().release()
+
+
+def test_checkpoint_past_training_steps_says_what_to_do(tmp_path, monkeypatch):
+    monkeypatch.setattr(ck, "check_dcp_folder", lambda path: None)
+    _fake_ckpt(tmp_path, 6)
+    loads = []
+    with pytest.raises(ck.CheckpointError, match=rf"checkpoint {tmp_path}/step-6 is at step 6, past "
+                                                 r"--training.steps=4: pass --training.steps above 6"):
+        ck.load_checked(_Manager(tmp_path, _job(training__steps=4)), lambda man, s: loads.append(s) or True)
+    assert loads == []
+    assert ck.load_checked(_Manager(tmp_path, _job(training__steps=6)), lambda man, s: loads.append(s) or True)
+
+
+# ----------------------------------------------------------------------------- checksums
+def _dcp_ckpt(folder, step, value):
+    """A real DCP checkpoint (one tensor) with its checksums, as a save writes them."""
+    import torch.distributed.checkpoint as dcp
+
+    path = folder / f"step-{step}"
+    dcp.save({"w": torch.full((64, 64), float(value))}, checkpoint_id=str(path))
+    ck.write_checksums(str(path))
+    return path
+
+
+def _flip_bytes_inside_the_tensor(path):
+    """A same-size corruption inside the stored tensor's bytes (found from the DCP metadata)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    info = next(iter(FileSystemReader(str(path)).read_metadata().storage_data.values()))
+    f = path / info.relative_path
+    data = bytearray(f.read_bytes())
+    size = len(data)
+    data[info.offset + info.length // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+    assert f.stat().st_size == size
+    return f
+
+
+def test_same_size_corruption_is_caught_by_the_checksum_and_the_previous_step_loaded(tmp_path, caplog):
+    import torch.distributed.checkpoint as dcp
+
+    _dcp_ckpt(tmp_path, 2, 2.0)
+    bad = _dcp_ckpt(tmp_path, 4, 4.0)
+    _flip_bytes_inside_the_tensor(bad)
+    state = {"w": torch.zeros(64, 64)}
+    dcp.load(state, checkpoint_id=str(bad))  # DCP itself loads the changed bytes without a word
+    assert not torch.equal(state["w"], torch.full((64, 64), 4.0))
+    why = ck.check_dcp_folder(str(bad))
+    assert why and "does not match its SHA-256 recorded at save" in why and "__0_0.distcp" in why
+    loads = []
+    assert ck.load_checked(_Manager(tmp_path, _job()), lambda man, s: loads.append(s) or True)
+    assert loads == [2] and (tmp_path / "damaged" / "step-4").is_dir() and not bad.exists()
+    assert f"Resuming from the newest healthy checkpoint {tmp_path / 'step-2'} (1 newer one(s) damaged" \
+        in caplog.text
+    with pytest.raises(ck.CheckpointError, match="load_step=2: .* is damaged: data file .* does not match"):
+        _flip_bytes_inside_the_tensor(tmp_path / "step-2")
+        ck.load_checked(_Manager(tmp_path, _job()), lambda man, s: True, 2)
+
+
+# ----------------------------------------------------------------------------- purge
+def test_old_checkpoint_that_cannot_be_removed_is_said(tmp_path, caplog):
+    """A real removal failure (the checkpoint folder's filesystem turned read-only): a warning saying
+    so, never "deleted"."""
+    caplog.set_level(logging.INFO)
+    with tmpfs(tmp_path / "disk", "1m") as disk:
+        for step in (1, 2, 3):
+            _fake_ckpt(disk, step)
+        r = subprocess.run(["mount", "-o", "remount,ro", str(disk)], capture_output=True, text=True)
+        if r.returncode:
+            pytest.skip(f"cannot remount the tmpfs read-only: {r.stderr.strip()}")
+        assert ck.purge(str(disk), keep=2) == []
+        assert sorted(os.listdir(disk)) == ["step-1", "step-2", "step-3"]
+        assert f"Could not delete the old checkpoint {disk / 'step-1'} (Read-only file system" in caplog.text
+        assert "Deleted" not in caplog.text
+        subprocess.run(["mount", "-o", "remount,rw", str(disk)], check=True)
+        assert ck.purge(str(disk), keep=2) == [str(disk / "step-1")]
+        assert f"Deleted the old checkpoint {disk / 'step-1'}" in caplog.text
+
+
+# ----------------------------------------------------------------------------- checkpoint folder lock
+def test_a_checkpoint_folder_is_locked_across_dump_folders(tmp_path):
+    """Two runs with different dump folders and one absolute --checkpoint.folder: a real second
+    process holds the first run's locks, the second run is refused naming the checkpoint folder."""
+    shared = tmp_path / "shared_ckpt"
+    code = ("import sys, time, types; from nsa_flex.titan.runlock import lock_run; "
+            "n = types.SimpleNamespace; lock_run(n(job=n(dump_folder=sys.argv[1]), "
+            "checkpoint=n(enable=True, folder=sys.argv[2]))); print('held', flush=True); time.sleep(60)")
+    other = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "a"), str(shared)],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "held"
+        from nsa_flex.titan.runlock import lock_run
+
+        jc = SimpleNamespace(job=SimpleNamespace(dump_folder=str(tmp_path / "b")),
+                             checkpoint=SimpleNamespace(enable=True, folder=str(shared)))
+        with pytest.raises(RunLockError, match=f"checkpoint folder {shared} is in use by another run "
+                                               rf"\(pid {other.pid} .*Use another --checkpoint.folder"):
+            lock_run(jc)
+        assert not (tmp_path / "b" / LOCK_NAME).exists()  # the dump folder's lock is given back
+        assert not shared.exists()  # not created: torchtitan's initial_load_path needs it missing
+    finally:
+        other.kill()
+        other.wait()
