@@ -340,18 +340,20 @@ def _model_finite(manager) -> bool:
                           .sum().isfinite())
 
 
-def _space_error(e: BaseException | None, depth: int = 0) -> bool:
-    """``e`` is (or wraps) a full disk: ENOSPC, torch's "unexpected pos" of a short write, within
-    DCP's ``CheckpointException`` (a ``BaseException`` holding each rank's error) or a cause."""
+def _space_error(e: BaseException | None, depth: int = 0) -> BaseException | None:
+    """The full-disk error that ``e`` is or wraps (ENOSPC, torch's "unexpected pos" of a short
+    write; within DCP's ``CheckpointException``, a ``BaseException`` holding each rank's error, or
+    a cause), else None."""
     if e is None or depth > 8:
-        return False
+        return None
     if (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or (
             isinstance(e, RuntimeError) and "unexpected pos" in str(e)):
-        return True
+        return e
     failures = getattr(e, "failures", None)
-    if isinstance(failures, dict) and any(_space_error(f[0] if isinstance(f, tuple) else f, depth + 1)
-                                          for f in failures.values()):
-        return True
+    for f in (failures.values() if isinstance(failures, dict) else ()):
+        found = _space_error(f[0] if isinstance(f, tuple) else f, depth + 1)
+        if found is not None:
+            return found
     return _space_error(e.__cause__ or e.__context__, depth + 1)
 
 
@@ -368,12 +370,13 @@ def save_checked(manager, original, curr_step: int, last_step: bool = False) -> 
     try:
         original(manager, curr_step, last_step)
     except BaseException as e:  # DCP's CheckpointException is not an Exception
-        if not _space_error(e):
+        full = _space_error(e)
+        if full is None:
             raise
         if _rank0():
             shutil.rmtree(path, ignore_errors=True)
         raise DiskSpaceError(f"checkpoint folder {manager.folder}: the disk is full ({_gib(_free(manager.folder))} "
-                             f"free) while saving step {curr_step} ({type(e).__name__}: {e}); the partial "
+                             f"free) while saving step {curr_step} ({type(full).__name__}: {full}); the partial "
                              f"{path} is removed, older checkpoints are intact: free space and rerun to "
                              "resume") from None
     if _rank0() and os.path.isdir(path):

@@ -16,13 +16,14 @@ User errors (an invalid config value, unknown flavor or field, a TOML syntax err
 or checkpoint: :class:`nsa_flex.config.UserError` and config-parsing errors) are printed as one
 short message on stderr, exit code 2; a traceback only for real bugs.
 
-Exit codes: 0 done (or halted by the halt file, SIGTERM or a first Ctrl-C, with a checkpoint to
-resume from); 2 a user error; 3 the loss or the gradient norm was not finite (the non-finite
-guard, :mod:`nsa_flex.titan.trainer`: nothing saved from that step on, the last checkpoint is the last
-finite one); ``[ops] stall_exit_code`` after a stall dump.
+Exit codes (docs/operations.md lists every fault): 0 done; 2 a user error (a full disk, a locked
+folder, no usable checkpoint included); 3 the loss or the gradient norm was not finite (the
+non-finite guard, :mod:`nsa_flex.titan.trainer`: nothing saved from that step on, the checkpoint
+that led to it set aside); 4 halted by the halt file, SIGTERM or a first Ctrl-C, with a checkpoint
+to resume from; ``[ops] stall_exit_code`` after a stall dump.
 
-One run per dump folder: rank 0 locks it (:mod:`nsa_flex.titan.runlock`) before torchtitan starts;
-a second run on it stops at once with one message naming the holder.
+One run per dump folder and per checkpoint folder: rank 0 locks them (:mod:`nsa_flex.titan.runlock`)
+before torchtitan starts; a second run on either stops at once with one message naming the holder.
 
 ``nsa-train --preflight ...`` (same config and overrides) checks the launch instead of training and
 exits 0 only when every check passes (:mod:`nsa_flex.titan.preflight`).

@@ -170,7 +170,7 @@ class JsonlLogger(BaseLogger):
             self._f.truncate(start)  # no partial record stays behind
             from .checkpoint import DiskSpaceError, _space_error
 
-            if not _space_error(e):
+            if _space_error(e) is None:
                 raise
             raise DiskSpaceError(f"metrics file {self.path}: the disk is full while writing the record of step "
                                  f"{rec.get('step')} ({e.strerror}); the records so far are intact: free space "
