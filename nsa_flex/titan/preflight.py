@@ -225,7 +225,8 @@ def check_dump_folder(cl: Checklist, jc) -> None:
         probs.append(f"job.dump_folder={d!r} is not writable: {_err(e)}")
     halt = os.path.join(d, jc.ops.halt_file) if jc.ops.halt_file else None
     if halt and os.path.exists(halt):
-        probs.append(f"halt file {halt} exists: the run would stop after its first step (remove it)")
+        probs.append(f"halt file {halt} exists, left from before this run: the run removes it at its start with a "
+                     "warning (a halt asked for now would be lost; remove it)")
     cl.add(FAIL if probs else OK, "dump folder", f"{os.path.abspath(d)} writable (dumps in {STALLS_DIR}/)"
            if not probs else os.path.abspath(d), probs)
 

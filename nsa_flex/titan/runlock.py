@@ -74,12 +74,14 @@ class DumpLock:
 
     def _record(self) -> str:
         """A temporary file beside the lock holding this process's record (never half-written)."""
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.path), prefix=".nsa-lock-")
+        tmp = None
         try:
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.path), prefix=".nsa-lock-")
             with os.fdopen(fd, "w") as f:
                 json.dump({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}, f)
         except OSError as e:
-            os.remove(tmp)
+            if tmp:
+                os.remove(tmp)
             raise self._unwritable(e) from None
         return tmp
 
@@ -93,7 +95,7 @@ class DumpLock:
         """An fd of the lock file with the exclusive flock taken, or None if another process holds it."""
         try:
             fd = os.open(self.path, os.O_RDWR)
-        except FileNotFoundError:
+        except OSError:  # gone, or not ours to write (another user's run): not taken
             return None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -155,14 +157,14 @@ class DumpLock:
                     continue
                 from torchtitan.tools.logging import logger
 
-                why = (f"{_describe(holder)}: not running" if holder else "an empty or unreadable file left by "
-                       "a run that could not write it")
+                why = (f"{_describe(holder)}: that run has ended" if holder else "an empty or unreadable file "
+                       "left by a run that could not write it")
                 logger.warning(f"Run lock {self.path} is stale ({why}); taking it over")
                 with open(tmp, "rb") as src:
                     rec = src.read()
-                try:  # the record in place (under the flock: a concurrent starter waits on it)
-                    os.ftruncate(fd, 0)
+                try:  # this process's record in place of the old one (under the flock)
                     os.pwrite(fd, rec, 0)
+                    os.ftruncate(fd, len(rec))
                 except OSError as e:
                     os.close(fd)
                     raise self._unwritable(e) from None
