@@ -5,10 +5,11 @@
 Parses the same flags as ``torchtitan.train`` (torchtitan's ``ConfigManager``, with the ``[nsa]``,
 ``[ops]``, ... sections of ``[job] custom_config_module``) and runs torchtitan's ``main`` with the
 trainer subclass. Before torchtitan starts: the config file exists and is valid TOML, the training
-numbers are in range, the folders are writable and rank 0 locks the dump folder. User errors
+numbers are in range, the folders are writable and rank 0 locks the dump and checkpoint folders. User errors
 (:class:`nsa_flex.config.UserError`, config-parsing errors) are printed as one line, exit code 2;
 a non-finite step exits with 3 (:data:`nsa_flex.titan.ops.EXIT_NONFINITE`), a halted run (halt
-file, SIGTERM, Ctrl-C; a checkpoint to resume from) with 4 (:data:`nsa_flex.titan.ops.EXIT_HALTED`). ``nsa-train``
+file, SIGTERM, Ctrl-C; a checkpoint to resume from) with 4 (:data:`nsa_flex.titan.ops.EXIT_HALTED`).
+``--section.field true|false`` of a boolean field is accepted (:func:`bool_flags`). ``nsa-train``
 (:mod:`nsa_flex.titan.cli`) is this entry point plus the single-process environment and a default
 config.
 """
@@ -82,8 +83,9 @@ def bool_flags(args: list[str]) -> list[str]:
 
 
 def check_run(job_config) -> None:
-    """Before torchtitan starts (every error a :class:`UserError`): the training numbers are in
-    range, the folders are writable, and rank 0 holds the dump folder's lock."""
+    """Before torchtitan starts (every error a :class:`UserError`): the numbers are in range
+    (:func:`nsa_flex.titan.preflight.range_problems`), the folders are writable, and rank 0 holds
+    the dump and checkpoint folders' locks."""
     from .preflight import range_problems
 
     errs = range_problems(job_config)

@@ -8,8 +8,9 @@ The training loop is torchtitan's (``Trainer.train``); this subclass overrides f
     before torchtitan reads the device, then gives the checkpoint manager nsa_flex's checks
     (:class:`nsa_flex.titan.checkpoint.NSACheckpointManager`);
   * ``init_distributed``: right after the process group exists, :meth:`start_run_control`: rank 0
-    locks the dump folder (:mod:`nsa_flex.titan.runlock`), SIGTERM / SIGINT handlers, a gloo group
-    for the ranks' agreement, the ``[ops]`` monitor (stall watchdog, SIGUSR1 dumps, data wait);
+    locks the dump and checkpoint folders (:mod:`nsa_flex.titan.runlock`), SIGTERM / SIGINT
+    handlers, a gloo group for the ranks' agreement, the ``[ops]`` monitor (stall watchdog, SIGUSR1
+    dumps, data wait);
   * ``train_step``: after torchtitan's step (optimizer step done, checkpoint not yet saved),
     :meth:`end_of_step` decides whether to halt or to stop on a non-finite step;
   * ``should_continue_training``: False once halted (``training.steps`` is never changed).
@@ -32,7 +33,8 @@ every rank writes an ops dump (``stalls/step-N-rank-R.txt``) and raises
 code 3 from the entry point). The step's weights are never saved; the checkpoint of the step
 before (N - 1), finite but the state whose next loss was not (an exploding update is already in
 it), is moved to ``<checkpoint folder>/nonfinite/step-(N-1)`` by rank 0, so the newest checkpoint
-left, the one a rerun resumes from, is the last one whose next step's loss was finite. How one bad input spreads is described in :mod:`nsa_flex.titan.ops`.
+left, the one a rerun resumes from, is the last one whose next step's loss was finite. How one bad
+input spreads is described in :mod:`nsa_flex.titan.ops`.
 """
 
 import logging
