@@ -349,15 +349,18 @@ def test_old_checkpoint_that_cannot_be_removed_is_said(tmp_path, caplog):
     with tmpfs(tmp_path / "disk", "1m") as disk:
         for step in (1, 2, 3):
             _fake_ckpt(disk, step)
+        _fake_ckpt(disk, 4, complete=False)
         r = subprocess.run(["mount", "-o", "remount,ro", str(disk)], capture_output=True, text=True)
         if r.returncode:
             pytest.skip(f"cannot remount the tmpfs read-only: {r.stderr.strip()}")
-        assert ck.purge(str(disk), keep=2) == []
-        assert sorted(os.listdir(disk)) == ["step-1", "step-2", "step-3"]
+        assert ck.remove_partial(str(disk)) == []
+        assert ck.purge(str(disk), keep=3) == []
+        assert sorted(os.listdir(disk)) == ["step-1", "step-2", "step-3", "step-4"]
+        assert f"Could not remove the partial checkpoint {disk / 'step-4'} (Read-only file system" in caplog.text
         assert f"Could not delete the old checkpoint {disk / 'step-1'} (Read-only file system" in caplog.text
-        assert "Deleted" not in caplog.text
+        assert "Deleted" not in caplog.text and "Removed" not in caplog.text
         subprocess.run(["mount", "-o", "remount,rw", str(disk)], check=True)
-        assert ck.purge(str(disk), keep=2) == [str(disk / "step-1")]
+        assert ck.purge(str(disk), keep=3) == [str(disk / "step-1")]
         assert f"Deleted the old checkpoint {disk / 'step-1'}" in caplog.text
 
 
