@@ -244,6 +244,18 @@ def check_dcp_folder(path: str) -> str | None:
     return check_checksums(path)
 
 
+def _checked_on_rank0(path: str) -> str | None:
+    """:func:`check_dcp_folder` of ``path`` computed by rank 0 and sent to every rank (one read of
+    the files for the checksums, not one per rank)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return check_dcp_folder(path)
+    box = [check_dcp_folder(path) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def _steps(folder: str) -> list[int]:
     out = []
     for name in os.listdir(folder):
@@ -308,14 +320,14 @@ def load_checked(manager, original, step: int = -1) -> bool:
         return original(manager, step)
     remove_partial(folder)
     if step != -1:
-        why = check_dcp_folder(os.path.join(folder, f"step-{step}"))
+        why = _checked_on_rank0(os.path.join(folder, f"step-{step}"))
         if why and os.path.isdir(os.path.join(folder, f"step-{step}")):
             raise CheckpointError(f"checkpoint.load_step={step}: {os.path.join(folder, f'step-{step}')} is "
                                   f"damaged: {why}")
         return _load(manager, original, step)
     damaged = []
     for s in _steps(folder):
-        why = check_dcp_folder(os.path.join(folder, f"step-{s}"))
+        why = _checked_on_rank0(os.path.join(folder, f"step-{s}"))
         if why is None:
             if damaged and _rank0():
                 logger.warning(f"Resuming from the newest healthy checkpoint {os.path.join(folder, f'step-{s}')} "
