@@ -7,7 +7,8 @@ checkpoint manager, :mod:`nsa_flex.titan.trainer`) overrides ``load``: for a res
 each candidate, newest first, is checked without loading any tensor (:func:`check_dcp_folder`:
 the metadata unpickles, every storage file it names exists and is long enough, and every file
 matches the SHA-256 recorded in its ``checksums.json`` at save time, :func:`write_checksums`, so a
-same-size corruption is caught too); a damaged one is moved to ``<checkpoint folder>/damaged/step-N``
+same-size corruption is caught too; computed by rank 0, its verdict sent to every rank; one read
+of the checkpoint, like the hashing after each save); a damaged one is moved to ``<checkpoint folder>/damaged/step-N``
 with a warning naming it and why, and the next older one is tried. If every one is damaged: one
 :class:`CheckpointError`. An explicit ``load_step`` that is damaged is an error too (never silently
 another step). A checkpoint newer than ``training.steps`` is refused with one
