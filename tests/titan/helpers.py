@@ -50,3 +50,17 @@ def fill(folder: Path) -> None:
                 pass
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def running(cmd: list[str], log: Path):
+    """A training process started from the project root (output to ``log``), killed if still
+    running when the block ends."""
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, cwd=ROOT, env=launch_env(), stdout=f, stderr=subprocess.STDOUT)
+        try:
+            yield p
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()

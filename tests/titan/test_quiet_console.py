@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from nsa_flex.titan.ops import EXIT_HALTED
+from tests.titan.helpers import running
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "titan_configs" / "debug_nsa.toml"
@@ -56,28 +57,17 @@ def test_halted_run_does_not_say_completed(tmp_path):
     """A HALT file left from before the run is removed at its start (one warning); one created
     during the run halts it: "Training halted after step N", never "Training completed", exit 4."""
     (tmp_path / "HALT").write_text("")
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env["PYTHONPATH"] = str(ROOT)
-    log = tmp_path.parent / f"{tmp_path.name}.log"
-    with open(log, "w") as f:
-        p = subprocess.Popen([sys.executable, "-m", "nsa_flex.titan.cli", "--job.config_file", str(CONFIG),
-                              "--training.steps", "40", "--lr_scheduler.warmup_steps", "1",
-                              "--job.dump_folder", str(tmp_path), "--experimental.custom_import",
-                              "tests.titan.ops_test_data", "--model.name", "nsa_flex_slow"],
-                             cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.time() + 240
-            while '"step": 1,' not in ((tmp_path / "metrics.jsonl").read_text()
-                                       if (tmp_path / "metrics.jsonl").exists() else ""):
-                assert p.poll() is None and time.time() < deadline, log.read_text()[-3000:]
-                time.sleep(0.05)
-            (tmp_path / "HALT").write_text("")
-            p.wait(timeout=120)
-        finally:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    log, metrics = tmp_path.parent / f"{tmp_path.name}.log", tmp_path / "metrics.jsonl"
+    cmd = [sys.executable, "-m", "nsa_flex.titan.cli", "--job.config_file", str(CONFIG), "--training.steps", "40",
+           "--lr_scheduler.warmup_steps", "1", "--job.dump_folder", str(tmp_path),
+           "--experimental.custom_import", "tests.titan.ops_test_data", "--model.name", "nsa_flex_slow"]
+    with running(cmd, log) as p:
+        deadline = time.time() + 240
+        while '"step": 1,' not in (metrics.read_text() if metrics.exists() else ""):
+            assert p.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        (tmp_path / "HALT").write_text("")
+        p.wait(timeout=120)
     out = log.read_text()
     assert p.returncode == EXIT_HALTED, out[-3000:]
     assert f"ops: halt file {tmp_path / 'HALT'} was left from before this run" in out
