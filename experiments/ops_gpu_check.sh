@@ -9,7 +9,7 @@
 #   stall  the data loader blocks at batch 3: the watchdog (limit 20 s after the first step) must
 #          dump stacks + CUDA memory summary and exit with code 75                 (nsa_flex_block)
 #   halt   the loader sleeps 0.15 s per batch (same data): SIGUSR1 to every rank after step 5 must
-#          dump while training goes on; then OUT/halt/HALT -> checkpoint + exit 0  (nsa_flex_slow)
+#          dump while training goes on; then OUT/halt/HALT -> checkpoint + exit 4  (nsa_flex_slow)
 #   resume the same command again: must start after the halt step; its losses are compared with ref
 # Prints one line per check (WATCHDOG, SIGUSR1, HALT/RESUME: PASS/FAIL ...) and writes them to
 # OUT/ops_gpu_check.txt; logs in OUT/<run>.log, dump folders OUT/<run>/. Exit 0 when all pass.
@@ -116,7 +116,8 @@ started = re.findall(r"Training starts at step (\d+)", log)
 common = [s for s in range(1, steps + 1) if s in ref and (s in before or s in res)]
 diffs = [abs(ref[s] - (before[s] if s <= n else res[s])) for s in common]
 dmax = max(diffs, default=float("nan"))
-good = (halt_rc == 0 and resume_rc == 0 and ref_rc == 0 and 0 < n < steps and sorted(res) == list(range(n + 1, steps + 1))
+halted = halt_rc == 4 or (halt_rc != 0 and "exitcode: 4" in log)  # a halt exits 4; torchrun exits 1 naming it
+good = (halted and resume_rc == 0 and ref_rc == 0 and 0 < n < steps and sorted(res) == list(range(n + 1, steps + 1))
         and os.path.isdir(f"{out}/halt/checkpoint/step-{n}") and not os.path.exists(f"{out}/halt/HALT")
         and str(n + 1) in started and len(common) == steps and dmax <= tol)
 report("HALT/RESUME", good,

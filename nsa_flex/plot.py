@@ -39,16 +39,19 @@ def metrics_file(path: str) -> str:
 def read_metrics(path: str) -> dict[int, dict]:
     """step -> merged record of ``path`` (a dump folder or a .jsonl file). Records of one step are
     merged (telemetry may be a record of its own); a resume record drops the later steps logged
-    before it (they are logged again)."""
+    before it (they are logged again); a line that is not JSON (a write cut short) is skipped with
+    a warning on stderr."""
     steps: dict[int, dict] = {}
-    with open(metrics_file(path)) as f:
+    bad: list[int] = []
+    with open(metrics_file(path), errors="replace") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
                 rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise PlotError(f"{f.name}:{n}: not a JSON line ({e.msg})") from None
+            except json.JSONDecodeError:
+                bad.append(n)  # a write cut short (a kill, a full disk): skipped, said below
+                continue
             step = rec.get("step")
             if not isinstance(step, int):
                 continue
@@ -56,6 +59,9 @@ def read_metrics(path: str) -> dict[int, dict]:
                 steps = {s: r for s, r in steps.items() if s <= step}
                 continue
             steps.setdefault(step, {}).update(rec)
+    if bad:
+        print(f"nsa_flex.plot: warning: {f.name}: skipped {len(bad)} line(s) that are not JSON (a write cut "
+              f"short), line {', '.join(map(str, bad[:5]))}{' ...' if len(bad) > 5 else ''}", file=sys.stderr)
     return dict(sorted(steps.items()))
 
 

@@ -38,6 +38,18 @@ def test_read_metrics_merges_steps_and_honours_resume(tmp_path):
     assert run[3]["loss_metrics/global_avg_loss"] == 3.5 and sorted(run) == [1, 2, 3]
 
 
+def test_a_line_cut_short_is_skipped_with_a_warning(tmp_path, capsys):
+    """A last line cut short by a full disk or a kill (and one an older version appended onto)
+    does not stop the plot: the line is skipped and named on stderr."""
+    f = _write_run(tmp_path / "run", 3, telemetry=False) / "metrics.jsonl"
+    text = f.read_text().splitlines(keepends=True)
+    f.write_text(text[0] + text[1][:25] + text[2] + text[2][:30])  # step 3 appended onto the cut step 2
+    run = plot.read_metrics(str(f))
+    assert sorted(run) == [1]
+    err = capsys.readouterr().err
+    assert f"nsa_flex.plot: warning: {f}: skipped 2 line(s) that are not JSON (a write cut short), line 2, 3" in err
+
+
 def test_plot_draws_every_panel_for_two_runs(tmp_path):
     a = _write_run(tmp_path / "nsa", 10, telemetry=True)
     b = _write_run(tmp_path / "full_causal", 10, telemetry=False, loss0=6.5)

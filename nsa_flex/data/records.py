@@ -98,17 +98,26 @@ def _parquet_rows(path: str, text_column: str) -> Iterator[tuple[str, object, st
         pf = pq.ParquetFile(path)
     except Exception as e:
         raise DatasetError(f"corrupt or unreadable data file {path!r}: {type(e).__name__}: {e}") from e
+    import pyarrow as pa
+
     row0 = 0
     for g in range(pf.num_row_groups):
         n = pf.metadata.row_group(g).num_rows
-        try:
-            col = pf.read_row_group(g, columns=[text_column]).column(text_column).to_pylist()
+        try:  # as bytes: Arrow does not check UTF-8, each value is decoded (and judged) on its own
+            col = pf.read_row_group(g, columns=[text_column]).column(text_column).cast(pa.large_binary()).to_pylist()
         except Exception as e:
-            yield f"rows {row0}..{row0 + n - 1} (row group {g})", None, f"unreadable: {type(e).__name__}: {e}"
+            why = f"unreadable row group {g} (rows {row0}..{row0 + n - 1}): {type(e).__name__}: {e}"
+            for i in range(n):  # every row of it is lost: each one counts
+                yield f"row {row0 + i}", None, why
             row0 += n
             continue
-        for i, text in enumerate(col):
-            why = None if isinstance(text, str) else f"{text_column!r} is null"  # a string column
+        for i, raw in enumerate(col):
+            text, why = None, f"{text_column!r} is null"
+            if raw is not None:
+                try:
+                    text, why = raw.decode("utf-8"), None
+                except UnicodeDecodeError as e:
+                    why = f"not UTF-8 ({e.reason} at byte {e.start})"
             yield f"row {row0 + i}", text, why
         row0 += n
 

@@ -5,10 +5,14 @@ torchtitan 0.2.2's ``CheckpointManager.load`` takes the highest ``step-N`` folde
 inside DCP (a bare EOFError naming no file). :class:`NSACheckpointManager` (the trainer's
 checkpoint manager, :mod:`nsa_flex.titan.trainer`) overrides ``load``: for a resume from the latest checkpoint (``load_step = -1``)
 each candidate, newest first, is checked without loading any tensor (:func:`check_dcp_folder`:
-the metadata unpickles, every storage file it names exists and is long enough); a damaged one is
-moved to ``<checkpoint folder>/damaged/step-N`` with a warning naming it and why, and the next
-older one is tried. If every one is damaged: one :class:`CheckpointError`. An explicit
-``load_step`` that is damaged is an error too (never silently another step).
+the metadata unpickles, every storage file it names exists and is long enough, and every file
+matches the SHA-256 recorded in its ``checksums.json`` at save time, :func:`write_checksums`, so a
+same-size corruption is caught too; computed by rank 0, its verdict sent to every rank; one read
+of the checkpoint, like the hashing after each save); a damaged one is moved to ``<checkpoint folder>/damaged/step-N``
+with a warning naming it and why, and the next older one is tried. If every one is damaged: one
+:class:`CheckpointError`. An explicit ``load_step`` that is damaged is an error too (never silently
+another step). A checkpoint newer than ``training.steps`` is refused with one
+:class:`CheckpointError` (torchtitan's lr schedule would fail an assertion).
 
 At the start (the same ``load`` call) rank 0 also removes partial ``step-N`` folders (no
 ``.metadata``: a save cut short by a kill or a full disk; torchtitan would count them in
@@ -22,16 +26,21 @@ restored step.
 
 ``save`` is overridden too: the model must be finite (a NaN model is never saved:
 :class:`nsa_flex.titan.ops.NonFiniteError`); a full disk during the save (ENOSPC, or torch's
-"unexpected pos" of a short write) removes the partial folder and raises one
-:class:`DiskSpaceError` naming the folder and the free space; after a save rank 0 writes the
-config record beside the checkpoint and keeps exactly ``keep_latest_k`` step folders (torchtitan
-0.2.2 does not purge after its last-step save).
+"unexpected pos" of a short write, also wrapped in DCP's ``CheckpointException``, which is no
+``Exception``) removes the partial folder and raises one :class:`DiskSpaceError` naming the folder
+and the free space; after a save rank 0 writes the config record and the checksums beside the
+checkpoint and keeps exactly ``keep_latest_k`` step folders (torchtitan 0.2.2 does not purge after
+its last-step save). Old folders are removed at once by rank 0 (:func:`purge`), a folder that could
+not be removed is logged as such (torchtitan's purge thread logs "deleted" whatever happened).
 """
 
 import errno
+import hashlib
+import json
 import os
 import re
 import shutil
+import time
 
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.tools.logging import logger
@@ -40,6 +49,7 @@ from nsa_flex.config import UserError
 from nsa_flex.titan.runlock import existing_folder
 
 DAMAGED = "damaged"  # sub-folder of the checkpoint folder (no "step-N" name: torchtitan ignores it)
+CHECKSUMS = "checksums.json"  # in each step folder: {"sha256": {relative path: hex digest}}
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -72,6 +82,17 @@ def _folder_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
 
 
+def _remove(path: str) -> str | None:
+    """Remove the folder ``path``; why it is (partly) still there, or None."""
+    try:
+        shutil.rmtree(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        return f"{e.strerror or type(e).__name__}: {e.filename or path}"
+    return None
+
+
 def remove_partial(folder: str) -> list[str]:
     """Remove the ``step-N`` folders of ``folder`` that hold no ``.metadata`` (rank 0); their paths."""
     gone = []
@@ -81,7 +102,10 @@ def remove_partial(folder: str) -> list[str]:
         path = os.path.join(folder, name)
         if re.fullmatch(r"step-\d+", name) and os.path.isdir(path) and \
                 not os.path.isfile(os.path.join(path, ".metadata")):
-            shutil.rmtree(path, ignore_errors=True)
+            why = _remove(path)
+            if why:
+                logger.warning(f"Could not remove the partial checkpoint {path} ({why}): remove it by hand")
+                continue
             logger.warning(f"Removed {path}: a partial checkpoint (no .metadata: the save was cut short)")
             gone.append(path)
     return gone
@@ -146,6 +170,56 @@ def rebuild_schedule(manager) -> None:
                     "at the restored step")
 
 
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _data_files(path: str) -> list[str]:
+    """The files of a step folder, relative, but the records written beside the checkpoint."""
+    from . import run_record
+
+    out = []
+    for root, _, files in os.walk(path):
+        for f in files:
+            rel = os.path.relpath(os.path.join(root, f), path)
+            if rel not in (CHECKSUMS, run_record.FILE):
+                out.append(rel)
+    return sorted(out)
+
+
+def write_checksums(path: str) -> None:
+    """Write ``path/checksums.json``: the SHA-256 of every file of the step folder ``path``
+    (written to a temporary name, then renamed: never half-written)."""
+    t0 = time.monotonic()
+    sums = {rel: _sha256(os.path.join(path, rel)) for rel in _data_files(path)}
+    tmp = os.path.join(path, CHECKSUMS + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({"sha256": sums}, f, indent=0)
+    os.replace(tmp, os.path.join(path, CHECKSUMS))
+    logger.info(f"Checksums of {path}: {len(sums)} files, {_folder_bytes(path) / 2**20:.1f} MiB in "
+                f"{time.monotonic() - t0:.2f} s")
+
+
+def check_checksums(path: str) -> str | None:
+    """Why the files of ``path`` do not match its ``checksums.json`` (None: they do, or it has
+    none: a checkpoint of an older nsa-flex, checked by size only)."""
+    try:
+        with open(os.path.join(path, CHECKSUMS)) as f:
+            sums = json.load(f)["sha256"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{CHECKSUMS} is unreadable ({type(e).__name__}: {e})"
+    for rel, digest in sorted(sums.items()):
+        f = os.path.join(path, rel)
+        if not os.path.isfile(f):
+            return f"data file {rel} is missing"
+        if _sha256(f) != digest:
+            return f"data file {rel} does not match its SHA-256 recorded at save (its bytes changed)"
+    return None
+
+
 def check_dcp_folder(path: str) -> str | None:
     """Why the DCP checkpoint folder ``path`` cannot be loaded, or None if it looks complete."""
     from torch.distributed.checkpoint import FileSystemReader
@@ -168,7 +242,19 @@ def check_dcp_folder(path: str) -> str | None:
         have = os.path.getsize(f)
         if have < size:
             return f"data file {rel} is truncated ({have} of {size} bytes)"
-    return None
+    return check_checksums(path)
+
+
+def _checked_on_rank0(path: str) -> str | None:
+    """:func:`check_dcp_folder` of ``path`` computed by rank 0 and sent to every rank (one read of
+    the files for the checksums, not one per rank)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return check_dcp_folder(path)
+    box = [check_dcp_folder(path) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _steps(folder: str) -> list[int]:
@@ -199,9 +285,21 @@ def _set_aside(folder: str, step: int, why: str) -> str:
     return dst
 
 
+def check_steps(manager, step: int) -> None:
+    """The checkpoint's ``step`` lies within ``training.steps``; else one :class:`CheckpointError`
+    saying what to do (torchtitan's lr schedule would stop on an assertion)."""
+    jc = _job_config(manager)
+    steps = getattr(getattr(jc, "training", None), "steps", None)
+    if isinstance(steps, int) and step > steps:
+        path = os.path.join(manager.folder, f"step-{step}")
+        raise CheckpointError(f"checkpoint {path} is at step {step}, past --training.steps={steps}: pass "
+                              f"--training.steps above {step} to train on, or start in a new --job.dump_folder")
+
+
 def _load(manager, original, step: int) -> bool:
     path = os.path.join(manager.folder, f"step-{step}")
     if step > 0 and os.path.isdir(path):
+        check_steps(manager, step)
         check_config(manager, path)
     loaded = original(manager, step)
     if loaded and step > 0:  # mark the resume in metrics.jsonl: the replayed steps follow
@@ -223,15 +321,19 @@ def load_checked(manager, original, step: int = -1) -> bool:
         return original(manager, step)
     remove_partial(folder)
     if step != -1:
-        why = check_dcp_folder(os.path.join(folder, f"step-{step}"))
+        why = _checked_on_rank0(os.path.join(folder, f"step-{step}"))
         if why and os.path.isdir(os.path.join(folder, f"step-{step}")):
             raise CheckpointError(f"checkpoint.load_step={step}: {os.path.join(folder, f'step-{step}')} is "
                                   f"damaged: {why}")
         return _load(manager, original, step)
     damaged = []
     for s in _steps(folder):
-        why = check_dcp_folder(os.path.join(folder, f"step-{s}"))
+        why = _checked_on_rank0(os.path.join(folder, f"step-{s}"))
         if why is None:
+            if damaged and _rank0():
+                logger.warning(f"Resuming from the newest healthy checkpoint {os.path.join(folder, f'step-{s}')} "
+                               f"({len(damaged)} newer one(s) damaged, set aside under "
+                               f"{os.path.join(folder, DAMAGED)})")
             return _load(manager, original, s)
         damaged.append(f"step-{s}: {why}")
         _set_aside(folder, s, why)
@@ -251,9 +353,21 @@ def _model_finite(manager) -> bool:
                           .sum().isfinite())
 
 
-def _space_error(e: BaseException) -> bool:
-    return (isinstance(e, OSError) and e.errno == errno.ENOSPC) or (
-        isinstance(e, RuntimeError) and "unexpected pos" in str(e))
+def _space_error(e: BaseException | None, depth: int = 0) -> BaseException | None:
+    """The full-disk error that ``e`` is or wraps (ENOSPC, torch's "unexpected pos" of a short
+    write; within DCP's ``CheckpointException``, a ``BaseException`` holding each rank's error, or
+    a cause), else None."""
+    if e is None or depth > 8:
+        return None
+    if (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or (
+            isinstance(e, RuntimeError) and "unexpected pos" in str(e)):
+        return e
+    failures = getattr(e, "failures", None)
+    for f in (failures.values() if isinstance(failures, dict) else ()):
+        found = _space_error(f[0] if isinstance(f, tuple) else f, depth + 1)
+        if found is not None:
+            return found
+    return _space_error(e.__cause__ or e.__context__, depth + 1)
 
 
 def save_checked(manager, original, curr_step: int, last_step: bool = False) -> None:
@@ -268,13 +382,14 @@ def save_checked(manager, original, curr_step: int, last_step: bool = False) -> 
     path = os.path.join(manager.folder, f"step-{curr_step}")
     try:
         original(manager, curr_step, last_step)
-    except (OSError, RuntimeError) as e:
-        if not _space_error(e):
+    except BaseException as e:  # DCP's CheckpointException is not an Exception
+        full = _space_error(e)
+        if full is None:
             raise
         if _rank0():
             shutil.rmtree(path, ignore_errors=True)
         raise DiskSpaceError(f"checkpoint folder {manager.folder}: the disk is full ({_gib(_free(manager.folder))} "
-                             f"free) while saving step {curr_step} ({type(e).__name__}: {e}); the partial "
+                             f"free) while saving step {curr_step} ({type(full).__name__}: {full}); the partial "
                              f"{path} is removed, older checkpoints are intact: free space and rerun to "
                              "resume") from None
     if _rank0() and os.path.isdir(path):
@@ -283,8 +398,29 @@ def save_checked(manager, original, curr_step: int, last_step: bool = False) -> 
         jc = _job_config(manager)
         if jc is not None:
             run_record.write(path, jc)
+        if getattr(manager, "async_mode", "disabled") == "disabled":
+            write_checksums(path)  # an async save may still be writing: checked by size only
         if last_step:
             manager._purge_stale_checkpoints()
+
+
+def purge(folder: str, keep: int) -> list[str]:
+    """Remove all but the newest ``keep`` ``step-N`` folders of ``folder`` now (rank 0); each removal
+    logged as done or, when a folder could not be removed, as a warning with why. The removed paths."""
+    if keep <= 0 or not _rank0() or not os.path.isdir(folder):
+        return []
+    found = sorted((int(m.group(1)), os.path.join(folder, n)) for n in os.listdir(folder)
+                   if (m := re.fullmatch(r"step-(\d+)", n)))
+    gone = []
+    for _, path in found[:-keep]:
+        why = _remove(path)
+        if why:
+            logger.warning(f"Could not delete the old checkpoint {path} ({why}); it still takes disk space: "
+                           "remove it by hand")
+        else:
+            logger.info(f"Deleted the old checkpoint {path}")
+            gone.append(path)
+    return gone
 
 
 class NSACheckpointManager(CheckpointManager):
@@ -301,6 +437,9 @@ class NSACheckpointManager(CheckpointManager):
         if curr_step == self.halt_step:
             last_step, self.last_save_model_only = True, False
         return save_checked(self, CheckpointManager.save, curr_step, last_step)
+
+    def _purge_stale_checkpoints(self) -> None:
+        purge(self.folder, self.keep_latest_k)
 
 
 def adopt(manager: CheckpointManager) -> NSACheckpointManager:

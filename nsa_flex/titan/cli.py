@@ -16,13 +16,14 @@ User errors (an invalid config value, unknown flavor or field, a TOML syntax err
 or checkpoint: :class:`nsa_flex.config.UserError` and config-parsing errors) are printed as one
 short message on stderr, exit code 2; a traceback only for real bugs.
 
-Exit codes: 0 done (or halted by the halt file, SIGTERM or a first Ctrl-C, with a checkpoint to
-resume from); 2 a user error; 3 the loss or the gradient norm was not finite (the non-finite
-guard, :mod:`nsa_flex.titan.trainer`: nothing saved from that step on, the last checkpoint is the last
-finite one); ``[ops] stall_exit_code`` after a stall dump.
+Exit codes (docs/operations.md lists every fault): 0 done; 2 a user error (a full disk, a locked
+folder, no usable checkpoint included); 3 the loss or the gradient norm was not finite (the
+non-finite guard, :mod:`nsa_flex.titan.trainer`: nothing saved from that step on, the checkpoint
+that led to it set aside); 4 halted by the halt file, SIGTERM or a first Ctrl-C, with a checkpoint
+to resume from; ``[ops] stall_exit_code`` after a stall dump.
 
-One run per dump folder: rank 0 locks it (:mod:`nsa_flex.titan.runlock`) before torchtitan starts;
-a second run on it stops at once with one message naming the holder.
+One run per dump folder and per checkpoint folder: rank 0 locks them (:mod:`nsa_flex.titan.runlock`)
+before torchtitan starts; a second run on either stops at once with one message naming the holder.
 
 ``nsa-train --preflight ...`` (same config and overrides) checks the launch instead of training and
 exits 0 only when every check passes (:mod:`nsa_flex.titan.preflight`).
@@ -78,11 +79,14 @@ def check_config_file(args: list[str]) -> None:
     """The --job.config_file exists and is valid TOML (torchtitan would log a traceback)."""
     import tomllib
 
-    path = next((a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else "")
-                 for i, a in enumerate(args) if a.split("=", 1)[0] in ("--job.config_file", "--job.config-file")),
-                None)
-    if path is None:
+    paths = [a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else "")
+             for i, a in enumerate(args) if a.split("=", 1)[0] in ("--job.config_file", "--job.config-file")]
+    if len(paths) > 1:  # torchtitan reads the first one only
+        raise ValueError(f"--job.config_file given {len(paths)} times ({', '.join(map(repr, paths))}): give one "
+                         "config file, and change its values with --section.field options")
+    if not paths:
         return
+    path = paths[0]
     if not os.path.isfile(path):
         raise ValueError(f"--job.config_file {path!r} does not exist")
     try:
@@ -131,15 +135,18 @@ def main(argv: list[str] | None = None) -> None:
     from .curriculum import drive, phase_args, wants_driver
 
     if wants_driver(args):  # [curriculum]: the short phase, then the long one, each its own process
-        sys.exit(drive(args))
+        from .train import bool_flags
+
+        sys.exit(drive(bool_flags(args)))
     setup_env()
     if "--preflight" in args:
         from nsa_flex.config import UserError
 
         from .preflight import main as preflight
+        from .train import bool_flags
 
         try:
-            args = phase_args([a for a in args if a != "--preflight"])
+            args = bool_flags(phase_args(bool_flags([a for a in args if a != "--preflight"])))
         except UserError as e:
             sys.exit(_user_error(str(e)))
         sys.exit(preflight(args, full=full))

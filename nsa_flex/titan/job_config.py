@@ -151,7 +151,8 @@ class Ops:
     """SIGUSR1 (kill -USR1 PID of a rank) writes the same dump without stopping the run"""
     halt_file: str = "HALT"
     """creating <dump_folder>/<halt_file> makes every rank stop after the current step, save a
-    (full, resumable) checkpoint and exit 0; the file is removed. "" = off"""
+    (full, resumable) checkpoint and exit with code 4; the file is removed (one found at the start,
+    left from before the run, is removed with a warning). "" = off"""
     halt_on_sigterm: bool = True
     """SIGTERM and a first Ctrl-C (SIGINT) do the same as the halt file (a second one stops at once)"""
     halt_on_nonfinite: bool = True

@@ -5,7 +5,12 @@ Each logged step appends one JSON line on rank 0: ``{"step", "time", "loss_metri
 (the console line rounds the loss to 5 decimals). Validation lines carry ``validation_metrics/*``.
 A resume from a checkpoint appends ``{"step": N, "event": "resume", "checkpoint_step": N,
 "checkpoint": ...}`` first (:func:`note_resume`): later records of steps > N replace the earlier
-run's records of the same steps.
+run's records of the same steps. The file is opened at the first record (after the checkpoint
+load, :func:`open_records`): a run that did not resume never appends to an earlier run's records
+(they are moved to ``metrics.1.jsonl``, the first free number, with a warning); a last line cut
+short (a kill or a full disk mid-write) is dropped, with a warning, before anything is appended.
+Each record is one write; a write that fails (a full disk) is undone, so no partial line stays,
+and the run stops with one :class:`nsa_flex.titan.checkpoint.DiskSpaceError`.
 
 NSA telemetry (``[nsa] telemetry_every = N > 0``; see :mod:`nsa_flex.telemetry` for the design and
 the quantities): when the trainer hands the model to the processor (``model_parts``), recording is
@@ -93,29 +98,95 @@ def note_resume(step: int, checkpoint: str) -> None:
     "checkpoint_step": N, "checkpoint": path}``. The steps logged after it replace earlier records
     of the same steps (a reader keeps the last value of each step)."""
     for lg in list(_OPEN):
+        lg.resumed = True
         lg.log_event({"event": "resume", "checkpoint_step": step, "checkpoint": checkpoint}, step)
+
+
+def _cut_partial_line(path: str) -> int:
+    """Drop a last line without its newline from ``path`` (a write cut short); bytes dropped."""
+    with open(path, "rb+") as f:
+        end = f.seek(0, os.SEEK_END)
+        pos = end
+        while pos > 0:
+            n = min(65536, pos)
+            f.seek(pos - n)
+            chunk = f.read(n)
+            if pos == end and chunk.endswith(b"\n"):
+                return 0
+            i = chunk.rfind(b"\n")
+            if i >= 0:
+                f.truncate(pos - n + i + 1)
+                return end - (pos - n + i + 1)
+            pos -= n
+        f.truncate(0)
+        return end
+
+
+def _free_name(path: str) -> str:
+    root, ext = os.path.splitext(path)
+    k = 1
+    while os.path.exists(f"{root}.{k}{ext}"):
+        k += 1
+    return f"{root}.{k}{ext}"
+
+
+def open_records(path: str, resumed: bool):
+    """``path`` opened to append records (unbuffered binary). A resumed run appends (a partial
+    last line dropped first); a run from step 0 moves an earlier run's records aside."""
+    if os.path.isfile(path) and os.path.getsize(path) > 0:
+        if resumed:
+            cut = _cut_partial_line(path)
+            if cut:
+                log.warning(f"Metrics file {path}: dropped its last line ({cut} bytes without a newline: a write "
+                            "cut short by a kill or a full disk)")
+        else:
+            old = _free_name(path)
+            os.rename(path, old)
+            log.warning(f"Metrics file {path} held the records of an earlier run that this run does not resume: "
+                        f"moved to {old}; this run's records start a new {os.path.basename(path)}")
+    return open(path, "ab", buffering=0)
 
 
 class JsonlLogger(BaseLogger):
     def __init__(self, path: str):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.path = path
-        self._f = open(path, "a", buffering=1)
+        self.resumed = False  # set by note_resume before the first record
+        self._f = None  # opened at the first record (open_records)
+        self._closed = False
         _OPEN.add(self)
 
+    def _write(self, rec: dict) -> None:
+        if self._closed:
+            return
+        if self._f is None:
+            self._f = open_records(self.path, self.resumed)
+        data = memoryview((json.dumps(rec) + "\n").encode())
+        start = self._f.seek(0, os.SEEK_END)
+        try:
+            done = 0
+            while done < len(data):
+                done += self._f.write(data[done:])
+        except OSError as e:
+            self._f.truncate(start)  # no partial record stays behind
+            from .checkpoint import DiskSpaceError, _space_error
+
+            if _space_error(e) is None:
+                raise
+            raise DiskSpaceError(f"metrics file {self.path}: the disk is full while writing the record of step "
+                                 f"{rec.get('step')} ({e.strerror}); the records so far are intact: free space "
+                                 "and rerun to resume from the last checkpoint") from None
+
     def log_event(self, fields: dict, step: int) -> None:
-        if not self._f.closed:
-            self._f.write(json.dumps({"step": step, "time": time.time(), **fields}) + "\n")
-            self._f.flush()
+        self._write({"step": step, "time": time.time(), **fields})
 
     def log(self, metrics: dict, step: int) -> None:
-        rec = {"step": step, "time": time.time(), **{k: _plain(v) for k, v in metrics.items()
-                                                     if not (k == "mfu(%)" and v != v)}}  # NaN: no peak FLOPS
-        self._f.write(json.dumps(rec) + "\n")
-        self._f.flush()
+        self._write({"step": step, "time": time.time(), **{k: _plain(v) for k, v in metrics.items()
+                                                           if not (k == "mfu(%)" and v != v)}})  # NaN: no peak FLOPS
 
     def close(self) -> None:
-        if not self._f.closed:
+        self._closed = True
+        if self._f is not None and not self._f.closed:
             self._f.close()
 
 

@@ -99,6 +99,8 @@ class OpsConfigError(ValueError):
 
 
 EXIT_NONFINITE = 3  # nsa-train's exit code when the non-finite guard stops a run
+EXIT_HALTED = 4  # nsa-train's exit code after a halt (halt file, SIGTERM, Ctrl-C): a checkpoint to resume
+NONFINITE_DIR = "nonfinite"  # under the checkpoint folder: checkpoints set aside by the non-finite guard
 
 
 class NonFiniteError(RuntimeError):

@@ -91,6 +91,22 @@ def _err(e: BaseException) -> str:
 
 
 # ----------------------------------------------------------------------------- config
+def range_problems(jc) -> list[str]:
+    """The numbers a run needs in range (also checked by every training run before torchtitan
+    starts: torchtitan and torch fail on them with a raw error)."""
+    t, opt, ck = jc.training, jc.optimizer, jc.checkpoint
+    probs = [f"{name}={v!r}: must be an integer >= 1"
+             for name, v in (("training.steps", t.steps), ("training.local_batch_size", t.local_batch_size),
+                             ("training.seq_len", t.seq_len), ("metrics.log_freq", jc.metrics.log_freq))
+             if not isinstance(v, int) or isinstance(v, bool) or v < 1]
+    probs += [f"optimizer.{name}={v!r}: must be a number >= 0"
+              for name in ("lr", "eps", "weight_decay")
+              if not isinstance(v := getattr(opt, name), (int, float)) or not v >= 0]
+    if ck.enable and (not isinstance(ck.interval, int) or ck.interval < 1):
+        probs.append(f"checkpoint.interval={ck.interval!r}: must be an integer >= 1")
+    return probs
+
+
 def config_problems(jc) -> list[str]:
     """Every problem of a parsed JobConfig that can be found without building anything."""
     from nsa_flex import telemetry as tm
@@ -120,10 +136,7 @@ def config_problems(jc) -> list[str]:
     except ValueError as e:
         probs.append(str(e))
     probs.extend(ops.validate(jc.ops))
-    for name, v, lo in (("training.steps", t.steps, 1), ("training.local_batch_size", t.local_batch_size, 1),
-                        ("training.seq_len", t.seq_len, 1), ("metrics.log_freq", jc.metrics.log_freq, 1)):
-        if not isinstance(v, int) or v < lo:
-            probs.append(f"{name}={v!r}: must be an integer >= {lo}")
+    probs.extend(range_problems(jc))
     if t.dataset.lower() not in DATASET_CHOICES:
         probs.append(f"training.dataset={t.dataset!r}: choices {list(DATASET_CHOICES)}")
     mix = passkey_mix_of(t)
@@ -140,8 +153,6 @@ def config_problems(jc) -> list[str]:
     for name in ("tensor_parallel_degree", "context_parallel_degree", "pipeline_parallel_degree"):
         if getattr(par, name) != 1:
             probs.append(f"parallelism.{name}={getattr(par, name)!r}: nsa_flex supports data parallelism only (1)")
-    if jc.checkpoint.enable and (not isinstance(jc.checkpoint.interval, int) or jc.checkpoint.interval < 1):
-        probs.append(f"checkpoint.interval={jc.checkpoint.interval!r}: must be an integer >= 1")
     if jc.activation_checkpoint.mode not in AC_MODES:
         probs.append(f"activation_checkpoint.mode={jc.activation_checkpoint.mode!r}: choices {list(AC_MODES)}")
     bad = [c for c in jc.compile.components if c not in ("model", "loss")]
@@ -214,7 +225,8 @@ def check_dump_folder(cl: Checklist, jc) -> None:
         probs.append(f"job.dump_folder={d!r} is not writable: {_err(e)}")
     halt = os.path.join(d, jc.ops.halt_file) if jc.ops.halt_file else None
     if halt and os.path.exists(halt):
-        probs.append(f"halt file {halt} exists: the run would stop after its first step (remove it)")
+        probs.append(f"halt file {halt} exists, left from before this run: the run removes it at its start with a "
+                     "warning (a halt asked for now would be lost; remove it)")
     cl.add(FAIL if probs else OK, "dump folder", f"{os.path.abspath(d)} writable (dumps in {STALLS_DIR}/)"
            if not probs else os.path.abspath(d), probs)
 

@@ -1,19 +1,32 @@
-"""One run per dump folder, and folders a run can write, checked before training starts.
+"""One run per dump folder and per checkpoint folder, and folders a run can write, checked before
+training starts.
 
-:class:`DumpLock`: rank 0 holds ``<dump_folder>/.nsa-run.lock`` for the whole run. The file holds
-the holder's pid, host and start time (JSON). It is created atomically (``O_CREAT | O_EXCL``); a
-lock whose holder is on this host and no longer alive is stale and taken over (with a warning); a
-live holder, or one on another host (its liveness cannot be seen from here), refuses the run with
-one :class:`RunLockError` naming the folder and the holder. Released (the file removed) when the
-run ends, on an error too (``release`` and an ``atexit`` hook); a process killed with SIGKILL
-leaves a stale lock, which the next run takes over. Acquiring again from the holding process is a
-no-op, so ``nsa-train`` may take it before torchtitan starts and the trainer again.
+:class:`DumpLock`: rank 0 holds ``<dump_folder>/.nsa-run.lock`` for the whole run: an exclusive
+``flock`` on that file, held while the process lives (the kernel drops it when the process ends,
+SIGKILL included). The file also holds the holder's pid, host and start time (JSON), for the
+message only. A lock file whose ``flock`` can be taken has no live holder (a killed run, a pid
+now used by another process, an empty file left by a full disk): it is taken over with a warning.
+A held one refuses the run with one :class:`RunLockError` naming the folder and the holder. A
+file naming another host is refused too (a network filesystem may not share locks between
+hosts). Released (the file removed, then unlocked) when the run ends, on an error too
+(``release`` and an ``atexit`` hook). Acquiring again from the holding process is a no-op, so
+``nsa-train`` may take it before torchtitan starts and the trainer again. The holder's record is
+written before the file gets its name (a temporary file, hard-linked), so a full disk never
+leaves an empty lock file; it fails as one :class:`FolderNotWritable`.
+
+:func:`lock_run`: the dump folder's lock and, with ``[checkpoint] enable``, the checkpoint
+folder's (``<parent>/.<name>.nsa-run.lock`` beside it: the folder itself must not be created
+before torchtitan looks for it), so two runs with different dump folders and one
+``--checkpoint.folder`` are refused too.
 
 :func:`check_writable`: the dump folder (created if missing) and, with ``[checkpoint] enable``,
-the checkpoint folder accept a new file; else one :class:`FolderNotWritable` naming the folder.
+the checkpoint folder accept a new file with one byte; else one :class:`FolderNotWritable`
+naming the folder (a full disk too).
 """
 
 import atexit
+import errno
+import fcntl
 import json
 import os
 import socket
@@ -33,16 +46,6 @@ class FolderNotWritable(UserError, OSError):
     """A folder the run writes into cannot be written."""
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by another user
-        return True
-    return True
-
-
 def _describe(holder: dict) -> str:
     started = holder.get("started")
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if isinstance(started, (int, float)) else "?"
@@ -50,10 +53,15 @@ def _describe(holder: dict) -> str:
 
 
 class DumpLock:
-    def __init__(self, dump_folder: str):
-        self.folder = os.path.abspath(dump_folder)
-        self.path = os.path.join(self.folder, LOCK_NAME)
+    """The lock of one folder: ``path`` (default ``<folder>/.nsa-run.lock``); ``what`` names the
+    folder in messages."""
+
+    def __init__(self, folder: str, path: str | None = None, what: str = "dump folder"):
+        self.folder = os.path.abspath(folder)
+        self.path = path or os.path.join(self.folder, LOCK_NAME)
+        self.what = what
         self.held = False
+        self._fd: int | None = None
 
     def _read(self) -> dict | None:
         try:
@@ -62,61 +70,126 @@ class DumpLock:
         except FileNotFoundError:
             return None
         except (OSError, ValueError):
-            return {}  # unreadable or half-written: treated as a holder we cannot identify
+            return {}  # unreadable or empty: a holder we cannot identify
 
-    def _create(self) -> bool:
+    def _record(self) -> str:
+        """A temporary file beside the lock holding this process's record (never half-written)."""
+        tmp = None
         try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.path), prefix=".nsa-lock-")
+            with os.fdopen(fd, "w") as f:
+                json.dump({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}, f)
+        except OSError as e:
+            if tmp:
+                os.remove(tmp)
+            raise self._unwritable(e) from None
+        return tmp
+
+    def _unwritable(self, e: OSError):
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+        return FolderNotWritable(f"{self.what} {self.folder}: cannot write the run lock {self.path} "
+                                 f"({e.strerror or e}){': the disk is full' if full else ''}: free space "
+                                 "or choose another folder")
+
+    def _flock(self) -> int | None:
+        """An fd of the lock file with the exclusive flock taken, or None if another process holds it."""
+        try:
+            fd = os.open(self.path, os.O_RDWR)
+        except OSError:  # gone, or not ours to write (another user's run): not taken
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return None
+        try:  # still the file of that name (not removed by its releasing holder meanwhile)?
+            same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+        except FileNotFoundError:
+            same = False
+        if not same:
+            os.close(fd)
+            return None
+        return fd
+
+    def _take(self, tmp: str) -> bool:
+        """Give the record ``tmp`` the lock's name if it has none; flock it. True when held."""
+        try:
+            os.link(tmp, self.path)
         except FileExistsError:
             return False
-        with os.fdopen(fd, "w") as f:
-            json.dump({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}, f)
+        fd = self._flock()
+        if fd is None:  # another starter took over the new file already
+            return False
+        self._fd = fd
         return True
+
+    def _refuse(self, holder: dict):
+        who = _describe(holder) if holder else "an unreadable lock file"
+        return RunLockError(
+            f"{self.what} {self.folder} is in use by another run ({who}; lock file {self.path}). "
+            f"Use another {'--job.dump_folder' if self.what == 'dump folder' else '--checkpoint.folder'}, "
+            "or stop that run; if it is gone (another host), remove the lock file")
 
     def acquire(self) -> "DumpLock":
         """Take the lock or raise :class:`RunLockError`; returns self."""
         if self.held:
             return self
-        os.makedirs(self.folder, exist_ok=True)
-        for _ in range(3):  # a stale lock removed by a concurrent starter: try again
-            if self._create():
-                self.held = True
-                atexit.register(self.release)
-                return self
-            holder = self._read()
-            if holder is None:
-                continue
-            if holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
-                self.held = True  # this process took it already (nsa-train before the trainer)
-                return self
-            stale = (holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int)
-                     and not _alive(holder["pid"]))
-            if not stale:
-                who = _describe(holder) if holder else "an unreadable lock file"
-                raise RunLockError(
-                    f"dump folder {self.folder} is in use by another run ({who}; lock file {self.path}). "
-                    "Use another --job.dump_folder, or stop that run; if it is gone (another host), "
-                    "remove the lock file")
-            from torchtitan.tools.logging import logger
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        except OSError as e:
+            raise self._unwritable(e) from None
+        tmp = self._record()
+        try:
+            for _ in range(5):  # a lock released or taken over by a concurrent starter: try again
+                if self._take(tmp):
+                    break
+                holder = self._read()
+                if holder is None:
+                    continue
+                if holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
+                    self.held = True  # another DumpLock of this process holds it
+                    return self
+                other_host = holder.get("host") not in (None, socket.gethostname())
+                fd = None if other_host else self._flock()
+                if fd is None:
+                    if os.path.exists(self.path):
+                        raise self._refuse(self._read() or holder)
+                    continue
+                from torchtitan.tools.logging import logger
 
-            logger.warning(f"Dump folder lock {self.path} is stale ({_describe(holder)}: not running); "
-                           "taking it over")
-            try:
-                os.remove(self.path)
-            except FileNotFoundError:
-                pass
-        raise RunLockError(f"dump folder {self.folder}: could not take the lock {self.path}")
+                why = (f"{_describe(holder)}: that run has ended" if holder else "an empty or unreadable file "
+                       "left by a run that could not write it")
+                logger.warning(f"Run lock {self.path} is stale ({why}); taking it over")
+                with open(tmp, "rb") as src:
+                    rec = src.read()
+                try:  # this process's record in place of the old one (under the flock)
+                    os.pwrite(fd, rec, 0)
+                    os.ftruncate(fd, len(rec))
+                except OSError as e:
+                    os.close(fd)
+                    raise self._unwritable(e) from None
+                self._fd = fd
+                break
+            else:
+                raise RunLockError(f"{self.what} {self.folder}: could not take the lock {self.path}")
+        finally:
+            os.remove(tmp)
+        self.held = True
+        atexit.register(self.release)
+        return self
 
     def release(self) -> None:
         if not self.held:
             return
         self.held = False
-        holder = self._read()
-        if holder and holder.get("pid") == os.getpid():
-            try:
-                os.remove(self.path)
-            except OSError:
-                pass
+        if self._fd is None:
+            return  # held by another DumpLock of this process
+        try:
+            os.remove(self.path)  # removed while still locked: a starter never takes a live file
+        except OSError:
+            pass
+        os.close(self._fd)
+        self._fd = None
 
 
 _LOCKS: dict[str, DumpLock] = {}
@@ -127,6 +200,29 @@ def lock_dump_folder(dump_folder: str) -> DumpLock:
     key = os.path.abspath(dump_folder)
     lock = _LOCKS.setdefault(key, DumpLock(key))
     return lock.acquire()
+
+
+def checkpoint_lock_path(folder: str) -> str:
+    """The lock file of the checkpoint folder ``folder``: beside it, ``.<name>.nsa-run.lock``."""
+    folder = os.path.abspath(folder)
+    return os.path.join(os.path.dirname(folder), f".{os.path.basename(folder)}{LOCK_NAME}")
+
+
+def lock_run(job_config) -> list[DumpLock]:
+    """Rank 0's locks of a run: the dump folder's and, checkpointing on, the checkpoint folder's
+    (idempotent within a process)."""
+    locks = [lock_dump_folder(job_config.job.dump_folder)]
+    ck = job_config.checkpoint
+    if ck.enable:
+        folder = os.path.abspath(os.path.join(job_config.job.dump_folder, ck.folder))
+        key = "checkpoint:" + folder
+        lock = _LOCKS.setdefault(key, DumpLock(folder, checkpoint_lock_path(folder), "checkpoint folder"))
+        try:
+            locks.append(lock.acquire())
+        except BaseException:
+            locks[0].release()
+            raise
+    return locks
 
 
 def release_all() -> None:
@@ -150,8 +246,9 @@ def _writable(folder: str, create: bool = True) -> str | None:
             os.makedirs(folder, exist_ok=True)
         else:
             folder = existing_folder(folder)
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".nsa-write-test-"):
-            pass
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".nsa-write-test-") as f:
+            f.write(b"x")  # a byte too: a full disk still creates empty files
+            f.flush()
     except OSError as e:
         return e.strerror or type(e).__name__
     return None

@@ -5,9 +5,11 @@
 Parses the same flags as ``torchtitan.train`` (torchtitan's ``ConfigManager``, with the ``[nsa]``,
 ``[ops]``, ... sections of ``[job] custom_config_module``) and runs torchtitan's ``main`` with the
 trainer subclass. Before torchtitan starts: the config file exists and is valid TOML, the training
-numbers are in range, the folders are writable and rank 0 locks the dump folder. User errors
+numbers are in range, the folders are writable and rank 0 locks the dump and checkpoint folders. User errors
 (:class:`nsa_flex.config.UserError`, config-parsing errors) are printed as one line, exit code 2;
-a non-finite step exits with 3 (:data:`nsa_flex.titan.ops.EXIT_NONFINITE`). ``nsa-train``
+a non-finite step exits with 3 (:data:`nsa_flex.titan.ops.EXIT_NONFINITE`), a halted run (halt
+file, SIGTERM, Ctrl-C; a checkpoint to resume from) with 4 (:data:`nsa_flex.titan.ops.EXIT_HALTED`).
+``--section.field true|false`` of a boolean field is accepted (:func:`bool_flags`). ``nsa-train``
 (:mod:`nsa_flex.titan.cli`) is this entry point plus the single-process environment and a default
 config.
 """
@@ -27,9 +29,9 @@ from nsa_flex.config import UserError
 from . import console, curriculum
 from .cli import check_config_file
 from .job_config import JobConfig as NSAJobConfig
-from .ops import EXIT_NONFINITE, NonFiniteError
+from .ops import EXIT_HALTED, EXIT_NONFINITE, NonFiniteError
 from .parallelize import cpu_data_parallel_problem
-from .runlock import check_writable, lock_dump_folder, release_all
+from .runlock import check_writable, lock_run, release_all
 from .trainer import NSATrainer
 
 
@@ -51,18 +53,47 @@ def config_error_message(e: Exception) -> str:
     return str(e)
 
 
+def bool_fields() -> set[str]:
+    """``"section.field"`` of every boolean field of the merged JobConfig."""
+    out = set()
+    for sec in dataclasses.fields(merged_job_config()):
+        if dataclasses.is_dataclass(sec.type):
+            out.update(f"{sec.name}.{f.name}" for f in dataclasses.fields(sec.type) if f.type in (bool, "bool"))
+    return out
+
+
+def bool_flags(args: list[str]) -> list[str]:
+    """``--section.field true|false`` (or ``=true``) of a boolean field as torchtitan's parser takes
+    it: ``--section.field`` / ``--section.no_field`` (it rejects the value otherwise)."""
+    names, out, i = bool_fields(), [], 0
+    while i < len(args):
+        a = args[i]
+        name, eq, value = a.partition("=")
+        key = name[2:].replace("-", "_") if name.startswith("--") else ""
+        if not eq and i + 1 < len(args):
+            value = args[i + 1]
+        if key in names and value.lower() in ("true", "false"):
+            sec, field = key.split(".", 1)
+            out.append(f"--{key}" if value.lower() == "true" else f"--{sec}.no_{field}")
+            i += 1 if eq else 2
+            continue
+        out.append(a)
+        i += 1
+    return out
+
+
 def check_run(job_config) -> None:
-    """Before torchtitan starts (every error a :class:`UserError`): the training numbers are in
-    range, the folders are writable, and rank 0 holds the dump folder's lock."""
-    tr = job_config.training
-    errs = [f"training.{name}={getattr(tr, name)!r}: must be an integer >= 1"
-            for name in ("steps", "local_batch_size", "seq_len")
-            if not isinstance(getattr(tr, name), int) or getattr(tr, name) < 1]
+    """Before torchtitan starts (every error a :class:`UserError`): the numbers are in range
+    (:func:`nsa_flex.titan.preflight.range_problems`), the folders are writable, and rank 0 holds
+    the dump and checkpoint folders' locks."""
+    from .preflight import range_problems
+
+    errs = range_problems(job_config)
     if errs:
         raise UserError("; ".join(errs))
     check_writable(job_config)
     if int(os.environ.get("RANK", "0")) == 0:
-        lock_dump_folder(job_config.job.dump_folder)
+        lock_run(job_config)
 
 
 @contextlib.contextmanager
@@ -93,7 +124,7 @@ def run(args: list[str], prog: str = "nsa-train") -> int:
     """Parse ``args``, check the run and train with :class:`NSATrainer`; the exit code."""
     try:  # parse once up front: every error here is the user's (file, TOML, field, value)
         check_config_file(args)
-        args = curriculum.phase_args(args)
+        args = bool_flags(curriculum.phase_args(bool_flags(args)))
         job_config = ConfigManager().parse_args(args)
     except (ValueError, TypeError, OSError) as e:
         return user_error(config_error_message(e), prog=prog)
@@ -114,17 +145,23 @@ def run(args: list[str], prog: str = "nsa-train") -> int:
     elif problem:  # FSDP asked for explicitly: every rank stops, rank 0 says why
         return user_error(problem, prog=prog) if os.environ.get("RANK", "0") == "0" else 2
     console.setup()  # before torchtitan's main logs its first line (its version line)
+    built: list[NSATrainer] = []
+
+    def trainer(config) -> NSATrainer:  # torchtitan's main builds it; its halt decides the exit code
+        built.append(NSATrainer(config))
+        return built[-1]
+
     try:
         check_run(job_config)
         with titan_parses(args):
-            titan_main(NSATrainer)
+            titan_main(trainer)
     except NonFiniteError as e:
         return user_error(str(e), EXIT_NONFINITE, prog=prog)
     except UserError as e:
         return user_error(str(e), prog=prog)
     finally:
         release_all()
-    return 0
+    return EXIT_HALTED if built and built[-1].halted_at is not None else 0
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -8,8 +8,9 @@ The training loop is torchtitan's (``Trainer.train``); this subclass overrides f
     before torchtitan reads the device, then gives the checkpoint manager nsa_flex's checks
     (:class:`nsa_flex.titan.checkpoint.NSACheckpointManager`);
   * ``init_distributed``: right after the process group exists, :meth:`start_run_control`: rank 0
-    locks the dump folder (:mod:`nsa_flex.titan.runlock`), SIGTERM / SIGINT handlers, a gloo group
-    for the ranks' agreement, the ``[ops]`` monitor (stall watchdog, SIGUSR1 dumps, data wait);
+    locks the dump and checkpoint folders (:mod:`nsa_flex.titan.runlock`), SIGTERM / SIGINT
+    handlers, a gloo group for the ranks' agreement, the ``[ops]`` monitor (stall watchdog, SIGUSR1
+    dumps, data wait);
   * ``train_step``: after torchtitan's step (optimizer step done, checkpoint not yet saved),
     :meth:`end_of_step` decides whether to halt or to stop on a non-finite step;
   * ``should_continue_training``: False once halted (``training.steps`` is never changed).
@@ -17,22 +18,29 @@ The training loop is torchtitan's (``Trainer.train``); this subclass overrides f
 Halt. ``<dump_folder>/<[ops] halt_file>`` (checked by every rank after every step), SIGTERM or a
 first SIGINT (Ctrl-C): the ranks agree (one MAX all-reduce of two flags on the gloo group when
 world size > 1), the checkpoint of this step is forced to a full "last step" checkpoint (also with
-``last_save_model_only``: it must resume), and the loop ends: exit code 0. Rerunning the same command
-resumes from it. Rank 0 removes the halt file. A second SIGTERM or SIGINT ends the process at once
-(the signal's default action), without a checkpoint.
+``last_save_model_only``: it must resume), and the loop ends: exit code 4
+(:data:`nsa_flex.titan.ops.EXIT_HALTED`, read by the entry point from ``halted_at``; a halt at the
+last step is a finished run, 0). Rerunning the same command resumes from it. Rank 0 removes the
+halt file; a halt file found at the start (left from before this run) is removed with a warning.
+A second SIGTERM or SIGINT ends the process at once (the signal's default action), without a
+checkpoint.
 
 Non-finite guard (``[ops] halt_on_nonfinite``, on by default). After every optimizer step each rank
 checks that its gradients are finite (one fused norm and one host sync per step; a non-finite loss
 or grad norm makes them NaN/inf: torchtitan clips with the non-finite norm), the ranks agree, and
 every rank writes an ops dump (``stalls/step-N-rank-R.txt``) and raises
-:class:`nsa_flex.titan.ops.NonFiniteError` naming the step and the last checkpoint: the step's
-weights are never saved, so the newest checkpoint is the last finite one (exit code 3 from the
-entry point). How one bad input spreads is described in :mod:`nsa_flex.titan.ops`.
+:class:`nsa_flex.titan.ops.NonFiniteError` naming the step and the checkpoint to resume from (exit
+code 3 from the entry point). The step's weights are never saved; the checkpoint of the step
+before (N - 1), finite but the state whose next loss was not (an exploding update is already in
+it), is moved to ``<checkpoint folder>/nonfinite/step-(N-1)`` by rank 0, so the newest checkpoint
+left, the one a rerun resumes from, is the last one whose next step's loss was finite. How one bad
+input spreads is described in :mod:`nsa_flex.titan.ops`.
 """
 
 import logging
 import os
 import re
+import shutil
 import signal
 import threading
 
@@ -121,7 +129,7 @@ class NSATrainer(Trainer):
         self._signals = 0
         self._old_handlers: dict = {}
         self._group = None
-        self._lock = None
+        self._locks: list = []  # the run locks (rank 0)
         self._end = None  # the "Training completed" rewrite after a halt
         ops_cfg = job_config.ops
         self.halt_path = (os.path.join(job_config.job.dump_folder, ops_cfg.halt_file)
@@ -138,10 +146,10 @@ class NSATrainer(Trainer):
         self.rank, self.world = _dist_info()
         self.ops = OpsMonitor(jc)  # validates [ops] first
         if self.rank == 0:  # nsa-train has taken the lock already: a no-op then
-            from .runlock import check_writable, lock_dump_folder
+            from .runlock import check_writable, lock_run
 
             check_writable(jc)
-            self._lock = lock_dump_folder(jc.job.dump_folder)
+            self._locks = lock_run(jc)
         if jc.ops.halt_on_sigterm and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._old_handlers[sig] = signal.signal(sig, self.on_signal)
@@ -149,6 +157,10 @@ class NSATrainer(Trainer):
         if self.world > 1 and d.is_available() and d.is_initialized():
             # CPU-side agreement on halting: no GPU sync, every rank calls this in the same order
             self._group = d.new_group(backend="gloo")
+        if self.rank == 0 and self.halt_path and os.path.exists(self.halt_path):
+            log.warning(f"ops: halt file {self.halt_path} was left from before this run (it would stop the run "
+                        "after its first step): removed; create it again to halt this run")
+            self.consume_halt_file()
         self.ops.attach(self)
         self.ops.start()
         self._end = _EndOfRun(self)
@@ -172,9 +184,9 @@ class NSATrainer(Trainer):
             for sig, old in self._old_handlers.items():
                 signal.signal(sig, old)
         self._old_handlers.clear()
-        if self._lock is not None:
-            self._lock.release()
-            self._lock = None
+        for lock in self._locks:
+            lock.release()
+        self._locks = []
         if self._group is not None:
             try:
                 torch.distributed.destroy_process_group(self._group)
@@ -256,18 +268,38 @@ class NSATrainer(Trainer):
     def stop_nonfinite(self, step: int) -> None:
         path, _ = self.ops.write_dump(f"non-finite loss or gradient norm at step {step}",
                                       self.ops.stacks_now(), step)
-        ck = self.job_config.checkpoint
-        folder = os.path.join(self.job_config.job.dump_folder, ck.folder)
-        steps = sorted(int(n[5:]) for n in (os.listdir(folder) if ck.enable and os.path.isdir(folder) else [])
-                       if re.fullmatch(r"step-\d+", n) and os.path.isfile(os.path.join(folder, n, ".metadata")))
-        last = (f"the last checkpoint is {os.path.join(folder, f'step-{steps[-1]}')} (finite)" if steps
-                else "no checkpoint was saved")
+        kept, aside = self.set_aside_poisoned(step)
+        last = (f"resume point: {kept} (the last checkpoint whose next step's loss was finite)" if kept
+                else "no checkpoint to resume from was saved")
+        if aside:
+            last = f"the checkpoint of step {step - 1} led to it and is set aside as {aside}; " + last
         msg = (f"step {step}: the loss or the gradient norm is not finite (NaN/inf); stopped before saving "
-               f"anything of this step; {last}; ops dump {path}. Resume with a lower --optimizer.lr, "
+               f"anything of this step; {last}; ops dump {path}. Rerun with a lower --optimizer.lr, "
                f"--training.max_norm or another seed ([ops] halt_on_nonfinite = false trains on)")
         log.error(f"ops: {msg}")
         self.halted_at = None
         raise NonFiniteError(msg)
+
+    def set_aside_poisoned(self, step: int) -> tuple[str | None, str | None]:
+        """After a non-finite ``step``: move the checkpoint of ``step - 1`` (it produced the non-finite
+        loss) to ``<checkpoint folder>/nonfinite/`` (rank 0 moves, every rank answers the same);
+        (the newest checkpoint left or None, where the set-aside one went or None)."""
+        from .ops import NONFINITE_DIR
+
+        ck = self.job_config.checkpoint
+        folder = os.path.join(self.job_config.job.dump_folder, ck.folder)
+        steps = sorted(int(n[5:]) for n in (os.listdir(folder) if ck.enable and os.path.isdir(folder) else [])
+                       if re.fullmatch(r"step-\d+", n) and os.path.isfile(os.path.join(folder, n, ".metadata")))
+        aside = None
+        if steps and steps[-1] == step - 1:
+            aside = os.path.join(folder, NONFINITE_DIR, f"step-{step - 1}")
+            if self.rank == 0:
+                os.makedirs(os.path.dirname(aside), exist_ok=True)
+                if os.path.exists(aside):
+                    shutil.rmtree(aside)
+                os.rename(os.path.join(folder, f"step-{step - 1}"), aside)
+            steps.pop()
+        return (os.path.join(folder, f"step-{steps[-1]}") if steps else None), aside
 
     def consume_halt_file(self) -> None:
         """Rank 0 removes the halt file (all ranks have read it: the agreement came first), so

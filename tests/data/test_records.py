@@ -117,6 +117,25 @@ def test_parquet_null_row_named_by_row_and_skipped(tmp_path, caplog):
     assert "1 null 'text' row(s) will be skipped" in caplog.text
 
 
+def test_parquet_bad_utf8_value_skips_its_row_only(tmp_path, caplog):
+    """One value of a row group that is not UTF-8 (Arrow stores it unchecked) is one bad record:
+    the other rows of its row group are read, the count is 1."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    raw = [f"row {i}".encode() for i in range(25)]
+    raw[13] = b"bad \xff\xfe"
+    path = tmp_path / "u.parquet"
+    pq.write_table(pa.table({"text": pa.array(raw, type=pa.binary()).view(pa.string())}), path, row_group_size=10)
+    with pytest.raises(DatasetError, match=rf"data file '{path}', row 13: bad record: not UTF-8 \(invalid start "
+                                           r"byte at byte 4\)"):
+        list(records.read_records([str(path)], "parquet"))
+    with caplog.at_level("WARNING"):
+        got = [r["text"] for r in records.read_records([str(path)], "parquet", skip_bad=True)]
+    assert got == [r.decode() for i, r in enumerate(raw) if i != 13]
+    assert f"Data file '{path}': 1 bad record(s) skipped in this pass" in caplog.text
+
+
 def test_parquet_non_string_column_is_named(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

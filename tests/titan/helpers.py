@@ -1,7 +1,11 @@
 """Shared by the titan tests that launch a training process."""
 
+import contextlib
 import os
+import subprocess
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -14,3 +18,49 @@ def launch_env() -> dict:
         env.pop(k, None)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     return env
+
+
+@contextlib.contextmanager
+def tmpfs(folder: Path, size: str):
+    """A real small filesystem at ``folder`` (``mount -t tmpfs``), for disk-full faults; the test
+    skips where it cannot be mounted (not root, no mount command, a container without the right)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                           capture_output=True, text=True, timeout=30)
+    except OSError as e:
+        pytest.skip(f"cannot mount a tmpfs for a disk-full fault: {e}")
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs for a disk-full fault (needs root): {r.stderr.strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True, timeout=30)
+
+
+def fill(folder: Path) -> None:
+    """Fill the filesystem of ``folder`` to the last byte (``folder/filler``)."""
+    fd = os.open(folder / "filler", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        for chunk in (b"\0" * 65536, b"\0" * 512, b"\0"):
+            try:
+                while True:
+                    os.write(fd, chunk)
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def running(cmd: list[str], log: Path):
+    """A training process started from the project root (output to ``log``), killed if still
+    running when the block ends."""
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, cwd=ROOT, env=launch_env(), stdout=f, stderr=subprocess.STDOUT)
+        try:
+            yield p
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()

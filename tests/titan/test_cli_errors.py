@@ -44,6 +44,37 @@ CASES = {
 }
 
 
+def test_values_torch_or_torchtitan_reject_raw_are_user_errors(tmp_path, capsys):
+    """Checked before torchtitan starts (nsa_flex.titan.train.run): one line, exit 2."""
+    from nsa_flex.titan.train import run
+
+    for args, msg in ((["--optimizer.lr", "-1"], "optimizer.lr=-1.0: must be a number >= 0"),
+                      (["--checkpoint.enable", "--checkpoint.interval", "0"],
+                       "checkpoint.interval=0: must be an integer >= 1"),
+                      (["--job.config_file", str(tmp_path / "b.toml")], "--job.config_file given 2 times")):
+        assert run(["--job.config_file", str(CONFIG), "--job.dump_folder", str(tmp_path / "d"), *args]) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [f"nsa-train: error: {msg}" + (
+            f" ('{CONFIG}', '{tmp_path / 'b.toml'}'): give one config file, and change its values with "
+            "--section.field options" if "config_file" in msg else "")]
+
+
+def test_bool_options_take_true_and_false():
+    """``--section.field true|false`` of a boolean field (torchtitan's parser takes only the bare
+    flag and ``--section.no_field``)."""
+    from torchtitan.config import ConfigManager
+
+    from nsa_flex.titan.train import bool_flags
+
+    base = ["--job.custom_config_module", "nsa_flex.titan.job_config"]
+    for args, want in ((["--training.skip_bad_records", "true"], (True, False)),
+                       (["--training.skip_bad_records=True", "--checkpoint.enable", "false"], (True, False)),
+                       (["--training.skip_bad_records", "false", "--checkpoint.enable=true"], (False, True)),
+                       (["--training.skip_bad_records", "--checkpoint.enable"], (True, True))):
+        jc = ConfigManager().parse_args(bool_flags(base + args))
+        assert (jc.training.skip_bad_records, jc.checkpoint.enable) == want, args
+    assert bool_flags(["--job.description", "true"]) == ["--job.description", "true"]  # a string field
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_user_errors_are_one_message_exit_2(tmp_path, case):

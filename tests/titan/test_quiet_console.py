@@ -1,12 +1,17 @@
 """A debug run's console holds none of the known noise, and a halted run says so instead of
-"Training completed" (nsa_flex.titan.console, nsa_flex.titan.metrics)."""
+"Training completed" (nsa_flex.titan.console, nsa_flex.titan.metrics, nsa_flex.titan.trainer)."""
 
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+
+from nsa_flex.titan.ops import EXIT_HALTED
+from tests.titan.helpers import running
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "titan_configs" / "debug_nsa.toml"
@@ -49,9 +54,23 @@ def test_debug_run_console_is_quiet(tmp_path):
 
 @pytest.mark.slow  # a training run
 def test_halted_run_does_not_say_completed(tmp_path):
+    """A HALT file left from before the run is removed at its start (one warning); one created
+    during the run halts it: "Training halted after step N", never "Training completed", exit 4."""
     (tmp_path / "HALT").write_text("")
-    r = _run(tmp_path)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-3000:]
+    log, metrics = tmp_path.parent / f"{tmp_path.name}.log", tmp_path / "metrics.jsonl"
+    cmd = [sys.executable, "-m", "nsa_flex.titan.cli", "--job.config_file", str(CONFIG), "--training.steps", "40",
+           "--lr_scheduler.warmup_steps", "1", "--job.dump_folder", str(tmp_path),
+           "--experimental.custom_import", "tests.titan.ops_test_data", "--model.name", "nsa_flex_slow"]
+    with running(cmd, log) as p:
+        deadline = time.time() + 240
+        while '"step": 1,' not in (metrics.read_text() if metrics.exists() else ""):
+            assert p.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        (tmp_path / "HALT").write_text("")
+        p.wait(timeout=120)
+    out = log.read_text()
+    assert p.returncode == EXIT_HALTED, out[-3000:]
+    assert f"ops: halt file {tmp_path / 'HALT'} was left from before this run" in out
     assert "Training completed" not in out
-    assert f"Training halted after step 1 of 3 (halt file {tmp_path / 'HALT'})" in out, out[-2000:]
+    m = re.search(rf"Training halted after step (\d+) of 40 \(halt file {re.escape(str(tmp_path / 'HALT'))}\)", out)
+    assert m and 1 <= int(m.group(1)) < 40, out[-2000:]

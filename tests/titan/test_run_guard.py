@@ -4,6 +4,7 @@ the free-space check, the non-finite model check before a save."""
 
 import errno
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -18,6 +19,7 @@ from nsa_flex.titan import checkpoint as ck
 from nsa_flex.titan import run_record
 from nsa_flex.titan.ops import NonFiniteError
 from nsa_flex.titan.runlock import LOCK_NAME, DumpLock, FolderNotWritable, RunLockError, check_writable
+from tests.titan.helpers import fill, tmpfs
 
 
 # ----------------------------------------------------------------------------- lock
@@ -37,10 +39,18 @@ def test_lock_held_then_released(tmp_path):
     assert not (tmp_path / LOCK_NAME).exists()
 
 
+def _holder(folder, ready):
+    """A real second process holding the run lock of ``folder`` (it prints once it holds it)."""
+    code = ("import sys, time; from nsa_flex.titan.runlock import DumpLock; DumpLock(sys.argv[1]).acquire(); "
+            "print('held', flush=True); time.sleep(60)")
+    p = subprocess.Popen([sys.executable, "-c", code, str(folder)], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == ready
+    return p
+
+
 def test_live_holder_refuses_a_second_run(tmp_path):
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    other = _holder(tmp_path, "held")
     try:
-        _write_lock(tmp_path, other.pid)
         with pytest.raises(RunLockError) as e:
             DumpLock(str(tmp_path)).acquire()
         msg = str(e.value)
@@ -49,6 +59,26 @@ def test_live_holder_refuses_a_second_run(tmp_path):
     finally:
         other.kill()
         other.wait()
+    DumpLock(str(tmp_path)).acquire().release()  # killed (SIGKILL): its lock went with it
+
+
+def test_lock_of_a_reused_pid_or_an_empty_file_is_taken_over(tmp_path):
+    """A lock file naming a live process that does not hold it (its pid reused), or an empty one
+    (a run that could not write it), strands nothing: the next run takes it over."""
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        _write_lock(tmp_path, other.pid)  # a live pid, no lock held
+        lock = DumpLock(str(tmp_path)).acquire()
+        assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
+        lock.release()
+    finally:
+        other.kill()
+        other.wait()
+    (tmp_path / LOCK_NAME).write_text("")
+    lock = DumpLock(str(tmp_path)).acquire()
+    assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
+    lock.release()
+    assert not (tmp_path / LOCK_NAME).exists()
 
 
 def test_stale_lock_taken_over_other_host_refused(tmp_path):
@@ -177,8 +207,20 @@ def test_schedule_rebuilt_from_new_config():
 
 
 # ----------------------------------------------------------------------------- save / disk
+def _dcp_exception(error):
+    """DCP's wrapper of a rank's write error, as torch.distributed.checkpoint.save raises it."""
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    try:
+        raise error
+    except OSError as e:
+        return CheckpointException("CheckpointException ranks:dict_keys([0])", {0: _wrap_exception(e)})
+
+
 @pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"),
-                                   RuntimeError("unexpected pos 704 vs 598")])
+                                   RuntimeError("unexpected pos 704 vs 598"),
+                                   _dcp_exception(OSError(errno.ENOSPC, "No space left on device"))],
+                         ids=["ENOSPC", "unexpected-pos", "CheckpointException"])
 def test_disk_full_during_save(tmp_path, error):
     prev = _fake_ckpt(tmp_path, 2)
     before = sorted(p.name for p in prev.iterdir())
@@ -225,3 +267,124 @@ def test_partial_folder_removed_at_start_and_free_space_checked(tmp_path, monkey
         ck.check_free_space(_Manager(empty, _job()))
     monkeypatch.setattr(ck.shutil, "disk_usage", lambda p: SimpleNamespace(free=3 * 20 * 4))
     ck.check_free_space(_Manager(empty, _job()))
+
+
+def test_disk_full_at_start_is_one_message_and_leaves_no_lock(tmp_path):
+    """A real full disk (a tmpfs filled to the last byte): the writable check and the lock say so
+    as one FolderNotWritable; no empty lock file strands the folder, the next run takes it."""
+    with tmpfs(tmp_path / "disk", "64k") as disk:
+        fill(disk)
+        with pytest.raises(FolderNotWritable, match="No space left on device"):
+            check_writable(_jc(disk, enable=False))
+        with pytest.raises(FolderNotWritable, match=f"cannot write the run lock {disk / LOCK_NAME} "
+                                                    r"\(No space left on device\): the disk is full"):
+            DumpLock(str(disk)).acquire()
+        assert sorted(os.listdir(disk)) == ["filler"]
+        (disk / "filler").unlink()
+        DumpLock(str(disk)).acquire().release()
+
+
+def test_checkpoint_past_training_steps_says_what_to_do(tmp_path, monkeypatch):
+    monkeypatch.setattr(ck, "check_dcp_folder", lambda path: None)
+    _fake_ckpt(tmp_path, 6)
+    loads = []
+    with pytest.raises(ck.CheckpointError, match=rf"checkpoint {tmp_path}/step-6 is at step 6, past "
+                                                 r"--training.steps=4: pass --training.steps above 6"):
+        ck.load_checked(_Manager(tmp_path, _job(training__steps=4)), lambda man, s: loads.append(s) or True)
+    assert loads == []
+    assert ck.load_checked(_Manager(tmp_path, _job(training__steps=6)), lambda man, s: loads.append(s) or True)
+
+
+# ----------------------------------------------------------------------------- checksums
+def _dcp_ckpt(folder, step, value):
+    """A real DCP checkpoint (one tensor) with its checksums, as a save writes them."""
+    import torch.distributed.checkpoint as dcp
+
+    path = folder / f"step-{step}"
+    dcp.save({"w": torch.full((64, 64), float(value))}, checkpoint_id=str(path))
+    ck.write_checksums(str(path))
+    return path
+
+
+def _flip_bytes_inside_the_tensor(path):
+    """A same-size corruption inside the stored tensor's bytes (found from the DCP metadata)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    info = next(iter(FileSystemReader(str(path)).read_metadata().storage_data.values()))
+    f = path / info.relative_path
+    data = bytearray(f.read_bytes())
+    size = len(data)
+    data[info.offset + info.length // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+    assert f.stat().st_size == size
+    return f
+
+
+def test_same_size_corruption_is_caught_by_the_checksum_and_the_previous_step_loaded(tmp_path, caplog):
+    import torch.distributed.checkpoint as dcp
+
+    _dcp_ckpt(tmp_path, 2, 2.0)
+    bad = _dcp_ckpt(tmp_path, 4, 4.0)
+    _flip_bytes_inside_the_tensor(bad)
+    state = {"w": torch.zeros(64, 64)}
+    dcp.load(state, checkpoint_id=str(bad))  # DCP itself loads the changed bytes without a word
+    assert not torch.equal(state["w"], torch.full((64, 64), 4.0))
+    why = ck.check_dcp_folder(str(bad))
+    assert why and "does not match its SHA-256 recorded at save" in why and "__0_0.distcp" in why
+    loads = []
+    assert ck.load_checked(_Manager(tmp_path, _job()), lambda man, s: loads.append(s) or True)
+    assert loads == [2] and (tmp_path / "damaged" / "step-4").is_dir() and not bad.exists()
+    assert f"Resuming from the newest healthy checkpoint {tmp_path / 'step-2'} (1 newer one(s) damaged" \
+        in caplog.text
+    with pytest.raises(ck.CheckpointError, match="load_step=2: .* is damaged: data file .* does not match"):
+        _flip_bytes_inside_the_tensor(tmp_path / "step-2")
+        ck.load_checked(_Manager(tmp_path, _job()), lambda man, s: True, 2)
+
+
+# ----------------------------------------------------------------------------- purge
+def test_old_checkpoint_that_cannot_be_removed_is_said(tmp_path, caplog):
+    """A real removal failure (the checkpoint folder's filesystem turned read-only): a warning saying
+    so, never "deleted"."""
+    caplog.set_level(logging.INFO)
+    with tmpfs(tmp_path / "disk", "1m") as disk:
+        for step in (1, 2, 3):
+            _fake_ckpt(disk, step)
+        _fake_ckpt(disk, 4, complete=False)
+        r = subprocess.run(["mount", "-o", "remount,ro", str(disk)], capture_output=True, text=True)
+        if r.returncode:
+            pytest.skip(f"cannot remount the tmpfs read-only: {r.stderr.strip()}")
+        assert ck.remove_partial(str(disk)) == []
+        assert ck.purge(str(disk), keep=3) == []
+        assert sorted(os.listdir(disk)) == ["step-1", "step-2", "step-3", "step-4"]
+        assert f"Could not remove the partial checkpoint {disk / 'step-4'} (Read-only file system" in caplog.text
+        assert f"Could not delete the old checkpoint {disk / 'step-1'} (Read-only file system" in caplog.text
+        assert "Deleted" not in caplog.text and "Removed" not in caplog.text
+        subprocess.run(["mount", "-o", "remount,rw", str(disk)], check=True)
+        assert ck.purge(str(disk), keep=3) == [str(disk / "step-1")]
+        assert f"Deleted the old checkpoint {disk / 'step-1'}" in caplog.text
+
+
+# ----------------------------------------------------------------------------- checkpoint folder lock
+def test_a_checkpoint_folder_is_locked_across_dump_folders(tmp_path):
+    """Two runs with different dump folders and one absolute --checkpoint.folder: a real second
+    process holds the first run's locks, the second run is refused naming the checkpoint folder."""
+    shared = tmp_path / "shared_ckpt"
+    code = ("import sys, time, types; from nsa_flex.titan.runlock import lock_run; "
+            "n = types.SimpleNamespace; lock_run(n(job=n(dump_folder=sys.argv[1]), "
+            "checkpoint=n(enable=True, folder=sys.argv[2]))); print('held', flush=True); time.sleep(60)")
+    other = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "a"), str(shared)],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "held"
+        from nsa_flex.titan.runlock import lock_run
+
+        jc = SimpleNamespace(job=SimpleNamespace(dump_folder=str(tmp_path / "b")),
+                             checkpoint=SimpleNamespace(enable=True, folder=str(shared)))
+        with pytest.raises(RunLockError, match=f"checkpoint folder {shared} is in use by another run "
+                                               rf"\(pid {other.pid} .*Use another --checkpoint.folder"):
+            lock_run(jc)
+        assert not (tmp_path / "b" / LOCK_NAME).exists()  # the dump folder's lock is given back
+        assert not shared.exists()  # not created: torchtitan's initial_load_path needs it missing
+    finally:
+        other.kill()
+        other.wait()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from nsa_flex.titan.ops import EXIT_HALTED
 from nsa_flex.titan.runlock import LOCK_NAME
 from tests.titan.helpers import launch_env
 
@@ -73,7 +74,7 @@ def test_second_run_refused_then_ctrl_c_halts_and_a_second_ctrl_c_stops_at_once(
                 a.kill()
                 a.wait()
     text = log.read_text()
-    assert a.returncode == 0, text[-4000:]
+    assert a.returncode == EXIT_HALTED, text[-4000:]  # halted with a checkpoint, not finished
     assert "Traceback" not in text and "KeyboardInterrupt" not in text
     halted = int(text.split("ops: halted after step ")[1].split()[0])
     assert 2 <= halted < 40 and "(SIGINT)" in text
@@ -107,11 +108,12 @@ def test_nonfinite_loss_stops_with_code_3_keeping_the_last_finite_checkpoint(tmp
                        capture_output=True, text=True, timeout=300)
     out = p.stdout + p.stderr
     assert p.returncode == 3, out[-4000:]
-    last = (NAN_AT - 1) // 2 * 2  # checkpoints every 2 steps
+    assert NAN_AT == 5  # checkpoints every 2 steps: step 4's led to the NaN step, step 2's did not
     err = [l for l in p.stderr.splitlines() if l.startswith("nsa-train: error:")]
     assert len(err) == 1 and f"step {NAN_AT}: the loss or the gradient norm is not finite" in err[0], out[-3000:]
-    assert f"the last checkpoint is {d / 'checkpoint' / f'step-{last}'} (finite)" in err[0]
-    assert sorted(os.listdir(d / "checkpoint")) == [f"step-{last - 2}", f"step-{last}"]
+    assert f"set aside as {d / 'checkpoint' / 'nonfinite' / 'step-4'}" in err[0]
+    assert f"resume point: {d / 'checkpoint' / 'step-2'} (the last checkpoint" in err[0]
+    assert sorted(os.listdir(d / "checkpoint")) == ["nonfinite", "step-2"]
     assert (d / "stalls" / f"step-{NAN_AT}-rank-0.txt").exists()
     assert "Traceback" not in out and not (d / LOCK_NAME).exists()
 

@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from nsa_flex.titan.ops import EXIT_HALTED
 from tests.titan.helpers import launch_env
 
 pytestmark = pytest.mark.slow  # training runs (python -m pytest -m slow)
@@ -247,7 +249,7 @@ def test_sigusr1_dumps_while_training_continues(halted):
     assert "ops_test_data.py" in dump or "nsa_flex/" in dump
     signalled_at = int(dumps[0].name.split("-")[1])
     assert _max_step(d / "metrics.jsonl") > signalled_at  # trained on after the dump
-    assert rc == 0, text[-3000:]
+    assert rc == EXIT_HALTED, text[-3000:]
 
 
 @pytest.mark.slow
@@ -266,7 +268,7 @@ def test_loader_wait_in_metrics_and_warning(halted):
 def test_halt_file_then_resume_is_exact(uninterrupted, halted):
     _, _, ref = uninterrupted
     d, text, rc, cmd = halted
-    assert rc == 0, text[-3000:]
+    assert rc == EXIT_HALTED, text[-3000:]  # halted, not finished: its own exit code
     before = _records(d / "metrics.jsonl")
     n = max(before)
     assert 3 < n < STEPS, sorted(before)

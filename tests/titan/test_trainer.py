@@ -2,8 +2,9 @@
 
 * unit: the halt logic (halt file, SIGTERM, first Ctrl-C) stops the loop through
   ``should_continue_training`` and forces a full checkpoint of the halt step, never touching
-  ``training.steps``; the non-finite guard raises before the save, naming the step and the last
-  complete checkpoint; the version gate;
+  ``training.steps``; a halt file left from before the run is removed at its start; the non-finite
+  guard raises before the save, naming the step and the checkpoint to resume from (the one before
+  the step is set aside); the version gate;
 * upstream guards: each remaining patch has a test asserting that torchtitan still lacks what the
   patch works around (it fails, and the patch can go, once upstream has it).
 """
@@ -81,6 +82,20 @@ def test_halt_file_and_signals_stop_after_the_step_with_a_full_checkpoint(tmp_pa
         assert not tr2.should_continue_training() and jc.training.steps == 10
 
 
+def test_halt_file_left_from_before_the_run_is_removed_at_its_start(tmp_path, caplog):
+    jc = _jc(tmp_path)
+    (tmp_path / "HALT").write_text("")
+    tr = _trainer(jc)
+    try:
+        tr.start_run_control()
+    finally:
+        tr.stop_run_control()
+    assert not (tmp_path / "HALT").exists()
+    assert f"ops: halt file {tmp_path / 'HALT'} was left from before this run" in caplog.text
+    tr.end_of_step(1)
+    assert tr.halted_at is None and tr.should_continue_training()
+
+
 def test_nonfinite_gradients_stop_before_the_save(tmp_path):
     """A NaN gradient after the optimizer step: a dump of that step, NonFiniteError naming the step
     and the last complete checkpoint; finite gradients pass; the guard off trains on."""
@@ -98,7 +113,12 @@ def test_nonfinite_gradients_stop_before_the_save(tmp_path):
         tr.end_of_step(5)
     dump = tmp_path / "stalls" / "step-5-rank-0.txt"
     assert "step 5: the loss or the gradient norm is not finite" in str(e.value)
-    assert f"the last checkpoint is {tmp_path / 'checkpoint' / 'step-4'} (finite)" in str(e.value)
+    # step 4's checkpoint holds the state whose next loss was not finite: set aside, step 2 is the
+    # resume point (its next step's loss was finite)
+    aside = tmp_path / "checkpoint" / "nonfinite" / "step-4"
+    assert f"the checkpoint of step 4 led to it and is set aside as {aside}" in str(e.value)
+    assert f"resume point: {tmp_path / 'checkpoint' / 'step-2'} (the last checkpoint" in str(e.value)
+    assert (aside / ".metadata").exists() and not (tmp_path / "checkpoint" / "step-4").exists()
     assert str(dump) in str(e.value) and dump.read_text().startswith("nsa-flex ops dump: non-finite")
     jc.ops.halt_on_nonfinite = False
     tr.end_of_step(6)
