@@ -156,9 +156,9 @@ def test_builtin_builders_pass_the_registration_check():
     from masks import check_causal
     from masks.registry import _REGISTRY
 
-    for name, (kind, fn) in sorted(_REGISTRY.items()):
+    for name, info in sorted(_REGISTRY.items()):
         if not name.startswith("test_"):
-            check_causal(name, kind, fn)
+            check_causal(name, info.kind, info.fn)
 
 
 def _leaky_token(ctx):
