@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from nsa_flex.rules import forced_and_valid, local_topn, num_cmp, pick_blocks, random_topn
+from nsa_flex.rules import LayerShape, forced_and_valid, local_topn, pick_blocks, random_topn
 
 from .builders import (causal, compressed_causal, doc_start, document, drop_forced, forced_parts,
                        selection, sliding_window)
@@ -32,7 +32,7 @@ from .core import MaskSpec, and_masks
 
 @dataclass
 class MaskContext:
-    cfg: object  # NSAConfig, or any object with the fields a builder reads (CheckConfig)
+    cfg: LayerShape  # the layer's NSAConfig (a LayerShape), or the causality check's small one
     batch: int
     seq_len: int
     device: torch.device
@@ -125,26 +125,11 @@ def _first_leak(allowed: Tensor, q_tok: Tensor, key_end: Tensor) -> tuple[int, i
     return int(q_tok[r[i]]), int(k[i])
 
 
-@dataclass(frozen=True)
-class CheckConfig:
-    """The small layer `check_causal` runs a builder on: the `NSAConfig` fields a builder reads
-    from `ctx.cfg` (masks takes the config by its fields, never imports it)."""
-    n_heads: int = 4
-    n_kv_heads: int = 2
-    l: int = 4
-    d: int = 2
-    l_sel: int = 4
-    n_sel: int = 3
-    n_init: int = 1
-    n_local: int = 1
-    window: int = 5
-
-    @property
-    def group_size(self) -> int:
-        return self.n_heads // self.n_kv_heads
-
-    def num_cmp(self, seq_len: int) -> int:
-        return num_cmp(seq_len, self.l, self.d)
+def check_config() -> LayerShape:
+    """The small layer `check_causal` runs a builder on: `nsa_flex.rules.LayerShape`, the fields of
+    `NSAConfig` a builder reads from `ctx.cfg` (its base class; masks never imports the config)."""
+    return LayerShape(dim=8, n_heads=4, n_kv_heads=2, d_qk=8, d_v=8, l=4, d=2, l_sel=4, n_sel=3,
+                      n_init=1, n_local=1, window=5)
 
 
 def check_causal(name: str, kind: str, fn, T: int = 19, seed: int = 0) -> None:
@@ -154,7 +139,7 @@ def check_causal(name: str, kind: str, fn, T: int = 19, seed: int = 0) -> None:
     layout of per-group masks). Key index = token for token masks, compressed block j (its last
     token j*d + l - 1) for compressed masks. Raises MaskBuilderError naming the builder and the
     first leaking (query, key) pair."""
-    cfg = CheckConfig()
+    cfg = check_config()
     gen = torch.Generator().manual_seed(seed)
     B = 2
     docs = torch.sort(torch.randint(0, 3, (B, T), generator=gen), dim=-1).values
