@@ -53,10 +53,11 @@ import torch.nn.functional as F
 from masks import MaskContext, get_mask_builder
 from nsa_flex import NSAAttention, NSAConfig
 from nsa_flex.config import CMP_KERNEL_CHOICES
-from nsa_flex.attention import attend_flex, mix_branches
+from nsa_flex.attention import attend_flex, mix_branches, plan_branch
 from nsa_flex.bench import (Clock, Lazy, PhaseTimeout, Rot, TimingLock, error_line, figure,
                             first_call, kernel_ms, kernel_overrides, median_ms, phase, write_csv as _write)
 from nsa_flex.kernel_options import packed_block_size
+from nsa_flex.ops import DEFAULT_TUNING, SelectedTuning
 from nsa_flex.selection import select_topn
 
 CONFIGS = {
@@ -94,6 +95,7 @@ LAYER_ITEMS = {"nsa_layer": "nsa_layer", "full_layer": "full_layer", "sdpa_causa
 MODES = ("fwd", "fwd_bwd")
 SEL_KERNEL = "auto"  # --sel-kernel: the layer's executor of the selection
 CMP_KERNEL = "auto"  # --cmp-kernel: the layer's executor of the compressed branch
+SEL_TUNING = DEFAULT_TUNING  # --sel-rows, --sel-dq-atomic: the selected op's tuning
 TRACE_RAW = None  # --selection-trace: (int64 [1, Hkv, T', n] trained picks, label) as loaded
 TRACE = None  # those picks fitted to the running (config, T), replacing the random ones
 
@@ -222,7 +224,7 @@ def build_items(cname, T, dev, dtype, compile_=True):
     ddev = torch.device(dev)
 
     def make_layer():
-        layer = NSAAttention(cfg).to(dev, dtype)
+        layer = NSAAttention(cfg, sel_tuning=SEL_TUNING).to(dev, dtype)
         layer.init_weights(0.02)
         return layer
 
@@ -234,12 +236,18 @@ def build_items(cname, T, dev, dtype, compile_=True):
     kc = Lazy(lambda: torch.no_grad()(layer().phi_k)(R(B, Hkv, T, dk, grad=False)))  # [.., Nc, dk]
     ctx = Lazy(lambda: MaskContext(cfg, B, T, ddev))
     cspec = Lazy(lambda: get_mask_builder("compressed_causal")(ctx()))
+    # the stages run each branch as the layer plans it with sel_kernel and cmp_kernel "auto"
+    stage_cfg = replace(cfg, sel_kernel="auto", cmp_kernel="auto")
+
+    def plan(builder, sel_kernel="auto"):
+        return plan_branch(replace(stage_cfg, sel_kernel=sel_kernel), builder, SEL_TUNING)
 
     def make_score_inputs():
         q = R(B, H, T, dk, grad=False)
         vc = layer().phi_v(R(B, Hkv, T, dv, grad=False))
         with torch.no_grad():
-            lse = attend_flex(q, kc(), vc, cspec())[1] if dev == "cuda" else None
+            lse = plan("compressed_causal").attend(q, kc(), vc, cspec())[1] if dev == "cuda" \
+                else None
         return q, kc(), lse
 
     score_in = Lazy(make_score_inputs)
@@ -280,10 +288,10 @@ def build_items(cname, T, dev, dtype, compile_=True):
         f = comp(build)
         return lambda: f(idx)
 
-    def attention(spec, kv, sel_kernel="auto"):
+    def attention(spec, kv, builder, sel_kernel="auto"):
         def make():
-            s, q, kvr = spec(), qs(), kv()
-            f = comp(lambda q_, k_, v_: attend_flex(q_, k_, v_, s, sel_kernel=sel_kernel)[0])
+            s, q, kvr, p = spec(), qs(), kv(), plan(builder, sel_kernel)
+            f = comp(lambda q_, k_, v_: p.attend(q_, k_, v_, s)[0])
             return lambda: f(q(), *kvr())
 
         return make
@@ -309,8 +317,8 @@ def build_items(cname, T, dev, dtype, compile_=True):
         return lambda: f(*r())
 
     def flex_causal():
-        # the causal spec alone goes to SDPA in attend_flex: this row keeps flex
-        r, causal = qkv(), replace(get_mask_builder("causal")(ctx()), is_causal=False)
+        # the causal builder's plan runs SDPA: this row keeps flex
+        r, causal = qkv(), get_mask_builder("causal")(ctx())
         f = comp(lambda q, k, v: attend_flex(q, k, v, causal)[0])
         return lambda: f(*r())
 
@@ -340,7 +348,8 @@ def build_items(cname, T, dev, dtype, compile_=True):
     def full_layer():
         # the same layer class with the full_causal preset: q/k/v/o projections (+ the tiny gate)
         # around SDPA causal attention with GQA, what a user would otherwise run
-        lay = NSAAttention(NSAConfig(**config_args(cname), backend="flex", masks="full_causal"))
+        lay = NSAAttention(NSAConfig(**config_args(cname), backend="flex", masks="full_causal"),
+                           sel_tuning=SEL_TUNING)
         lay = lay.to(dev, dtype)
         lay.init_weights(0.02)
         xr = xs()
@@ -349,11 +358,12 @@ def build_items(cname, T, dev, dtype, compile_=True):
 
     items = [("projections", train, projections), ("compression", train, compression),
              ("score_topn", False, score_topn), ("mask_build", False, mask_build),
-             ("attn_compressed", train, attention(cspec, kvc)),
-             ("attn_selected", train, attention(sspec, kvs)),
+             ("attn_compressed", train, attention(cspec, kvc, "compressed_causal")),
+             ("attn_selected", train, attention(sspec, kvs, "topn")),
              # the selection on FlexAttention's template (forced bands + packed scored blocks)
-             ("attn_selected_flex", train, attention(sspec, kvs, "flex")),
-             ("attn_window", train, attention(wspec, kvs)), ("gate_out", train, gate_out),
+             ("attn_selected_flex", train, attention(sspec, kvs, "topn", "flex")),
+             ("attn_window", train, attention(wspec, kvs, "sliding_window")),
+             ("gate_out", train, gate_out),
              ("sdpa_causal", train, sdpa_causal), ("flex_causal", train, flex_causal)]
     if _has_fla():
         items.append(("fla_parallel_nsa_w0", train, fla_nsa))
@@ -559,13 +569,10 @@ def main(argv=None):
     ap.add_argument("--cmp-kernel", default="auto", choices=CMP_KERNEL_CHOICES,
                     help="NSAConfig.cmp_kernel of the layer items")
     ap.add_argument("--sel-rows", type=int, default=0,
-                    help="rows of the selected-attention op's q block (positions x G): overrides "
-                         "nsa_flex.ops.selected_triton.ROWS during the run")
-    ap.add_argument("--sel-pad-heads", default="", choices=("", "1", "0"),
-                    help="the op's PAD_HEADS: 1 pads a position's G < 16 heads to 16 rows (one "
-                         "position per 16-row q block), 0 packs 16 // G positions per 16 rows")
+                    help="rows of the selected-attention op's q block (positions x G): its "
+                         "SelectedTuning.rows for the run")
     ap.add_argument("--sel-dq-atomic", default="", choices=("", "1", "0"),
-                    help="the op's DQ_ATOMIC: 1 accumulates dQ in the dK/dV pass (fp32 atomics, no "
+                    help="the op's dq_atomic: 1 accumulates dQ in the dK/dV pass (fp32 atomics, no "
                          "dQ kernel), 0 runs the dQ kernel")
     ap.add_argument("--pack-rows", type=int, default=0,
                     help="rows of a packed selection q block at least (a multiple of 16): overrides "
@@ -594,7 +601,7 @@ def main(argv=None):
     inductor = inductor_config(args.inductor, ap)
     only = set(_names(args.only, ITEMS, "--only", ap))
     modes = _names(args.modes, MODES, "--modes", ap)
-    global CMP_KERNEL, LOCK, SEL_KERNEL, TRACE_RAW
+    global CMP_KERNEL, LOCK, SEL_KERNEL, SEL_TUNING, TRACE_RAW
     LOCK = TimingLock(args.timing_lock)
     SEL_KERNEL = args.sel_kernel
     CMP_KERNEL = args.cmp_kernel
@@ -614,9 +621,11 @@ def main(argv=None):
             opts = json.loads(given)
             tables[key] = {config_args(c)["d_qk"]: opts for c in args.configs.split(",")}
     flag = {"": None, "1": True, "0": False}
-    with kernel_overrides(**tables, pack_rows=args.pack_rows, sel_rows=args.sel_rows,
-                          sel_pad_heads=flag[args.sel_pad_heads],
-                          sel_dq_atomic=flag[args.sel_dq_atomic], log=log), \
+    SEL_TUNING = SelectedTuning(rows=args.sel_rows or DEFAULT_TUNING.rows,
+                                dq_atomic=flag[args.sel_dq_atomic])
+    if SEL_TUNING != DEFAULT_TUNING:
+        log(f"selected op: {SEL_TUNING}")
+    with kernel_overrides(**tables, pack_rows=args.pack_rows, log=log), \
             torch._inductor.config.patch(inductor):
         return sweep(args, only, modes)
 

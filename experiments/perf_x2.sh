@@ -48,8 +48,6 @@
 #              and for the tree at BASE_TREE (an unpacked `git archive` of the commit before a
 #              change): the change's A/B on one machine
 #   titan32kall torchtitan 125M at 32k, NSA with recompute = all (every branch rebuilt)
-#   dkvorder   tune_selected.py: the dK/dV pass in each launch order (selected_triton.DKV_ORDER),
-#              125M shape at 8k / 32k and paper shape at 8k / 16k, random and trained picks
 #   sel8k      selected_gpu.py at the 125M shape, 8k and 32k: the default layout, random and
 #              trained picks, kernel by kernel (where the op's time goes at short T)
 #   nofusion   layers125's trained 32k row with inductor's epilogue fusion off (what fusing the gate
@@ -140,7 +138,7 @@ step() {  # STEP: run it unless done
               timeout 240 $PY experiments/tune_selected.py --out "$o/125M" --trace "$TRACE" --rep-ms 100 \
                 --dkv 128:8:2 --dq none --fwd 0:2:2,0:4:2,32:2:2,32:4:2,32:4:3,64:4:2,64:8:2 ;;
     selhyb) timeout 400 $PY experiments/selected_gpu.py --out "$o" --skip-check \
-              --shapes paper:8192,paper:16384 --layouts 16:0 --trace "$PAPER_TRACE" ;;
+              --shapes paper:8192,paper:16384 --layouts 16 --trace "$PAPER_TRACE" ;;
     tunedq) timeout 300 $PY experiments/tune_selected.py --out "$o" --shape paper:64:4:192:128:16384 \
               --trace "$PAPER_TRACE" --rep-ms 100 --dkv 128:8:2 --fwd 0:4:2 --dq 16:2:2,64:4:1 ;;
     gpu1b) timeout 300 $PY -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short \
@@ -155,14 +153,8 @@ step() {  # STEP: run it unless done
                --only full_layer,nsa_layer --out "$o/$tree"); done ;;
     titan32kall) ATTNS=nsa NSA_EXTRA="--nsa.recompute all" NSA_TAG=all bash experiments/titan_perf_runs.sh \
               "$o" "$DATA" "32768:125M" 40 240 ;;
-    dkvorder) timeout 300 $PY experiments/tune_selected.py --out "$o/125M" --trace "$TRACE" --rep-ms 100 \
-                --shape 125M:16:2:64:64:8192,125M:16:2:64:64:32768 --fwd 0:2:2 --dkv 128:8:2 --dq none \
-                --dkv-order block,interleave
-              timeout 300 $PY experiments/tune_selected.py --out "$o/paper" --trace "$PAPER_TRACE" \
-                --rep-ms 100 --shape paper:64:4:192:128:8192,paper:64:4:192:128:16384 --fwd 0:4:2 \
-                --dkv 128:8:2 --dq none --dkv-order block,interleave ;;
     sel8k) timeout 400 $PY experiments/selected_gpu.py --out "$o" --skip-check \
-              --shapes titan_125M:8192,titan_125M:32768 --layouts 16:0 --trace "$TRACE" ;;
+              --shapes titan_125M:8192,titan_125M:32768 --layouts 16 --trace "$TRACE" ;;
     nofusion) timeout 600 $B --configs titan_125M --T 32768 --stages-at 0 --selection-trace "$TRACE" \
               --profile --item-limit 200 --only full_layer,nsa_layer --inductor epilogue_fusion=False \
               --out "$o" ;;

@@ -3,21 +3,22 @@ branch's time per q-block layout and dQ mode, on random and trained selections, 
 
     python experiments/selected_gpu.py --out OUT                       # checks + default timings
     python experiments/selected_gpu.py --out OUT --skip-check --shapes titan_125M:32768 \
-        --layouts 16:1,16:0,16:0:0,32:0 --trace experiments/results/quality/selection_traces/nsa_L32768.npz:6
+        --layouts 16,16:0,32 --trace experiments/results/quality/selection_traces/nsa_L32768.npz:6
 
 Writes OUT/selected_check.csv (relative errors of out, lse, dq, dk, dv per case and layout),
 OUT/selected_time.csv (fwd and fwd+bwd medians, ms: `branch` = mask build + op compiled as in the
 layer, `mask_build` alone, `op_only` on the prebuilt lists, SDPA causal of the same shape beside,
 flex's template with --flex) and OUT/selected_kernels.csv (the op-only fwd+bwd kernel by kernel).
-Layouts ROWS:PAD[:DQ]: the op's q-block rows (`ROWS`: the dQ pass's, and the forward's where G < 16;
-at G >= 16 the forward takes `fwd_rows`, at least 64), PAD_HEADS (1: a position's G < 16 heads padded to 16
-rows) and DQ_ATOMIC (1: dQ in the dK/dV pass). Selections: `random` (uniform scores: the worst case
+Layouts ROWS[:DQ]: the op's q-block rows (`SelectedTuning.rows`: the dQ pass's, and the forward's
+where G < 16; at G >= 16 the forward takes `fwd_rows`, at least 64) and its dq_atomic (1: dQ in the
+dK/dV pass, 0: the dQ pass; left out: by shape). Selections: `random` (uniform scores: the worst case
 for sharing loads across positions) and, with --trace NPZ[:LAYER], a trained model's
 (`python -m nsa_flex.eval --task selection`; its first T positions). On a machine without CUDA it
 runs on the CPU under TRITON_INTERPRET=1 (tiny shapes only: a smoke test of the script).
 """
 
 import argparse
+import dataclasses
 import math
 import os
 import time
@@ -26,10 +27,10 @@ import torch
 import torch.nn.functional as F
 
 from masks import MaskContext, get_mask_builder
-from nsa_flex.attention import attend_flex, attend_reference, selected_lists
-from nsa_flex.bench import kernel_ms, kernel_overrides, median_ms, write_csv as _write
+from nsa_flex.attention import attend_flex, attend_reference, attend_selected
+from nsa_flex.bench import kernel_ms, median_ms, write_csv as _write
 from nsa_flex.config import NSAConfig
-from nsa_flex.ops import selected_triton
+from nsa_flex.ops import DEFAULT_TUNING, SelectedTuning, selected_attention, selected_lists
 from nsa_flex.rules import random_topn
 
 SHAPES = {  # n_heads, n_kv_heads, d_qk, d_v
@@ -73,7 +74,7 @@ def rel(a, b):
     return ((a[fin] - b[fin]).norm() / b[fin].norm().clamp_min(1e-30)).item()
 
 
-def check(out_dir, only=None, layouts=((16, True, False),), cases=None):
+def check(out_dir, only=None, layouts=(SelectedTuning(dq_atomic=False),), cases=None):
     """Op vs fp64 reference per case, layout and dK/dV split (the default one, and 4 heavy blocks
     in shares of 2 q blocks): relative errors of out, lse and every gradient."""
     cases = cases or [("titan_125M", 1000, False, torch.bfloat16), ("titan_125M", 1000, True, torch.float32),
@@ -100,15 +101,15 @@ def check(out_dir, only=None, layouts=((16, True, False),), cases=None):
         if DEV != "cuda":  # Triton's interpreter computes in fp32 only
             dtype = torch.float32
         op_in = [t.to(dtype).requires_grad_() for t in x]
-        for rows_, pad, dq in layouts:
-            for heavy, split in ((selected_triton.HEAVY, selected_triton.SPLIT_TILES), (4, 2)):
+        for layout in layouts:
+            for heavy, split in ((DEFAULT_TUNING.heavy, DEFAULT_TUNING.split_tiles), (4, 2)):
                 for t in op_in:
                     t.grad = None
-                with kernel_overrides(sel_rows=rows_, sel_pad_heads=pad, sel_dq_atomic=dq, log=lambda m: None):
-                    o, l = _op_with(op_in, spec, heavy, split)
-                    o.backward(do.to(dtype))
+                tuning = dataclasses.replace(layout, heavy=heavy, split_tiles=split)
+                o, l = attend_selected(*op_in, spec, tuning=tuning)
+                o.backward(do.to(dtype))
                 r = dict(shape=shape, T=T, docs=use_docs, dtype=str(dtype).split(".")[-1],
-                         layout=layout_name(rows_, pad, dq), heavy=heavy, split_tiles=split,
+                         layout=layout_name(layout), heavy=heavy, split_tiles=split,
                          out=rel(o, ro), lse=rel(l, rl), dq=rel(op_in[0].grad, ref_in[0].grad),
                          dk=rel(op_in[1].grad, ref_in[1].grad), dv=rel(op_in[2].grad, ref_in[2].grad))
                 tol = 2e-2 if dtype != torch.float32 else 1e-4
@@ -119,30 +120,23 @@ def check(out_dir, only=None, layouts=((16, True, False),), cases=None):
     return all(r["ok"] for r in rows)
 
 
-def _op_with(xs, spec, heavy, split):
-    """The op on the lists the layer builds (`selected_lists`), with a given dK/dV split."""
-    q, k, v = xs
-    lists = selected_lists(spec, q.shape[0], q.shape[2], k.shape[2], q.shape[1] // k.shape[1],
-                           q.shape[-1], q.device)
-    return selected_triton.selected_attention(q, k, v, heavy=heavy, split_tiles=split, **lists)
+def layout_name(t: SelectedTuning) -> str:
+    """ROWS[:DQ] (no DQ: the op's choice by shape)."""
+    return f"{t.rows}" + ("" if t.dq_atomic is None else f":{int(t.dq_atomic)}")
 
 
-def layout_name(rows: int, pad: bool, dq: bool | None) -> str:
-    """ROWS:PAD[:DQ] (no DQ: the op's choice by shape)."""
-    return f"{rows}:{int(pad)}" + ("" if dq is None else f":{int(dq)}")
-
-
-def parse_layouts(text: str) -> list[tuple[int, bool, bool | None]]:
-    """"16:1,16:0:1" -> [(rows, pad_heads, dq_atomic)] (dq_atomic None: DQ left out, the op
-    chooses by shape): a clear error for a bad entry."""
+def parse_layouts(text: str) -> list[SelectedTuning]:
+    """"16,32:1" -> [SelectedTuning(rows=16), SelectedTuning(rows=32, dq_atomic=True)] (DQ left
+    out: the op chooses by shape): a clear error for a bad entry."""
     out = []
     for item in [x for x in text.split(",") if x]:
         parts = item.split(":")
-        if len(parts) not in (2, 3) or not all(p.isdigit() for p in parts) or int(parts[0]) % 16 \
+        if len(parts) not in (1, 2) or not all(p.isdigit() for p in parts) or int(parts[0]) % 16 \
                 or int(parts[0]) == 0 or any(p not in ("0", "1") for p in parts[1:]):
-            raise SystemExit(f"--layouts: {item!r} must be ROWS:PAD[:DQ] with ROWS a positive multiple "
-                             "of 16 and PAD, DQ 0 or 1 (e.g. 16:1 or 16:0:1)")
-        out.append((int(parts[0]), parts[1] == "1", parts[2] == "1" if len(parts) == 3 else None))
+            raise SystemExit(f"--layouts: {item!r} must be ROWS[:DQ] with ROWS a positive multiple "
+                             "of 16 and DQ 0 or 1 (e.g. 16 or 32:1)")
+        out.append(SelectedTuning(rows=int(parts[0]),
+                                  dq_atomic=parts[1] == "1" if len(parts) == 2 else None))
     return out
 
 
@@ -226,42 +220,39 @@ def timing(out_dir, shapes, layouts, trace, flex=False):
             base = dict(shape=shape, T=T, selection=sname)
             if flex:
                 torch._dynamo.reset()
-                cf = torch.compile(lambda q, k, v: attend_flex(q, k, v, spec_of(cfg, B, T, idx),
-                                                                 sel_kernel="flex")[0],
+                cf = torch.compile(lambda q, k, v: attend_flex(q, k, v, spec_of(cfg, B, T, idx))[0],
                                    fullgraph=True, dynamic=False)
                 for mode in ("fwd", "fwd_bwd"):
                     res.append(_timed(cf, mode, dict(base, executor="flex", layout=""), qkv, do, run))
-            for rows, pad, dq in layouts:
-                lay = layout_name(rows, pad, dq)
-                tag = dict(base, layout=lay)
+            for tuning in layouts:
+                tag = dict(base, layout=layout_name(tuning))
                 torch._dynamo.reset()
-                with kernel_overrides(sel_rows=rows, sel_pad_heads=pad, sel_dq_atomic=dq, log=log):
-                    if DEV == "cuda":  # the branch as the layer runs it: the mask build compiled in
-                        cf = torch.compile(lambda q, k, v: attend_flex(
-                            q, k, v, spec_of(cfg, B, T, idx), sel_kernel="triton")[0],
-                            fullgraph=True, dynamic=False)
-                        for mode in ("fwd", "fwd_bwd"):
-                            res.append(_timed(cf, mode, dict(tag, executor="branch"), qkv, do, run))
-                        _write(res, path)
-                    # the mask build alone (compiled) and the op on its prebuilt lists (eager)
-                    build = torch.compile(lambda i: selected_lists(spec_of(cfg, B, T, i), B, T, T, G,
-                                                                   dk, DEV),
-                                          fullgraph=True, dynamic=False)
-                    lists = build(idx)
-                    res.append(dict(tag, executor="mask_build", mode="fwd",
-                                    ms=median_ms(lambda: build(idx), DEV, warmup=20, rep_ms=100)))
-                    log(res[-1])
-
-                    def op(q, k, v):
-                        return selected_triton.selected_attention(q, k, v, **lists)[0]
-
+                if DEV == "cuda":  # the branch as the layer runs it: the mask build compiled in
+                    cf = torch.compile(lambda q, k, v: attend_selected(
+                        q, k, v, spec_of(cfg, B, T, idx), tuning=tuning)[0],
+                        fullgraph=True, dynamic=False)
                     for mode in ("fwd", "fwd_bwd"):
-                        res.append(_timed(op, mode, dict(tag, executor="op_only"), qkv, do, run))
+                        res.append(_timed(cf, mode, dict(tag, executor="branch"), qkv, do, run))
                     _write(res, path)
-                    if DEV == "cuda":  # where the op's fwd+bwd goes, kernel by kernel
-                        for name, n, ms in kernel_ms(lambda: op(*nxt()).backward(do)):
-                            kernels.append(dict(tag, kernel=name[:120], launches=n, ms=ms))
-                        _write(kernels, os.path.join(out_dir, "selected_kernels.csv"))
+                # the mask build alone (compiled) and the op on its prebuilt lists (eager)
+                build = torch.compile(lambda i: {k: x for k, x in selected_lists(
+                    spec_of(cfg, B, T, i), B, T, T, G, dk, DEV, tuning).items() if k != "tuning"},
+                                      fullgraph=True, dynamic=False)
+                lists = build(idx)
+                res.append(dict(tag, executor="mask_build", mode="fwd",
+                                ms=median_ms(lambda: build(idx), DEV, warmup=20, rep_ms=100)))
+                log(res[-1])
+
+                def op(q, k, v):
+                    return selected_attention(q, k, v, tuning=tuning, **lists)[0]
+
+                for mode in ("fwd", "fwd_bwd"):
+                    res.append(_timed(op, mode, dict(tag, executor="op_only"), qkv, do, run))
+                _write(res, path)
+                if DEV == "cuda":  # where the op's fwd+bwd goes, kernel by kernel
+                    for name, n, ms in kernel_ms(lambda: op(*nxt()).backward(do)):
+                        kernels.append(dict(tag, kernel=name[:120], launches=n, ms=ms))
+                    _write(kernels, os.path.join(out_dir, "selected_kernels.csv"))
     return res
 
 
@@ -273,9 +264,9 @@ def main():
     ap.add_argument("--check-len", type=int, default=0,
                     help="sequence length of every check case (default: each case's own, 640-1024)")
     ap.add_argument("--shapes", default="titan_125M:32768,paper:16384,paper:65536")
-    ap.add_argument("--layouts", default="16:1,16:0,32:0",
-                    help="comma list of ROWS:PAD[:DQ] (the op's q-block rows, PAD_HEADS, DQ_ATOMIC) "
-                         "to time and to check")
+    ap.add_argument("--layouts", default="16,32",
+                    help="comma list of ROWS[:DQ] (the op's q-block rows and dq_atomic: "
+                         "SelectedTuning) to time and to check")
     ap.add_argument("--trace", default="", metavar="NPZ[:LAYER[+LAYER]]",
                     help="a trained selection (selection_L<T>.npz of python -m nsa_flex.eval --task "
                          "selection): timed beside random selections")

@@ -6,10 +6,11 @@ trained selections.
     python experiments/tune_selected.py --out OUT --shape paper:64:4:192:128:16384
 
 Grids: the forward kernel's q block rows x num_warps x num_stages (`selected_lists(rows=...)`,
-`LAUNCH["fwd"]`), timed forward only (no grad); the dK/dV kernel's gathered rows x num_warps x
-num_stages (`DKV_ROWS`, `LAUNCH["dkv"]`) and the dQ kernel's q block rows x num_warps x num_stages
-(`LAUNCH["dq"]`, where dQ is not atomic; rows > 0 are the forward's too, so the dQ pass runs on
-those blocks alone, not hybrid), timed fwd+bwd (`ms`, triton's do_bench median) and by their own kernel (`kernel_ms`, torch.profiler). Before timing, every config's outputs (fwd: out, lse) or gradients (dkv: dq, dk,
+`SelectedTuning.fwd_launch`), timed forward only (no grad); the dK/dV kernel's gathered rows x
+num_warps x num_stages (`SelectedTuning.dkv_rows`, `dkv_launch`) and the dQ kernel's q block rows x
+num_warps x num_stages (`dq_launch`, where dQ is not atomic; rows > 0 are the forward's too, so the
+dQ pass runs on those blocks alone, not hybrid); each config is a tuning record passed to the op,
+timed fwd+bwd (`ms`, triton's do_bench median) and by their own kernel (`kernel_ms`, torch.profiler). Before timing, every config's outputs (fwd: out, lse) or gradients (dkv: dq, dk,
 dv) are compared with the default config's: `err` = max abs diff (a heavy block's dK/dV and an
 atomic dQ are fp32 sums in arrival order: small diffs there are expected, a wrong config shows as
 a large one). A config that fails (compile: shared memory, registers) gets its error in the row and
@@ -21,7 +22,7 @@ test on the CPU under TRITON_INTERPRET=1.
 """
 
 import argparse
-import contextlib
+import dataclasses
 import functools
 import math
 import os
@@ -29,10 +30,10 @@ import time
 
 import torch
 
-from nsa_flex.attention import selected_lists
 from nsa_flex.bench import kernel_ms, median_ms, write_csv
 from nsa_flex.config import NSAConfig
-from nsa_flex.ops import selected_triton, triton_interpreted
+from nsa_flex.ops import (DEFAULT_TUNING, selected_attention, selected_lists,
+                          triton_interpreted)
 from selected_gpu import DEV, log, selection, spec_of, trace_selection
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -44,9 +45,7 @@ DQ = [(r, w, s) for r in (16, 32, 64) for w in (2, 4, 8) for s in (1, 2)]  # whe
 # --quick: the first config of each grid is the default in fp32 (the interpreter's dtype)
 QUICK = dict(shape="tiny:4:2:48:32:96", l_sel=16, n_sel=4, fwd=[(0, 8, 2), (32, 2, 1)],
              dkv=[(128, 8, 2), (16, 4, 1)])
-KERNELS = {"fwd": "_sel_fwd_kernel", "dkv": "_sel_dkv_kernel", "dq": "_sel_dq_kernel",
-           "dkvorder": "_sel_dkv_kernel"}
-DKV_ORDERS = ("block", "interleave")
+KERNELS = {"fwd": "_sel_fwd_kernel", "dkv": "_sel_dkv_kernel", "dq": "_sel_dq_kernel"}
 FIELDS = ["shape", "T", "selection", "kernel", "config", "ms", "kernel_ms", "err", "error", "device"]
 
 
@@ -78,34 +77,17 @@ def parse_grid(text: str, n: int, what: str) -> list[tuple[int, ...]]:
 
 
 def config_name(kernel: str, cfg: tuple) -> str:
-    """fwd (32, 4, 2) -> r32:w4:s2, (0, 4, 2) -> w4:s2 (default rows); dkv (64, 4, 2) -> r64:w4:s2;
-    dkvorder ("block",) -> block."""
-    if kernel == "dkvorder":
-        return cfg[0]
+    """fwd (32, 4, 2) -> r32:w4:s2, (0, 4, 2) -> w4:s2 (default rows); dkv (64, 4, 2) -> r64:w4:s2."""
     rows, w, s = cfg
     return (f"r{rows}:" if rows else "") + f"w{w}:s{s}"
 
 
-@contextlib.contextmanager
-def launch(kernel: str, cfg: tuple | None):
-    """The op's launch options for `kernel` set to cfg (None: the defaults), restored after (the
-    q block rows of fwd / dq are the lists' business: `lists_for`)."""
-    old_launch, old_rows = dict(selected_triton.LAUNCH), selected_triton.DKV_ROWS
-    old_order = selected_triton.DKV_ORDER
-    try:
-        if kernel == "dkvorder":
-            selected_triton.DKV_ORDER = cfg[0]
-        elif cfg is not None:
-            rows, w, s = cfg
-            selected_triton.LAUNCH[kernel] = {"num_warps": w, "num_stages": s}
-            if kernel == "dkv":
-                selected_triton.DKV_ROWS = rows
-        yield
-    finally:
-        selected_triton.LAUNCH.clear()
-        selected_triton.LAUNCH.update(old_launch)
-        selected_triton.DKV_ROWS = old_rows
-        selected_triton.DKV_ORDER = old_order
+def tuning_for(kernel: str, cfg: tuple):
+    """The op's tuning with `kernel`'s launch options set to cfg (and, for dkv, its gathered
+    rows); the q block rows of fwd / dq are the lists' business (`lists_for`)."""
+    rows, w, s = cfg
+    extra = {"dkv_rows": rows} if kernel == "dkv" else {}
+    return dataclasses.replace(DEFAULT_TUNING, **{f"{kernel}_launch": (w, s)}, **extra)
 
 
 def max_diff(a: list, b: list) -> float:
@@ -125,14 +107,13 @@ def sweep(a, shape: str, sel_names: list[str], grids: dict, rows: list, path: st
                     n_sel=a.n_sel, backend="flex")
     dt = torch.bfloat16 if DEV == "cuda" else torch.float32  # the interpreter computes in fp32
     device = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (interpreted)"
-    fwd_rows = selected_triton.fwd_rows(G)
-    opts = {kern: selected_triton._launch_opts(kern, dk, dv, dt, r) for kern, r in
-            (("fwd", fwd_rows), ("dq", selected_triton.ROWS), ("dkv", 0))}
+    t0 = DEFAULT_TUNING
+    opts = {kern: t0.launch_opts(kern, dt, r) for kern, r in
+            (("fwd", t0.fwd_rows(G)), ("dq", t0.rows), ("dkv", 16))}
     ws = {kern: (o["num_warps"], o["num_stages"]) for kern, o in opts.items()}
     defaults.update({(name, T, "fwd"): config_name("fwd", (0, *ws["fwd"])),
                      (name, T, "dq"): config_name("dq", (0, *ws["dq"])),
-                     (name, T, "dkv"): config_name("dkv", (selected_triton.DKV_ROWS, *ws["dkv"])),
-                     (name, T, "dkvorder"): selected_triton.DKV_ORDER})
+                     (name, T, "dkv"): config_name("dkv", (t0.dkv_rows, *ws["dkv"]))})
     torch.manual_seed(0)
     q, k, v = [torch.randn(B, h, T, d, device=DEV, dtype=dt, requires_grad=True)
                for h, d in ((H, dk), (Hkv, dk), (Hkv, dv))]
@@ -159,15 +140,15 @@ def sweep(a, shape: str, sel_names: list[str], grids: dict, rows: list, path: st
                                             rows_dq=key[1] or None)
             return cache[key]
 
-        def fwd(lists):
+        def fwd(lists, tuning=DEFAULT_TUNING):
             with torch.no_grad():
-                return list(selected_triton.selected_attention(q, k, v, **lists))
+                return list(selected_attention(q, k, v, **dict(lists, tuning=tuning)))
 
-        def fwd_bwd(lists):
-            o, _ = selected_triton.selected_attention(q, k, v, **lists)
+        def fwd_bwd(lists, tuning=DEFAULT_TUNING):
+            o, _ = selected_attention(q, k, v, **dict(lists, tuning=tuning))
             return list(torch.autograd.grad(o, (q, k, v), do))
 
-        fns = {"fwd": fwd, "dkv": fwd_bwd, "dq": fwd_bwd, "dkvorder": fwd_bwd}
+        fns = {"fwd": fwd, "dkv": fwd_bwd, "dq": fwd_bwd}
         default = lists_for("fwd", (0,))
         ref = {kern: fn(default) for kern, fn in fns.items()}  # what every config is compared with
         for kern, grid in grids.items():
@@ -178,13 +159,12 @@ def sweep(a, shape: str, sel_names: list[str], grids: dict, rows: list, path: st
                 row = dict(base, kernel=kern, config=config_name(kern, c), ms=math.nan,
                            kernel_ms=math.nan, err=math.nan, error="")
                 try:
-                    with launch(kern, c):
-                        fn = functools.partial(fns[kern], lists_for(kern, c))
-                        row["err"] = max_diff(fn(), ref[kern])  # compiles: errors here
-                        row["ms"] = median_ms(fn, DEV, reps=1, warmup=25, rep_ms=a.rep_ms)
-                        if DEV == "cuda":
-                            row["kernel_ms"] = sum(ms for kname, _, ms in kernel_ms(fn)
-                                                   if KERNELS[kern] in kname)
+                    fn = functools.partial(fns[kern], lists_for(kern, c), tuning_for(kern, c))
+                    row["err"] = max_diff(fn(), ref[kern])  # compiles: errors here
+                    row["ms"] = median_ms(fn, DEV, reps=1, warmup=25, rep_ms=a.rep_ms)
+                    if DEV == "cuda":
+                        row["kernel_ms"] = sum(ms for kname, _, ms in kernel_ms(fn)
+                                               if KERNELS[kern] in kname)
                 except Exception as e:  # keep the sweep going; the row says why
                     row["error"] = f"{type(e).__name__}: " + " ".join(str(e).split())[-300:]
                 rows.append(row)
@@ -231,8 +211,6 @@ def main(argv=None):
     ap.add_argument("--dq", default="", help="comma list of [ROWS:]WARPS:STAGES for the dQ kernel "
                     "(default: {16,32,64} x {2,4,8} x {1,2}; 'none': skip; it runs only where dQ is "
                     "not accumulated by atomics in the dK/dV pass, e.g. the paper shape)")
-    ap.add_argument("--dkv-order", default="", help="comma list of the dK/dV pass's launch orders "
-                    f"to time ({', '.join(DKV_ORDERS)}: selected_triton.DKV_ORDER; default: none)")
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench's repetition time per config")
     ap.add_argument("--max-minutes", type=float, default=0,
                     help="stop the sweep after this long (0: no limit), keeping what it has")
@@ -252,11 +230,6 @@ def main(argv=None):
         ap.error(f"--selection: a comma list of random, trained; got {a.selection!r}")
     grids = {"fwd": parse_grid(a.fwd, 3, "fwd") or (QUICK["fwd"] if a.quick else FWD),
              "dkv": parse_grid(a.dkv, 3, "dkv") or (QUICK["dkv"] if a.quick else DKV)}
-    orders = [o for o in a.dkv_order.split(",") if o]
-    if set(orders) - set(DKV_ORDERS):
-        ap.error(f"--dkv-order: a comma list of {', '.join(DKV_ORDERS)}; got {a.dkv_order!r}")
-    if orders:
-        grids["dkvorder"] = [(o,) for o in orders]
     if a.dq != "none" and (a.dq or not a.quick):  # --quick: only a --dq given explicitly
         grids["dq"] = parse_grid(a.dq, 3, "dq") or DQ
     os.makedirs(a.out, exist_ok=True)

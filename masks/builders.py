@@ -11,7 +11,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from nsa_flex.rules import cmp_visible, is_forced
 
-from .core import MaskSpec, captured, or_masks, transpose_lists
+from .core import MaskSpec, Selection, captured, or_masks, transpose_lists
 
 
 def causal() -> MaskSpec:
@@ -21,7 +21,7 @@ def causal() -> MaskSpec:
     def interval(q):
         return torch.zeros_like(q).unsqueeze(0), q.unsqueeze(0)
 
-    return MaskSpec(mask_mod, interval=interval, name="causal", is_causal=True)
+    return MaskSpec(mask_mod, interval=interval, name="causal")
 
 
 def sliding_window(window: int) -> MaskSpec:
@@ -47,8 +47,7 @@ def compressed_causal(l: int, d: int) -> MaskSpec:
         hi = torch.div(q - l + 1, d, rounding_mode="floor")
         return torch.zeros_like(q).unsqueeze(0), hi.unsqueeze(0)
 
-    return MaskSpec(mask_mod, interval=interval, name=f"compressed_causal({l},{d})",
-                    cmp_causal=(l, d))
+    return MaskSpec(mask_mod, interval=interval, name=f"compressed_causal({l},{d})")
 
 
 def document(doc_ids: Tensor, kv_stride: int = 1, kv_span: int = 1) -> MaskSpec:
@@ -125,7 +124,7 @@ def selection(sel_idx: Tensor, l_sel: int) -> MaskSpec:
                                             mod, lo, hi, kv_major)
 
     return MaskSpec(mask_mod, heads=H, kv_blocks=kv_blocks, name=f"selection(n={n},l'={l_sel})",
-                    kv_block=l_sel, compact=compact, selection=(unique, l_sel))
+                    kv_block=l_sel, compact=compact, selection=Selection(unique, l_sel))
 
 
 def forced_blocks(l_sel: int, n_init: int, n_local: int, starts: Tensor | None = None

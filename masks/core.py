@@ -66,6 +66,17 @@ Interval = Callable[[Tensor], tuple[Tensor, Tensor]]
 
 
 @dataclass(frozen=True)
+class Selection:
+    """A mask given as a per-(position, group) block selection (the `selection` factory): key s is
+    visible to query t of group h iff s's block s // l_sel is in idx[b, h, t, :] (-1: unused slot),
+    s <= t and, when `band` is set (the bands of an `and_masks`), lo <= s <= hi with (lo, hi) =
+    band(t). The form the selected-attention op reads (`nsa_flex.ops.selected_lists`)."""
+    idx: Tensor  # [B, H, T, n]
+    l_sel: int
+    band: Interval | None = None
+
+
+@dataclass(frozen=True)
 class MaskSpec:
     mask_mod: MaskMod
     # number of heads the mask depends on: 1 (head-agnostic) or the number of KV groups
@@ -90,19 +101,8 @@ class MaskSpec:
     # no key at or beyond this index is visible (the selection's sink block 0): the flex backend
     # attends K/V[:kv_len] only
     kv_len: int | None = None
-    # plain causal attention (the `causal` factory alone): the flex backend on GPU hands it to
-    # SDPA's fused causal kernels, what a user of full attention would otherwise run
-    is_causal: bool = False
-    # the compressed-causal mask alone, (l, d) (the `compressed_causal` factory): query t sees
-    # compressed block i iff i d + l - 1 <= t. The flex backend on GPU runs it as plain causal
-    # attention over groups of d positions (`nsa_flex.attention.attend_compressed_sdpa`)
-    cmp_causal: tuple[int, int] | None = None
-    # a per-(position, group) block selection (the `selection` factory): (sel_idx [B, H, T, n],
-    # block length), read with the BlockMask by the selected-attention op
-    # (nsa_flex.ops.selected_triton); `row_band`: the band the other masks of an `and_masks`
-    # restrict it to (per query token: keys lo..hi), None for the selection alone
-    selection: tuple[Tensor, int] | None = None
-    row_band: Interval | None = None
+    # the mask as a per-position block selection (`Selection`), None for any other mask
+    selection: Selection | None = None
 
     @property
     def per_group(self) -> bool:
@@ -389,11 +389,11 @@ def and_masks(*specs: MaskSpec, name: str | None = None) -> MaskSpec:
                                      kv_major=kv_major)
 
     kv_block = next((s.kv_block for s in specs if s.kv_block is not None), None)
-    selection = row_band = None
+    selection = None
     if kv_blocks is not None:
-        inner_spec = next(s for s in specs if s.kv_blocks is not None)
-        if inner_spec.selection is not None and inner_spec.row_band is None:
-            selection, row_band = inner_spec.selection, band
+        picks = next(s for s in specs if s.kv_blocks is not None).selection
+        if picks is not None and picks.band is None:
+            selection = Selection(picks.idx, picks.l_sel, band)
     return MaskSpec(mask_mod, heads=heads, interval=interval, kv_blocks=kv_blocks,
                     name=name or "&".join(s.name for s in specs), kv_block=kv_block,
-                    compact=compact, bands=union, selection=selection, row_band=row_band)
+                    compact=compact, bands=union, selection=selection)

@@ -10,6 +10,8 @@ A builder is called every step, so it may depend on the data. It must be strictl
 for the selection branch, give every head of a GQA group the same mask (heads = n_kv_heads).
 `kind` says which branch accepts it: "compressed" (kv index = compressed block), "selection"
 (per-group token mask), or "token" (token mask; accepted by the selection and window branches).
+The registry answers what a builder needs and what its mask is (`builder_info`): the layer and
+the decode step ask it instead of knowing builder names.
 """
 
 import dataclasses
@@ -21,7 +23,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from nsa_flex.rules import forced_and_valid, local_topn, num_cmp, pick_blocks, random_topn
+from nsa_flex.rules import LayerShape, forced_and_valid, local_topn, pick_blocks, random_topn
 
 from .builders import (causal, compressed_causal, doc_start, document, drop_forced, forced_parts,
                        selection, sliding_window)
@@ -30,7 +32,7 @@ from .core import MaskSpec, and_masks
 
 @dataclass
 class MaskContext:
-    cfg: object  # NSAConfig, or any object with the fields a builder reads (CheckConfig)
+    cfg: LayerShape  # the layer's NSAConfig (a LayerShape), or the causality check's small one
     batch: int
     seq_len: int
     device: torch.device
@@ -50,7 +52,24 @@ class MaskContext:
         return doc_start(self.doc_ids.long())
 
 
-_REGISTRY: dict[str, tuple[str, Callable[[MaskContext], MaskSpec | None]]] = {}
+@dataclass(frozen=True)
+class BuilderInfo:
+    """A registered builder and what it needs. kind: the branches that accept it (above);
+    scores: its mask reads the scorer's top-n (`ctx.topn()`), which needs the compressed branch's
+    keys and lse: the layer computes them even where that branch is off; step: it reads
+    `ctx.step` (a draw that varies per step); native: what its mask is in a step without
+    documents, where an executor runs that mask natively ("causal": plain causal attention,
+    "compressed_causal": the compressed-causal mask of the config's l, d), None for any other
+    mask; decode: the branches `nsa_flex.inference` decodes it on."""
+    kind: str
+    fn: Callable[[MaskContext], MaskSpec | None]
+    scores: bool = False
+    step: bool = False
+    native: str | None = None
+    decode: tuple[str, ...] = ()
+
+
+_REGISTRY: dict[str, BuilderInfo] = {}
 
 
 class MaskBuilderError(ValueError):
@@ -59,8 +78,11 @@ class MaskBuilderError(ValueError):
 
 
 def register_mask_builder(name: str, kind: str, fn: Callable[[MaskContext], MaskSpec | None],
-                          replace: bool = False):
+                          replace: bool = False, *, scores: bool = False, step: bool = False):
     """Register ``fn`` as mask builder ``name`` for ``kind`` ("compressed", "selection", "token").
+    ``scores``: it calls ``ctx.topn()`` and wants the top-n scored with the compressed branch's
+    lse (the layer then runs that branch even where it is off); ``step``: it reads ``ctx.step``
+    (the layer then draws one per step). See `BuilderInfo`.
 
     Registering the same function again under its name is a no-op (a notebook cell run twice); a
     different function needs ``replace=True``. The builder is checked once, here, on a small
@@ -69,20 +91,21 @@ def register_mask_builder(name: str, kind: str, fn: Callable[[MaskContext], Mask
     (query, key) pair."""
     if kind not in ("compressed", "selection", "token"):
         raise ValueError(f"kind={kind!r}: allowed values are 'compressed', 'selection', 'token'")
+    info = BuilderInfo(kind, fn, scores=scores, step=step)
     if name in _REGISTRY:
-        if _REGISTRY[name] == (kind, fn):
+        if _REGISTRY[name] == info:
             return fn
         if not replace:
             raise MaskBuilderError(f"mask builder {name!r} is already registered with another function or "
                                    "kind; pass replace=True to replace it")
     check_causal(name, kind, fn)
-    _REGISTRY[name] = (kind, fn)
+    _REGISTRY[name] = info
     return fn
 
 
-def _register_builtin(name: str, kind: str, fn) -> None:
+def _register_builtin(name: str, kind: str, fn, **info) -> None:
     # built-ins: covered by tests/masks/test_causality.py (hypothesis), not checked at import
-    _REGISTRY[name] = (kind, fn)
+    _REGISTRY[name] = BuilderInfo(kind, fn, **info)
 
 
 def _random_topn(cfg, B: int, T: int, starts: Tensor, gen: torch.Generator) -> Tensor:
@@ -102,26 +125,11 @@ def _first_leak(allowed: Tensor, q_tok: Tensor, key_end: Tensor) -> tuple[int, i
     return int(q_tok[r[i]]), int(k[i])
 
 
-@dataclass(frozen=True)
-class CheckConfig:
-    """The small layer `check_causal` runs a builder on: the `NSAConfig` fields a builder reads
-    from `ctx.cfg` (masks takes the config by its fields, never imports it)."""
-    n_heads: int = 4
-    n_kv_heads: int = 2
-    l: int = 4
-    d: int = 2
-    l_sel: int = 4
-    n_sel: int = 3
-    n_init: int = 1
-    n_local: int = 1
-    window: int = 5
-
-    @property
-    def group_size(self) -> int:
-        return self.n_heads // self.n_kv_heads
-
-    def num_cmp(self, seq_len: int) -> int:
-        return num_cmp(seq_len, self.l, self.d)
+def check_config() -> LayerShape:
+    """The small layer `check_causal` runs a builder on: `nsa_flex.rules.LayerShape`, the fields of
+    `NSAConfig` a builder reads from `ctx.cfg` (its base class; masks never imports the config)."""
+    return LayerShape(dim=8, n_heads=4, n_kv_heads=2, d_qk=8, d_v=8, l=4, d=2, l_sel=4, n_sel=3,
+                      n_init=1, n_local=1, window=5)
 
 
 def check_causal(name: str, kind: str, fn, T: int = 19, seed: int = 0) -> None:
@@ -131,7 +139,7 @@ def check_causal(name: str, kind: str, fn, T: int = 19, seed: int = 0) -> None:
     layout of per-group masks). Key index = token for token masks, compressed block j (its last
     token j*d + l - 1) for compressed masks. Raises MaskBuilderError naming the builder and the
     first leaking (query, key) pair."""
-    cfg = CheckConfig()
+    cfg = check_config()
     gen = torch.Generator().manual_seed(seed)
     B = 2
     docs = torch.sort(torch.randint(0, 3, (B, T), generator=gen), dim=-1).values
@@ -226,18 +234,25 @@ def import_builder_modules(names) -> None:
                 sys.path.remove(cwd)
 
 
-def get_mask_builder(name: str) -> Callable[[MaskContext], MaskSpec | None]:
+def builder_info(name: str) -> BuilderInfo:
+    """What the registry knows of builder `name` (`BuilderInfo`); KeyError for an unknown name."""
     if name not in _REGISTRY:
         raise KeyError(f"unknown mask builder {name!r}; registered: {sorted(_REGISTRY)}")
-    return _REGISTRY[name][1]
+    return _REGISTRY[name]
 
 
-def list_mask_builders(branch: str | None = None) -> list[str]:
+def get_mask_builder(name: str) -> Callable[[MaskContext], MaskSpec | None]:
+    return builder_info(name).fn
+
+
+def list_mask_builders(branch: str | None = None, decode: str | None = None) -> list[str]:
     """Builder names a branch accepts: "compressed", "selection" (selection + token builders),
-    "token" (window branch), or all."""
+    "token" (window branch), or all; decode: only those the decode step supports on that branch
+    ("cmp", "sel", "win")."""
     ok = {None: ("compressed", "selection", "token"), "compressed": ("compressed",),
           "selection": ("selection", "token"), "token": ("token",)}[branch]
-    return sorted(n for n, (k, _) in _REGISTRY.items() if k in ok or n == "none")
+    return sorted(n for n, i in _REGISTRY.items() if (i.kind in ok or n == "none")
+                  and (decode is None or decode in i.decode))
 
 
 # ---------------------------------------------------------------------- built-in builders
@@ -288,13 +303,14 @@ def _local(ctx):
     return selection_parts(ctx, idx)
 
 
-_register_builtin("none", "token", _none)
-_register_builtin("causal", "token", _causal)
-_register_builtin("sliding_window", "token", _sliding)
-_register_builtin("compressed_causal", "compressed", _compressed)
-_register_builtin("topn", "selection", _topn)
-_register_builtin("random_selection", "selection", _random)
-_register_builtin("local_selection", "selection", _local)
+_register_builtin("none", "token", _none, decode=("cmp", "sel", "win"))
+_register_builtin("causal", "token", _causal, native="causal", decode=("sel",))
+_register_builtin("sliding_window", "token", _sliding, decode=("win",))
+_register_builtin("compressed_causal", "compressed", _compressed, native="compressed_causal",
+                  decode=("cmp",))
+_register_builtin("topn", "selection", _topn, scores=True, decode=("sel",))
+_register_builtin("random_selection", "selection", _random, step=True)
+_register_builtin("local_selection", "selection", _local, decode=("sel",))
 
 # preset name -> (compressed branch, selection branch, window branch) builder names
 PRESETS: dict[str, tuple[str, str, str]] = {

@@ -1,42 +1,50 @@
-"""Attention backends. Both take the same MaskSpec and compute the same function.
+"""Attention executors, and the per-branch plan that picks one when the layer is built.
 
-- `reference`: dense masked attention from `spec.dense(...)`; runs anywhere, with autograd
+Every executor takes (q, k, v, spec: MaskSpec, scale) and computes the same function of the mask:
+- `attend_reference`: dense masked attention from `spec.dense(...)`; runs anywhere, with autograd
   (CPU training and CPU gradient tests use it). Rows that see no key give 0 and lse = -inf.
-- `flex`: FlexAttention driven by `spec.block_mask(...)`, compiled. Per-group masks (the
+- `attend_flex`: FlexAttention driven by `spec.block_mask(...)`, compiled. Per-group masks (the
   selection branch) use group-centric packing: q [B, Hq, T, D] -> [B, Hkv, T*G, D] with row
   t*G + g, so one q block holds one position's G heads (NSA's own kernel tile) and every selected
-  kv block is a *full* block; only the query's own block runs the mask_mod.
-  On GPU three shapes of work get their own route, each the same function:
-  * a mask split into disjoint `parts` (the selection: local band, sink block 0, scored blocks)
-    is one flex call per part, merged exactly through the parts' log-sum-exps (`merge_parts`);
-  * few keys for many queries (compressed keys, the 64-key sink) get one K/V copy per query head
-    (`expand_kv_heads`): flex's dK/dV pass then has G times the programs, each G times shorter;
-  * the plain causal mask (the full_causal preset) runs SDPA, what full attention would run;
-  * the compressed-causal mask alone (no documents) is plain causal attention once the d
-    positions that see the same compressed blocks share one row: cuDNN's fused SDPA kernels
-    (`attend_compressed_sdpa`; `attend_compressed_lean`, our op, keeps no packed copies for the
-    backward; `NSAConfig.cmp_kernel`; flex's template pads d_k 192 to 256 and
-    runs its dK/dV pass over few, long kv tiles).
+  kv block is a *full* block; only the query's own block runs the mask_mod. On GPU a mask split
+  into disjoint `parts` (the selection: local band, sink block 0, scored blocks) is one flex call
+  per part, merged exactly through the parts' log-sum-exps (`merge_parts`); few keys for many
+  queries (compressed keys, the 64-key sink) get one K/V copy per query head (`expand_kv_heads`):
+  flex's dK/dV pass then has G times the programs, each G times shorter.
+- `attend_causal_sdpa`: the plain causal mask on SDPA, what full attention would run.
+- `attend_compressed_sdpa` / `attend_compressed_lean`: the compressed-causal mask is plain causal
+  attention once the d positions that see the same compressed blocks share one row: cuDNN's fused
+  SDPA kernels (traced; or our op `ops/compressed_sdpa.py`, which keeps no packed copies for the
+  backward); flex's template pads d_k 192 to 256 and runs its dK/dV pass over few, long kv tiles.
+- `attend_selected`: a per-position block selection (`spec.selection`) on our Triton op
+  (`ops/selected_triton.py`), fed by `selected_lists` beside it.
+
+`plan_branch` chooses a branch's executor once, from the config and what the mask builder's
+registry entry says its mask is (`masks.builder_info`): a `BranchPlan` holds the executor for a
+step without documents and for one with them (documents make the causal and compressed-causal
+masks ones only flex runs), and the selected op's tuning. What only a call knows stays there: the
+backend "auto" resolves per device (reference on CPU), and an executor that cannot run these
+tensors (device, dtype, head dims) hands them to flex, or raises where the config named it.
 
 Shapes: q [B, Hq, T, Dk], k [B, Hkv, S, Dk], v [B, Hkv, S, Dv] -> out [B, Hq, T, Dv],
 lse [B, Hq, T] (fp32, natural log; None from compiled CPU flex, which cannot return it: the
-scorer then computes it itself).
+scorer then computes it itself; None from SDPA, which every caller of a token branch ignores).
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import flex_attention
 
-from masks import MaskSpec, causal
-from masks.core import captured
+from masks import MaskSpec, builder_info, causal
 
 from .config import resolve_backend
 from .ops.compressed_sdpa import compressed_sdpa as attend_compressed_lean
-from .ops import (HAS_TRITON, dq_atomic, fwd_rows, gate_mix, selected_attention,
-                  selected_unsupported, tile_positions, triton_interpreted)
+from .ops import (DEFAULT_TUNING, HAS_TRITON, SelectedTuning, gate_mix, selected_attention,
+                  selected_lists, selected_unsupported, triton_interpreted)
 from .kernel_options import (band_kernel_options, flex_kernel_options, install_flex_patches,
                              packed_block_size)
 from .rules import masked_softmax, num_cmp
@@ -168,21 +176,6 @@ def attend_compressed_sdpa(q: Tensor, k: Tensor, v: Tensor, l: int, d: int,
     return unpack(out, 0.0), unpack(lse.unsqueeze(-1), float("-inf")).squeeze(-1)
 
 
-def use_compressed_sdpa(q: Tensor, v: Tensor, spec: MaskSpec, cmp_kernel: str) -> bool:
-    """Whether the flex backend runs `spec` on cuDNN (cmp_kernel auto | flex | cudnn |
-    cudnn_lean: `attend_compressed_sdpa`, or `attend_compressed_lean` for cudnn_lean): only for the
-    compressed-causal mask alone (`spec.cmp_causal`)."""
-    if spec.cmp_causal is None or cmp_kernel == "flex":
-        return False
-    why = compressed_sdpa_unsupported(q, v)
-    if why is None:
-        return True
-    if cmp_kernel != "auto":
-        raise RuntimeError(f"NSAConfig.cmp_kernel={cmp_kernel!r} cannot run here: {why}; use "
-                           "cmp_kernel='auto' or 'flex'")
-    return False
-
-
 def merge_parts(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
     """Attention over a union of disjoint key sets from the attention over each set:
     out = sum_i exp(lse_i - lse) out_i with lse = log sum_i exp(lse_i). Exact (no key is counted
@@ -204,81 +197,47 @@ def triton_runs_on(x: Tensor) -> bool:
     return HAS_TRITON and (x.is_cuda or triton_interpreted())
 
 
-def use_selected_op(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, sel_kernel: str) -> bool:
-    """Whether the flex backend runs `spec` through our selected-attention op
-    (`nsa_flex.ops.selected_attention`, sel_kernel auto | flex | triton) instead of flex's
-    template: only for a per-position block selection (`spec.selection`)."""
-    if spec.selection is None or sel_kernel == "flex":
-        return False
-    why = "triton is not importable" if not HAS_TRITON else \
-        selected_unsupported(q, k, v, spec.selection[1])
+def selected_op_unsupported(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec) -> str | None:
+    """Why our selected-attention op cannot run `spec` on these tensors (None: it can)."""
+    if not HAS_TRITON:
+        return "triton is not importable"
+    why = selected_unsupported(q, k, v, spec.selection.l_sel)
     if why is None and not triton_runs_on(q):
         why = f"it needs CUDA tensors (got {q.device.type}; on CPU only under TRITON_INTERPRET=1)"
-    if why is None:
-        return True
-    if sel_kernel == "triton":
-        raise RuntimeError(f"NSAConfig.sel_kernel='triton' cannot run here: {why}; use "
-                           "sel_kernel='auto' or 'flex'")
-    return False
+    return why
 
 
-def selected_lists(spec: MaskSpec, B: int, T: int, S: int, G: int, d_qk: int, device,
-                   rows: int | None = None, rows_dq: int | None = None) -> dict:
-    """What the selected op reads of a per-position block selection, as `selected_attention`'s
-    keyword arguments: sel, l_sel, lo, hi and the selection's BlockMask in the packed layout (kv
-    block = l') as q-major lists, without kv-major lists (the op's backward inverts `sel` itself,
-    per position): the forward's (q blocks of `tile_positions(G, rows)` positions x G heads; rows
-    default `fwd_rows(G)`) and, where the dQ pass runs with q blocks of another size (`rows_dq`,
-    default the op's ROWS), the dQ pass's."""
-    sel, l_sel = spec.selection
-
-    def lists(rows):
-        P = tile_positions(G, rows)
-        bm = spec.block_mask(B, T, S, device=device, block_size=(P * G, l_sel), q_pack=G,
-                             kv_major=False)
-        # through an opaque op: saved for the backward, never recomputed there
-        return [captured(x) for x in (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks,
-                                      bm.full_kv_indices)]
-
-    rows = rows or fwd_rows(G)
-    out = dict(sel=sel, l_sel=l_sel, block_mask=lists(rows), rows=rows, lo=None, hi=None)
-    if not dq_atomic(G, d_qk) and tile_positions(G, rows_dq) != tile_positions(G, rows):
-        out.update(dq_block_mask=lists(rows_dq), rows_dq=rows_dq)  # None: the op's ROWS
-    if spec.row_band is not None:
-        out["lo"], out["hi"] = spec.row_band(torch.arange(T, device=device))
-    return out
-
-
-def attend_selected(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, scale: float | None = None
-                    ) -> tuple[Tensor, Tensor]:
-    """A per-position block selection through our Triton op (`selected_lists`)."""
+def attend_selected(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, scale: float | None = None,
+                    tuning: SelectedTuning = DEFAULT_TUNING) -> tuple[Tensor, Tensor]:
+    """A per-position block selection (`spec.selection`) through our Triton op
+    (`nsa_flex.ops.selected_lists` builds its inputs from the mask)."""
     B, Hq, T, Dk, Hkv, S, G, scale = _dims(q, k, scale)
-    return selected_attention(q, k, v, scale=scale, **selected_lists(spec, B, T, S, G, Dk, q.device))
+    return selected_attention(q, k, v, scale=scale,
+                              **selected_lists(spec, B, T, S, G, Dk, q.device, tuning))
 
 
-def attend_flex(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, scale: float | None = None,
-                sel_kernel: str = "auto", cmp_kernel: str = "auto") -> tuple[Tensor, Tensor]:
-    """sel_kernel: see `use_selected_op`; cmp_kernel: see `use_compressed_sdpa`."""
+def attend_causal_sdpa(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec,
+                       scale: float | None = None) -> tuple[Tensor, Tensor | None]:
+    """The plain causal mask (`spec` is `masks.causal()`) on SDPA's fused kernels, on CUDA with as
+    many keys as queries; elsewhere flex. No lse from SDPA: None."""
+    B, Hq, T, Dk, Hkv, S, G, scale = _dims(q, k, scale)
+    if not (q.is_cuda and S == T):
+        return attend_flex(q, k, v, spec, scale)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                         enable_gqa=Hq != Hkv)
+    return out, None
+
+
+def attend_flex(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, scale: float | None = None
+                ) -> tuple[Tensor, Tensor]:
+    """Any mask on FlexAttention (see the module docstring)."""
     if k.shape[2] == 0:
         return empty_attention(q, v)
-    if use_selected_op(q, k, v, spec, sel_kernel):
-        return attend_selected(q, k, v, spec, scale)
     if spec.parts is not None and q.is_cuda:  # CPU flex returns no lse: one call on the whole
-        return merge_parts([attend_flex(q, k, v, p, scale, sel_kernel, cmp_kernel)
-                            for p in spec.parts])
+        return merge_parts([attend_flex(q, k, v, p, scale) for p in spec.parts])
     if spec.kv_len is not None and spec.kv_len < k.shape[2]:  # keys past kv_len are never seen
         k, v = k[:, :, :spec.kv_len], v[:, :, :spec.kv_len]
     B, Hq, T, Dk, Hkv, S, G, scale = _dims(q, k, scale)
-    if spec.is_causal and q.is_cuda and S == T:
-        # full causal attention (the full_causal preset, the baseline): SDPA's fused kernels.
-        # No lse from SDPA: None, which every caller of a token branch ignores
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                             enable_gqa=Hq != Hkv)
-        return out, None
-    if use_compressed_sdpa(q, v, spec, cmp_kernel):
-        if cmp_kernel == "cudnn_lean":
-            return attend_compressed_lean(q, k, v, *spec.cmp_causal, scale)
-        return attend_compressed_sdpa(q, k, v, *spec.cmp_causal, scale)
     if spec.per_group:
         # group-centric packing: [B, Hkv, G, T, D] -> [B, Hkv, T*G, D], row = t*G + g
         bs = packed_block_size(G, spec)
@@ -306,9 +265,6 @@ def expand_kv_heads(T: int, S: int, G: int, device) -> bool:
     return G > 1 and torch.device(device).type == "cuda" and S * 4 <= T
 
 
-BACKENDS = {"reference": attend_reference, "flex": attend_flex}
-
-
 def gate_mix_reference(g: Tensor, outs: list[Tensor]) -> Tensor:
     """Eq. 5 in torch: g [B, T, H, n] (sigmoid gates, one column per output), outs n x
     [B, H, T, Dv] -> [B, T, H*Dv]."""
@@ -329,9 +285,84 @@ def mix_branches(g: Tensor, outs: list[Tensor], backend: str) -> Tensor:
     return gate_mix_reference(g, outs)
 
 
-def attend(q, k, v, spec: MaskSpec, backend: str, scale: float | None = None,
-           sel_kernel: str = "auto", cmp_kernel: str = "auto"):
-    # "auto" picks per device (nsa_flex.config.resolve_backend): flex on CUDA, reference on CPU
-    if resolve_backend(backend, q.device) == "flex":
-        return attend_flex(q, k, v, spec, scale, sel_kernel=sel_kernel, cmp_kernel=cmp_kernel)
-    return attend_reference(q, k, v, spec, scale)
+# ---------------------------------------------------------------------- the per-branch plan
+def _run_flex(plan, q, k, v, spec, scale):
+    return attend_flex(q, k, v, spec, scale)
+
+
+def _run_sdpa(plan, q, k, v, spec, scale):
+    return attend_causal_sdpa(q, k, v, spec, scale)
+
+
+def _run_selected(plan, q, k, v, spec, scale):
+    if spec.selection is None:  # the builder's mask is not a block selection this step
+        return attend_flex(q, k, v, spec, scale)
+    why = selected_op_unsupported(q, k, v, spec)
+    if why is None:
+        return attend_selected(q, k, v, spec, scale, plan.tuning)
+    if plan.strict:
+        raise RuntimeError(f"NSAConfig.sel_kernel='triton' cannot run here: {why}; use "
+                           "sel_kernel='auto' or 'flex'")
+    return attend_flex(q, k, v, spec, scale)
+
+
+def _run_cudnn(plan, q, k, v, spec, scale):
+    why = compressed_sdpa_unsupported(q, v)
+    if why is None:
+        fn = attend_compressed_lean if plan.executor == "cudnn_lean" else attend_compressed_sdpa
+        return fn(q, k, v, *plan.cmp, scale)
+    if plan.strict:
+        raise RuntimeError(f"NSAConfig.cmp_kernel={plan.executor!r} cannot run here: {why}; use "
+                           "cmp_kernel='auto' or 'flex'")
+    return attend_flex(q, k, v, spec, scale)
+
+
+# executor name -> how the flex backend runs it (each falls back to flex where it cannot run)
+EXECUTORS = {"flex": _run_flex, "sdpa": _run_sdpa, "selected": _run_selected,
+             "cudnn": _run_cudnn, "cudnn_lean": _run_cudnn}
+
+
+@dataclass(frozen=True)
+class BranchPlan:
+    """How one branch attends, chosen when the layer is built (`plan_branch`).
+
+    backend: NSAConfig.backend ("auto": flex on CUDA, reference elsewhere, per call); executor /
+    docs_executor: what runs on the flex backend in a step without / with documents (a name of
+    EXECUTORS); strict: an executor other than flex that cannot run the call's tensors raises
+    (the config named it: sel_kernel "triton", cmp_kernel "cudnn" / "cudnn_lean") instead of
+    handing them to flex; cmp: (l, d) of the compressed-causal mask the cuDNN executors run;
+    tuning: the selected op's settings."""
+    backend: str = "auto"
+    executor: str = "flex"
+    docs_executor: str = "flex"
+    strict: bool = False
+    cmp: tuple[int, int] | None = None
+    tuning: SelectedTuning = DEFAULT_TUNING
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, docs: bool = False,
+               scale: float | None = None):
+        """The branch's attention of q to (k, v) under `spec` (docs: the step has documents)."""
+        if resolve_backend(self.backend, q.device) == "reference":
+            return attend_reference(q, k, v, spec, scale)
+        if k.shape[2] == 0:
+            return empty_attention(q, v)
+        return EXECUTORS[self.docs_executor if docs else self.executor](self, q, k, v, spec, scale)
+
+
+def plan_branch(cfg, builder: str, tuning: SelectedTuning = DEFAULT_TUNING) -> BranchPlan:
+    """The plan of a branch whose mask comes from builder `builder` (a registered name) under
+    `cfg` (an NSAConfig): a selection builder's mask on our op unless sel_kernel is "flex"; the
+    compressed-causal mask on cuDNN unless cmp_kernel is "flex", the plain causal mask on SDPA,
+    each without documents only (`masks.builder_info(...).native`); every other mask on flex."""
+    info = builder_info(builder)
+    base = dict(backend=cfg.backend, tuning=tuning)
+    if info.kind == "selection" and cfg.sel_kernel != "flex":
+        return BranchPlan(**base, executor="selected", docs_executor="selected",
+                          strict=cfg.sel_kernel == "triton")
+    if info.native == "compressed_causal" and cfg.cmp_kernel != "flex":
+        name = "cudnn_lean" if cfg.cmp_kernel == "cudnn_lean" else "cudnn"
+        return BranchPlan(**base, executor=name, strict=cfg.cmp_kernel != "auto",
+                          cmp=(cfg.l, cfg.d))
+    if info.native == "causal":
+        return BranchPlan(**base, executor="sdpa")
+    return BranchPlan(**base)

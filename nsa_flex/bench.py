@@ -297,25 +297,17 @@ def figure(path: str, ncols: int = 1, size=(12, 4.5)):
 
 @contextlib.contextmanager
 def kernel_overrides(band: dict | None = None, packed: dict | None = None,
-                     pack_rows: int = 0, sel_rows: int = 0, sel_pad_heads: bool | None = None,
-                     sel_dq_atomic: bool | None = None, log=print):
-    """Override the library's tile tables for the block, restoring them on exit: `band` /
-    `packed` ({head dim: kernel_options}) replace entries of kernel_options.BAND_OPTIONS /
-    PACKED_OPTIONS, `pack_rows` sets kernel_options.PACK_ROWS (a positive multiple of 16),
-    `sel_rows` the selected-attention op's q-block rows (nsa_flex.ops.selected_triton.ROWS),
-    `sel_pad_heads` its PAD_HEADS, `sel_dq_atomic` its DQ_ATOMIC. Empty / 0 / None leaves a
-    setting as it is."""
+                     pack_rows: int = 0, log=print):
+    """Override flex's tile tables for the block, restoring them on exit: `band` / `packed`
+    ({head dim: kernel_options}) replace entries of kernel_options.BAND_OPTIONS / PACKED_OPTIONS,
+    `pack_rows` sets kernel_options.PACK_ROWS (a positive multiple of 16). Empty / 0 leaves a
+    setting as it is. (The selected op's settings are a record passed to it, not tables:
+    `nsa_flex.ops.SelectedTuning`, `NSAAttention(cfg, sel_tuning=...)`.)"""
     if pack_rows and (pack_rows < 0 or pack_rows % 16):
         raise ValueError(f"pack_rows must be a positive multiple of 16, got {pack_rows}")
     saved = [(kernel_options, "BAND_OPTIONS", dict(kernel_options.BAND_OPTIONS)),
              (kernel_options, "PACKED_OPTIONS", dict(kernel_options.PACKED_OPTIONS)),
              (kernel_options, "PACK_ROWS", kernel_options.PACK_ROWS)]
-    sel = None
-    if sel_rows or sel_pad_heads is not None or sel_dq_atomic is not None:
-        from .ops import selected_triton as sel  # Triton: only when the op's layout is overridden
-
-        saved += [(sel, "ROWS", sel.ROWS), (sel, "PAD_HEADS", sel.PAD_HEADS),
-                  (sel, "DQ_ATOMIC", sel.DQ_ATOMIC)]
     try:
         kernel_options.BAND_OPTIONS.update(band or {})
         kernel_options.PACKED_OPTIONS.update(packed or {})
@@ -325,11 +317,6 @@ def kernel_overrides(band: dict | None = None, packed: dict | None = None,
         if pack_rows:
             kernel_options.PACK_ROWS = pack_rows
             log(f"kernel_options: PACK_ROWS {pack_rows}")
-        if sel is not None:
-            sel.ROWS = sel_rows or sel.ROWS
-            sel.PAD_HEADS = sel.PAD_HEADS if sel_pad_heads is None else sel_pad_heads
-            sel.DQ_ATOMIC = sel.DQ_ATOMIC if sel_dq_atomic is None else sel_dq_atomic
-            log(f"selected_triton: ROWS {sel.ROWS}, PAD_HEADS {sel.PAD_HEADS}, DQ_ATOMIC {sel.DQ_ATOMIC}")
         yield
     finally:
         for mod, name, value in saved:

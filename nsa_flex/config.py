@@ -6,13 +6,13 @@ groups, d_k=192, d_v=128, hidden size 2560.
 """
 
 import logging
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 
 import torch
 
 from masks import PRESETS, import_builder_modules, list_mask_builders
 
-from .rules import num_cmp
+from .rules import LayerShape, knob
 
 PHI_CHOICES = ("avg", "mlp")
 BACKEND_CHOICES = ("auto", "flex", "reference")
@@ -65,31 +65,12 @@ def resolve_backend(backend: str, device, training: bool = False) -> str:
 MODEL_DIMS = ("dim", "n_heads", "n_kv_heads")
 
 
-def knob(default, help: str, paper: str | None = None):
-    """An NSAConfig field with its help text (and, for a paper hyperparameter, the section of
-    arXiv 2502.11089 that defines it): the titan `[nsa]` section and `--nsa.*` flags
-    (`nsa_flex/titan/job_config.py`) and the model args (`titan/args.py`) are derived from these
-    fields (names, types, defaults, help)."""
-    return field(default=default, metadata={"help": f"{help} (paper {paper})" if paper else help})
-
-
 @dataclass
-class NSAConfig:
-    # model dims (a titan decoder sets them from its flavor: MODEL_DIMS)
-    dim: int = knob(2560, "model width")
-    n_heads: int = knob(64, "query heads")
-    n_kv_heads: int = knob(4, "key/value heads (GQA groups; n_heads is a multiple)")
-    d_qk: int = knob(192, "query/key head dim")
-    d_v: int = knob(128, "value head dim")
-    # the paper's branch hyperparameters
-    l: int = knob(32, "compression block length l", paper="§3.3.1, Eq. 7")
-    d: int = knob(16, "compression stride d (divides l and l_sel)", paper="§3.3.1, Eq. 7")
-    l_sel: int = knob(64, "selection block length l'", paper="§3.3.2, Eq. 9")
-    n_sel: int = knob(16, "number of selected blocks n (including the forced initial/local blocks)",
-                      paper="§3.3.2, Eq. 11")
-    n_init: int = knob(1, "forced initial blocks (0 or 1)", paper="§3.3.2")
-    n_local: int = knob(2, "forced local blocks", paper="§3.3.2")
-    window: int = knob(512, "sliding-window size w", paper="§3.3.3")
+class NSAConfig(LayerShape):
+    """The layer's shape and the paper's hyperparameters (`nsa_flex.rules.LayerShape`: dim, heads,
+    head dims, l, d, l_sel, n_sel, n_init, n_local, window; the fields mask builders read, so
+    masks' causality check runs on a small one), then the implementation's knobs."""
+
     # implementation and masks
     phi: str = knob("avg", "compression function: avg (mean pooling) | mlp (learned, with "
                            "intra-block positions)")
@@ -218,18 +199,10 @@ class NSAConfig:
             raise NSAConfigError("invalid NSAConfig:\n  - " + "\n  - ".join(errs), errs)
 
     # ------------------------------------------------------------------ helpers
-    @property
-    def group_size(self) -> int:
-        return self.n_heads // self.n_kv_heads
-
     def branch_masks(self) -> dict[str, str]:
         """The mask builder name of each branch: preset, then per-branch overrides."""
         cmp, sel, win = PRESETS[self.masks]
         return {"cmp": self.cmp_mask or cmp, "sel": self.sel_mask or sel, "win": self.win_mask or win}
-
-    def num_cmp(self, seq_len: int) -> int:
-        """Number of compressed blocks over seq_len tokens (`nsa_flex.rules.num_cmp`, Eq. 7)."""
-        return num_cmp(seq_len, self.l, self.d)
 
     def decode_reads(self, seq_len: int) -> int:
         """Key tokens read by one decode step at context length S (paper §5: num_cmp + n*l' + w).

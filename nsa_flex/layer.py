@@ -9,12 +9,13 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from masks import MaskContext, doc_start, get_mask_builder
+from masks import MaskContext, builder_info, doc_start
 
-from .attention import attend, mix_branches
+from .attention import mix_branches, plan_branch
 from .compression import PHI
 from .config import RECOMPUTED, NSAConfig
 from .kernel_options import install_flex_patches
+from .ops import DEFAULT_TUNING, SelectedTuning
 from .rope import apply_rope, rope_cos_sin
 from .rules import BRANCHES, random_draw_step
 from .selection import select_topn
@@ -44,8 +45,27 @@ def check_inputs(x: Tensor, doc_ids: Tensor | None, dim: int) -> None:
                              f"to {int(doc_ids[b, t + 1])} at position {t + 1}")
 
 
+# the scorer's compressed keys and lse (Eq. 8) come from this mask where the compressed branch is off
+SCORER_MASK = "compressed_causal"
+
+
+def branch_builders(cfg: NSAConfig) -> dict[str, str]:
+    """The mask builder each branch runs: the config's (`NSAConfig.branch_masks`), and the scorer's
+    compressed-causal mask for a compressed branch that is off where the selection builder scores
+    (`masks.builder_info(...).scores`). Branches that run nothing are left out."""
+    names = cfg.branch_masks()
+    out = {b: n for b, n in names.items() if n != "none"}
+    if "cmp" not in out and builder_info(names["sel"]).scores:
+        out["cmp"] = SCORER_MASK
+    return {b: out[b] for b in BRANCHES if b in out}
+
+
 class NSAAttention(nn.Module):
-    def __init__(self, cfg: NSAConfig):
+    """The NSA layer. Each branch's executor is chosen here, once (`plans`: branch ->
+    `nsa_flex.attention.BranchPlan`); sel_tuning: the selected op's settings (benchmarks and
+    tuning sweeps pass their own)."""
+
+    def __init__(self, cfg: NSAConfig, sel_tuning: SelectedTuning = DEFAULT_TUNING):
         super().__init__()
         cfg.validate()
         self.cfg = cfg
@@ -60,8 +80,11 @@ class NSAAttention(nn.Module):
         self.phi_v = PHI[cfg.phi](cfg.l, cfg.d, dv)
         self.gate = nn.Linear(dim, 3 * H, bias=True)  # paper Eq. 5: g = sigmoid(MLP(x))
         self.wo = nn.Linear(H * dv, dim, bias=False)
-        self.builders = {b: get_mask_builder(n) for b, n in cfg.branch_masks().items()}
         self.branch_names = cfg.branch_masks()
+        run = branch_builders(cfg)
+        self.builders = {b: builder_info(n).fn for b, n in run.items()}
+        self.plans = {b: plan_branch(cfg, n, sel_tuning) for b, n in run.items()}
+        self.draws = builder_info(self.branch_names["sel"]).step  # the selection reads ctx.step
         # the top-n selection (Eq. 8-11, nsa_flex.selection): an instance attribute, so a probe
         # can wrap it for one layer (experiments/retrieval_probe.py records and overrides picks)
         self.select_topn = select_topn
@@ -102,16 +125,16 @@ class NSAAttention(nn.Module):
         v = self.wv[branch](x).view(B, T, Hkv, -1).transpose(1, 2)
         return apply_rope(k, cos, sin), v
 
-    def branch(self, b: str, spec, x: Tensor, q: Tensor, cos: Tensor, sin: Tensor):
+    def branch(self, b: str, spec, x: Tensor, q: Tensor, cos: Tensor, sin: Tensor, docs: bool):
         """One branch's attention: its own keys and values (compressed by phi for "cmp"), then
-        the attention call -> (out, lse, k). A branch named by `cfg.recompute` runs under
-        activation checkpointing: its backward rebuilds k, v and out from x and q (kept anyway)."""
+        its planned executor (`self.plans[b]`; docs: the step has documents) -> (out, lse, k). A
+        branch named by `cfg.recompute` runs under activation checkpointing: its backward
+        rebuilds k, v and out from x and q (kept anyway)."""
         def run(x, q):
             k, v = self.project_kv(x, b, cos, sin)
             if b == "cmp":
                 k, v = self.phi_k(k), self.phi_v(v)
-            o, lse = attend(q, k, v, spec, self.cfg.backend, sel_kernel=self.cfg.sel_kernel,
-                            cmp_kernel=self.cfg.cmp_kernel)
+            o, lse = self.plans[b].attend(q, k, v, spec, docs)
             return o, lse, k
 
         if b in RECOMPUTED[self.cfg.recompute] and torch.is_grad_enabled():
@@ -136,24 +159,24 @@ class NSAAttention(nn.Module):
             starts = None if doc_ids is None else doc_start(doc_ids.long())
             return self.select_topn(q.detach(), kc.detach(), lse, cfg, starts)  # no gradient
 
-        step = random_draw_step(x, cfg.seed) if names["sel"] == "random_selection" else 0
+        step = random_draw_step(x, cfg.seed) if self.draws else 0
         ctx = MaskContext(cfg, B, T, x.device, doc_ids=doc_ids, topn=topn, step=step)
+        docs = doc_ids is not None
         out, specs = {}, {}  # branch -> output; branch -> (MaskSpec, kv length), for telemetry
 
         # compressed branch (§3.3.1): phi over blocks of l keys / values, attend; its lse feeds
-        # the scorer. The top-n selection also needs the compressed keys when the branch is off.
-        if names["cmp"] != "none" or names["sel"] == "topn":
-            spec = self.builders["cmp"](ctx) if names["cmp"] != "none" else \
-                get_mask_builder("compressed_causal")(ctx)
-            o, lse_cmp, k_cmp = self.branch("cmp", spec, x, q, cos, sin)
+        # the scorer. A scoring selection runs it for the compressed keys when the branch is off.
+        if "cmp" in self.builders:
+            spec = self.builders["cmp"](ctx)
+            o, lse_cmp, k_cmp = self.branch("cmp", spec, x, q, cos, sin, docs)
             if names["cmp"] != "none":
                 out["cmp"], specs["cmp"] = o, (spec, k_cmp.shape[2])
 
         # selected (§3.3.2) and sliding-window (§3.3.3) branches
         for b in ("sel", "win"):
-            if names[b] != "none":
+            if b in self.builders:
                 specs[b] = (self.builders[b](ctx), T)
-                out[b], _, _ = self.branch(b, specs[b][0], x, q, cos, sin)
+                out[b], _, _ = self.branch(b, specs[b][0], x, q, cos, sin, docs)
 
         # gate (Eq. 5): per head, per branch sigmoid, mixing the branch outputs
         g = torch.sigmoid(self.gate(x)).view(B, T, -1, 3)  # [B, T, H, 3]

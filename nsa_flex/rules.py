@@ -20,13 +20,55 @@ Selection (§3.3.2):
             (n_init = 1) and the n_local most recent blocks (the one holding t and those before)
   top-n     forced blocks first, then by score, ties to the lower block, -1 pads (`pick_blocks`)
 Ablation draws (not in the paper): uniform random scores (`random_topn`), recency (`local_topn`).
+The hyperparameters these rules and the mask builders read are `LayerShape`'s fields, the first
+fields of `nsa_flex.NSAConfig`.
 """
+
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 
 BRANCHES = ("cmp", "sel", "win")  # Eq. 5's three branches, in the order of the gate columns
+
+
+def knob(default, help: str, paper: str | None = None):
+    """An NSAConfig field with its help text (and, for a paper hyperparameter, the section of
+    arXiv 2502.11089 that defines it): the titan `[nsa]` section and `--nsa.*` flags
+    (`nsa_flex/titan/job_config.py`) and the model args (`titan/args.py`) are derived from these
+    fields (names, types, defaults, help)."""
+    return field(default=default, metadata={"help": f"{help} (paper {paper})" if paper else help})
+
+
+@dataclass
+class LayerShape:
+    """An NSA layer's shape and the paper's hyperparameters, with the paper's values: the fields
+    the rules below and the mask builders read (`ctx.cfg`). `nsa_flex.NSAConfig` extends it with
+    the implementation's knobs; `masks`' causality check runs builders on a small one."""
+    # model dims (a titan decoder sets them from its flavor: MODEL_DIMS)
+    dim: int = knob(2560, "model width")
+    n_heads: int = knob(64, "query heads")
+    n_kv_heads: int = knob(4, "key/value heads (GQA groups; n_heads is a multiple)")
+    d_qk: int = knob(192, "query/key head dim")
+    d_v: int = knob(128, "value head dim")
+    # the paper's branch hyperparameters
+    l: int = knob(32, "compression block length l", paper="§3.3.1, Eq. 7")
+    d: int = knob(16, "compression stride d (divides l and l_sel)", paper="§3.3.1, Eq. 7")
+    l_sel: int = knob(64, "selection block length l'", paper="§3.3.2, Eq. 9")
+    n_sel: int = knob(16, "number of selected blocks n (including the forced initial/local blocks)",
+                      paper="§3.3.2, Eq. 11")
+    n_init: int = knob(1, "forced initial blocks (0 or 1)", paper="§3.3.2")
+    n_local: int = knob(2, "forced local blocks", paper="§3.3.2")
+    window: int = knob(512, "sliding-window size w", paper="§3.3.3")
+
+    @property
+    def group_size(self) -> int:
+        return self.n_heads // self.n_kv_heads
+
+    def num_cmp(self, seq_len: int) -> int:
+        """Number of compressed blocks over seq_len tokens (`num_cmp`, Eq. 7)."""
+        return num_cmp(seq_len, self.l, self.d)
 
 
 # ---------------------------------------------------------------------- compression (Eq. 7)

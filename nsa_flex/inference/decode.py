@@ -18,27 +18,28 @@ import warnings
 import torch
 from torch import Tensor
 
+from masks import builder_info, list_mask_builders
+
 from ..rope import rope_cos_sin
 from .cache import NSACache
 from .decode_fused import resolve_decode_backend, step_triton
 from .decode_reference import attend_cached, write_token
 
-SUPPORTED = {"cmp": ("compressed_causal", "none"),
-             "sel": ("topn", "local_selection", "causal", "none"),
-             "win": ("sliding_window", "none")}
-
-
 def branch_modes(layer) -> dict[str, str]:
+    """The layer's builder per branch, each one the decode step supports on its branch (the
+    registry says which: `masks.builder_info(...).decode`)."""
     names = dict(layer.branch_names)
-    for b, ok in SUPPORTED.items():
-        if names[b] not in ok:
-            raise NotImplementedError(f"decode supports {b} mask builders {ok}, not {names[b]!r}")
+    for b, name in names.items():
+        if b not in builder_info(name).decode:
+            raise NotImplementedError(f"decode supports {b} mask builders "
+                                      f"{tuple(list_mask_builders(decode=b))}, not {name!r}")
     return names
 
 
 def cache_branches(modes: dict[str, str]) -> tuple[str, ...]:
+    """The cache streams the builders read: the compressed keys also for a scoring selection."""
     out = []
-    if modes["cmp"] != "none" or modes["sel"] == "topn":
+    if modes["cmp"] != "none" or builder_info(modes["sel"]).scores:
         out.append("cmp")
     if modes["sel"] != "none":
         out.append("sel")

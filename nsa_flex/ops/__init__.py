@@ -8,19 +8,22 @@ gate's mix of the branch outputs (Eq. 5), kept out of flex's epilogue. None when
 imported (the torch path runs).
 `compressed_sdpa` (its own module, no triton): the compressed branch on cuDNN as an opaque custom
 op that keeps no packed copies for the backward (`NSAConfig.cmp_kernel = "cudnn_lean"`).
+`SelectedTuning` (its own module, no triton): the selected op's settings as one frozen record.
 """
+
+from .selected_tuning import DEFAULT_TUNING, SelectedTuning
 
 try:
     from .scorer_triton import group_slc_scores, interpreted as triton_interpreted
     from .topn_triton import topn_blocks
-    from .selected_triton import dq_atomic, fwd_rows, selected_attention, tile_positions
+    from .selected_triton import selected_attention, selected_lists
     from .selected_triton import supported as selected_unsupported
     from .gate_triton import gate_mix
 except ImportError:  # no triton: the torch scorer only
     group_slc_scores = None
     topn_blocks = None
     gate_mix = None
-    selected_attention = tile_positions = fwd_rows = dq_atomic = None
+    selected_attention = selected_lists = None
 
     def selected_unsupported(*args) -> str:
         return "triton is not importable"
@@ -30,5 +33,6 @@ except ImportError:  # no triton: the torch scorer only
 
 HAS_TRITON = group_slc_scores is not None
 
-__all__ = ["HAS_TRITON", "dq_atomic", "fwd_rows", "gate_mix", "group_slc_scores",
-           "selected_attention", "selected_unsupported", "tile_positions", "topn_blocks", "triton_interpreted"]
+__all__ = ["DEFAULT_TUNING", "HAS_TRITON", "SelectedTuning", "gate_mix", "group_slc_scores",
+           "selected_attention", "selected_lists", "selected_unsupported", "topn_blocks",
+           "triton_interpreted"]

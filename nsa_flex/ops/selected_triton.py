@@ -4,23 +4,25 @@ Inputs: q [B, Hq, T, Dk], the branch's k [B, Hkv, T, Dk] and v [B, Hkv, T, Dv], 
 `sel` [B, Hkv, T, n] (block indices of l' keys, -1 unused; one list per position and GQA group,
 Eq. 10), a per-position key band `lo`, `hi` [B|1, T] (e.g. the document's first token; keys are
 also never after the query) and the selection BlockMask in the packed layout (query row r = token
-r // G, head r % G; q block = P positions x G heads, P = `tile_positions(G)`: 16 rows' worth,
-2 positions at G = 8; kv block = l'):
+r // G, head r % G; q block = P positions x G heads, P = `tile_positions(G, rows)`: 16 rows'
+worth by default, 2 positions at G = 8; kv block = l'). Its settings are one frozen record passed
+with the inputs (`SelectedTuning`, `selected_tuning.py`):
   * forward and dQ are query-centric: one program per (q block, batch, KV head) holds the G heads of
-    its P positions (G < 16 heads as next_power_of_2(G) rows; PAD_HEADS pads them to 16) and walks the
-    block's q-major lists (partial, then full blocks: the union of the P positions' selections),
-    loading each selected K/V block once for all its rows. The forward's q blocks may hold more
-    positions than the dQ pass's (`fwd_rows`); then the dQ pass is hybrid (`dq_hybrid`): each of
-    the forward's blocks runs as one wide tile or as its narrow blocks, whichever walks fewer steps;
-  * dK/dV is KV-block-centric: one program per (kv block, batch, KV head) walks the inverse of
-    the per-position selection (for each kv block, the positions that selected it: CSR, built from
-    `sel` in the backward) and gathers DKV_ROWS rows of them per MMA step (each position's G heads
-    unpadded there: 16 positions a step at G = 8). The most-read blocks (block 0,
-    popular blocks: `HEAVY` of them per head) are split into equal shares of their list; each
-    share adds its dK/dV into the block's fp32 accumulator by atomics (fp32 adds in arrival
-    order: a heavy block's dK/dV is not bit-reproducible run to run). With atomics for dQ
-    (`dq_atomic`) the same pass also adds each tile's dQ = dS @ K into an fp32 buffer and the dQ
-    kernel does not run.
+    its P positions (G heads as next_power_of_2(G) rows) and walks the block's q-major lists
+    (partial, then full blocks: the union of the P positions' selections), loading each selected
+    K/V block once for all its rows. The forward's q blocks may hold more positions than the dQ
+    pass's (`SelectedTuning.fwd_rows`); then the dQ pass is hybrid (`SelectedTuning.dq_hybrid`):
+    each of the forward's blocks runs as one wide tile or as its narrow blocks, whichever walks
+    fewer steps;
+  * dK/dV is KV-block-centric: one program per (kv block, batch, KV head), the KV heads
+    interleaved, walks the inverse of the per-position selection (for each kv block, the
+    positions that selected it: CSR, built from `sel` in the backward) and gathers `dkv_rows`
+    rows of them per MMA step (each position's G heads unpadded there: 16 positions a step at
+    G = 8). The most-read blocks (block 0, popular blocks: `heavy` of them per head) are split
+    into equal shares of their list; each share adds its dK/dV into the block's fp32 accumulator
+    by atomics (fp32 adds in arrival order: a heavy block's dK/dV is not bit-reproducible run to
+    run). With atomics for dQ (`SelectedTuning.fuse_dq`) the same pass also adds each tile's
+    dQ = dS @ K into an fp32 buffer and the dQ kernel does not run.
 Inside a partial block every row keeps exactly its own selection: row r sees key s iff s's block
 is in sel[t] and lo[t] <= s <= min(hi[t], t). d_k that is not a power of two (192) runs as two
 dots (128 + 64), not padded to 256.
@@ -41,27 +43,12 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
+from masks import MaskSpec
+from masks.core import captured, kv_major_csr
+
+from .selected_tuning import DEFAULT_TUNING, SelectedTuning, padded_group, tile_positions
+
 LOG2E = 1.4426950408889634
-
-# Rows of a q block (positions x padded G heads) by default, and how many of each head's most-read
-# kv blocks the dK/dV pass splits over the q blocks that read them. Chosen on the H100 on random
-# selections (experiments/NOTES.md 33: one position per block won; bench_attention.py --sel-rows).
-ROWS = 16
-HEAVY = 16
-SPLIT_TILES = 256  # positions per share of a heavy block's list (at most), sets the share count
-DKV_ROWS = 128  # rows of the dK/dV pass's gathered tile (several positions of one kv block's list;
-# at most 64 where 128 would not fit: see selected_attention_bwd)
-
-# Launch order of the dK/dV pass's programs (kv blocks in index order, then the heavy blocks'
-# shares): "interleave" (the KV heads interleaved) or "block" (one head after the other: with few
-# KV heads the last head's long lists start last and can run alone at the end, which shows at
-# short T). Chosen on the H100 (experiments/NOTES.md 59); "block" is kept for tune_selected.py.
-DKV_ORDER = "interleave"
-
-# Launch options per kernel ("fwd", "dq", "dkv": num_warps, num_stages) over those of
-# `_launch_opts` (None: its defaults), read at each launch: for tuning scripts
-# (experiments/tune_selected.py).
-LAUNCH: dict[str, dict | None] = {"fwd": None, "dq": None, "dkv": None}
 
 
 def head_split(d: int) -> tuple[int, int]:
@@ -73,56 +60,6 @@ def head_split(d: int) -> tuple[int, int]:
     if d - lo >= 16 and triton.next_power_of_2(d - lo) == d - lo:
         return lo, d - lo
     return max(p, 16), 0
-
-
-# True: a position's G heads are padded to 16 rows (G < 16), so a q block can hold one position
-# and its lists are the position's own selection. False (default): G heads take
-# next_power_of_2(G) rows and a 16-row q block holds 16 // G positions (the union of their
-# selections, no padding rows): fewer loads where adjacent positions pick the same blocks. H100,
-# 125M shape at 32k (NOTES 50): forward 1.74 ms against 2.58 padded on a trained selection, 2.33
-# against 2.59 on random ones.
-PAD_HEADS = False
-
-# True: dQ is accumulated in the dK/dV pass, which already computes every dS tile, by fp32 atomic
-# adds (FlashAttention-2's backward): no separate dQ pass re-reading the selected K/V blocks (the
-# same L2-bound gather as the forward), at the price of G x d_k x 4 bytes of atomics per (position,
-# selected block, KV head) and a dQ that is not bit-reproducible run to run. False: the dQ kernel
-# (deterministic). None (default): atomics where G x d_k <= ATOMIC_MAX_ROW. H100 (NOTES 50): at
-# the 125M shape (G x d_k = 512) the atomics cost 1.1 ms where the dQ pass took 2.5; at the paper
-# shape (3072) 10.8 ms where it took 7.8.
-DQ_ATOMIC: bool | None = None
-ATOMIC_MAX_ROW = 512
-
-
-# Rows of the forward's q blocks where a position has 16 heads or more (G >= 16): 64, four positions
-# at G = 16 on the union of their selections, on 4 warps (the dQ pass keeps ROWS rows, one position,
-# and its own lists, and takes the wide blocks where they are cheaper: `dq_hybrid`). G < 16 keeps
-# ROWS (two positions at G = 8). Chosen on the H100 (experiments/NOTES.md 57-58): the forward is
-# bound by its K/V loads, which the positions share on trained selections; at the paper shape 64
-# rows beat 32 on trained picks and tie on random ones, at G = 8 they lose on random ones.
-FWD_WIDE_ROWS = 64
-# A wide (FWD_WIDE_ROWS) dQ block step costs about this many narrow (ROWS) ones (H100, paper
-# shape, NOTES 58): the hybrid dQ pass's rule (`_wide_wins`).
-WIDE_DQ_COST = 2
-
-
-def padded_group(G: int) -> int:
-    """Rows one position takes in a q block: its G heads, as a power of two, padded to the tensor
-    cores' 16 rows when PAD_HEADS (then a q block can always hold a single position)."""
-    return max(16 if PAD_HEADS else 1, triton.next_power_of_2(G))
-
-
-def tile_positions(G: int, rows: int | None = None) -> int:
-    """Positions per q block: rows // padded_group(G), at least 1 and at least 16 rows. With one
-    position per q block (G >= 16, or PAD_HEADS) the BlockMask's lists are the selection itself
-    (no union over positions)."""
-    gp = padded_group(G)
-    return max(1, (rows or ROWS) // gp, -(-16 // gp))
-
-
-def fwd_rows(G: int) -> int:
-    """Rows of the forward's q blocks: FWD_WIDE_ROWS at G >= 16, else (and at least) ROWS."""
-    return max(ROWS, FWD_WIDE_ROWS if G >= 16 else ROWS)
 
 
 def supported(q: Tensor, k: Tensor, v: Tensor, l_sel: int) -> str | None:
@@ -470,14 +407,11 @@ def _sel_dkv_kernel(Q, K, V, DO, LSE, DELTA, LO, HI, QN, QOFF, QI, HSLOT, HEAVY,
                     QK_SCALE: tl.constexpr, SM_SCALE: tl.constexpr, NG: tl.constexpr,
                     G: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr, DK: tl.constexpr,
                     DK1: tl.constexpr, DK2: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
-                    HAS_BAND: tl.constexpr, PREC: tl.constexpr, FUSE_DQ: tl.constexpr,
-                    INTERLEAVE: tl.constexpr):
-    if INTERLEAVE:  # program (pid, bh) is BHKV * pid + bh
-        pid = tl.program_id(0) // BHKV
-        bh = (tl.program_id(0) % BHKV).to(tl.int64)
-    else:  # one head after the other
-        pid = tl.program_id(0) % (NKB + NH * NSPLIT)
-        bh = (tl.program_id(0) // (NKB + NH * NSPLIT)).to(tl.int64)
+                    HAS_BAND: tl.constexpr, PREC: tl.constexpr, FUSE_DQ: tl.constexpr):
+    # program (pid, bh) is BHKV * pid + bh: the KV heads interleaved, so no head's long lists
+    # start last and run alone at the end
+    pid = tl.program_id(0) // BHKV
+    bh = (tl.program_id(0) % BHKV).to(tl.int64)
     b = bh // HKV
     h = bh % HKV
     if pid < NKB:  # one program per kv block; a heavy block is left to its shares
@@ -538,28 +472,6 @@ def _sel_dkv_kernel(Q, K, V, DO, LSE, DELTA, LO, HI, QN, QOFF, QI, HSLOT, HEAVY,
 
 
 # ---------------------------------------------------------------------- launchers
-# (num_warps, num_stages) of the query-centric kernels in 16-bit by kernel and q block rows, chosen
-# on the H100 (experiments/tune_selected.py, NOTES.md 55, 58): 2 warps cover 16 rows best at both
-# the 125M and the paper shape; 64 rows take 4 (a warp group), the dQ pass there 1 stage.
-QC_LAUNCH = {("fwd", 16): (2, 2), ("fwd", 32): (2, 2), ("fwd", 64): (4, 2),
-             ("dq", 16): (2, 2), ("dq", 32): (2, 2), ("dq", 64): (4, 1)}
-
-
-def _launch_opts(kernel: str, dk: int, dv: int, dtype, rows: int = 16) -> dict:
-    """num_warps / num_stages of `kernel` (fwd, dq, dkv; `rows`: the query-centric kernels' q block
-    rows), LAUNCH's override over the defaults. 16-bit: QC_LAUNCH (4 warps, 2 stages for rows it
-    does not list); the dK/dV pass gathers DKV_ROWS rows on 8 warps. fp32 tiles take twice the
-    registers: 8 warps."""
-    if dtype == torch.float32:
-        opts = {"num_warps": 8, "num_stages": 2}
-    elif kernel == "dkv":
-        opts = {"num_warps": 8, "num_stages": 2}
-    else:
-        w, st = QC_LAUNCH.get((kernel, rows), (4, 2))
-        opts = {"num_warps": w, "num_stages": st}
-    return {**opts, **(LAUNCH[kernel] or {})}
-
-
 def _band(lo, hi, B: int, T: int, device):
     if lo is None:
         z = torch.zeros(1, T, dtype=torch.int64, device=device)
@@ -574,7 +486,7 @@ def _prec(dtype) -> str:
 
 
 def _q_block_consts(q: Tensor, v: Tensor, sel: Tensor, l_sel: int, rows: int,
-                    has_band: bool, name: str) -> dict:
+                    has_band: bool, name: str, tuning: SelectedTuning) -> dict:
     """The constexprs and launch options of the query-centric kernel `name` (fwd, dq)."""
     G, Dk, Dv = q.shape[1] // v.shape[1], q.shape[-1], v.shape[-1]
     BT, gp = tile_positions(G, rows), padded_group(G)
@@ -582,7 +494,7 @@ def _q_block_consts(q: Tensor, v: Tensor, sel: Tensor, l_sel: int, rows: int,
     return dict(G=G, GP=gp, BT=BT, BM=BT * gp, NSEL=sel.shape[-1],
                 NP=max(2, triton.next_power_of_2(sel.shape[-1])), BLOCK=l_sel, DK=Dk, DK1=dk1,
                 DK2=dk2, DV=Dv, DVP=max(16, triton.next_power_of_2(Dv)), HAS_BAND=has_band,
-                PREC=_prec(q.dtype), **_launch_opts(name, Dk, Dv, q.dtype, BT * gp))
+                PREC=_prec(q.dtype), **tuning.launch_opts(name, q.dtype, BT * gp))
 
 
 @triton_op("nsa_flex::selected_attention_fwd", mutates_args=())
@@ -590,9 +502,10 @@ def selected_attention_fwd(q: Tensor, k: Tensor, v: Tensor, sel: Tensor, lo: Opt
                            hi: Optional[Tensor], kv_num: Tensor, kv_idx: Tensor, full_num: Tensor,
                            full_idx: Tensor, dq_num: Tensor, dq_idx: Tensor, dq_full_num: Tensor,
                            dq_full_idx: Tensor, scale: float, l_sel: int, rows: int, rows_dq: int,
-                           heavy: int, split_tiles: int) -> tuple[Tensor, Tensor]:
+                           tuning: list[int]) -> tuple[Tensor, Tensor]:
     """(out [B, Hq, T, Dv], lse [B, Hq, T]) from the selection's q-major lists (q blocks of `rows`
-    rows); dq_*: the lists of the dQ pass's q blocks (`rows_dq` rows), read by the backward."""
+    rows); dq_*: the lists of the dQ pass's q blocks (`rows_dq` rows), read by the backward;
+    tuning: `SelectedTuning.encode()`."""
     B, Hq, T, _ = q.shape
     Hkv, Dv = k.shape[1], v.shape[-1]
     nqb = kv_num.shape[-1]
@@ -604,20 +517,8 @@ def selected_attention_fwd(q: Tensor, k: Tensor, v: Tensor, sel: Tensor, lo: Opt
     wrap_triton(_sel_fwd_kernel)[(nqb, B * Hkv)](
         q, k, v, sel, lo_, hi_, kv_num, kv_idx, full_num, full_idx, o, lse,
         T, Hkv, nqb, kv_idx.shape[-1], s_lb, QK_SCALE=scale * LOG2E,
-        **_q_block_consts(q, v, sel, l_sel, rows, has_band, "fwd"))
+        **_q_block_consts(q, v, sel, l_sel, rows, has_band, "fwd", SelectedTuning.decode(tuning)))
     return o, lse
-
-
-def dq_atomic(G: int, d_qk: int) -> bool:
-    """Whether the backward accumulates dQ in the dK/dV pass (DQ_ATOMIC, or by shape when None)."""
-    return DQ_ATOMIC if DQ_ATOMIC is not None else G * d_qk <= ATOMIC_MAX_ROW
-
-
-def dq_hybrid(G: int, rows_wide: int, rows: int) -> int:
-    """Wide q blocks' positions per narrow one when the dQ pass runs hybrid (0: not): where the
-    forward's q blocks (`rows_wide`) hold a power-of-two multiple of the dQ pass's positions."""
-    kw, r = divmod(tile_positions(G, rows_wide), tile_positions(G, rows))
-    return kw if kw > 1 and r == 0 and kw & (kw - 1) == 0 else 0
 
 
 @triton_op("nsa_flex::selected_attention_bwd", mutates_args=())
@@ -626,13 +527,14 @@ def selected_attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Ten
                            hi: Optional[Tensor], kv_num: Tensor, kv_idx: Tensor, full_num: Tensor,
                            full_idx: Tensor, w_num: Tensor, w_idx: Tensor, w_full_num: Tensor,
                            w_full_idx: Tensor, scale: float, l_sel: int, rows: int, rows_wide: int,
-                           heavy: int, split_tiles: int) -> tuple[Tensor, Tensor, Tensor]:
+                           tuning: list[int]) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv; kv_num .. full_idx: the dQ pass's q-major lists (q blocks of `rows` rows);
     w_num .. w_full_idx: the forward's (`rows_wide` rows). Where the forward's q blocks hold several
-    of the dQ pass's (`dq_hybrid`), each of its blocks runs its dQ either as one wide tile over
-    their union list or as its narrow blocks over their own lists, whichever is fewer steps by
-    WIDE_DQ_COST (`_wide_wins`): trained picks share most blocks between adjacent positions (wide
-    wins), random ones few (narrow wins)."""
+    of the dQ pass's (`SelectedTuning.dq_hybrid`), each of its blocks runs its dQ either as one wide
+    tile over their union list or as its narrow blocks over their own lists, whichever is fewer
+    steps by the tuning's wide_dq_cost (`_wide_wins`): trained picks share most blocks between
+    adjacent positions (wide wins), random ones few (narrow wins)."""
+    tuning = SelectedTuning.decode(tuning)
     B, Hq, T, Dk = q.shape
     Hkv, Dv = k.shape[1], v.shape[-1]
     G = Hq // Hkv
@@ -653,35 +555,34 @@ def selected_attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Ten
         HAS_DLSE=dlse is not None, R=64, num_warps=4)
     lo_, hi_, s_lb, has_band = _band(lo, hi, B, T, q.device)
     dk1, dk2 = head_split(Dk)
-    fuse_dq = dq_atomic(G, Dk)
+    fuse_dq = tuning.fuse_dq(G, Dk)
     if fuse_dq:  # accumulated by the dK/dV pass
         dqa = torch.zeros(B, Hq, T, Dk, dtype=torch.float32, device=q.device)
     else:
         dqa = dq  # not written by the dK/dV pass
-        kw = dq_hybrid(G, rows_wide, rows)
+        kw = tuning.dq_hybrid(G, rows_wide, rows)
         nqb_w = w_num.shape[-1]
         args = (do, lse, delta, sel, lo_, hi_)
         counts = (kv_num, full_num, w_num, w_full_num)
         wrap_triton(_sel_dq_kernel)[(nqb, B * Hkv)](
             q, k, v, *args, kv_num, kv_idx, full_num, full_idx, *counts, dq, T, Hkv, nqb,
             kv_idx.shape[-1], nqb, nqb_w, s_lb, QK_SCALE=scale * LOG2E, SM_SCALE=scale,
-            MODE=1 if kw else 0, KW=max(kw, 1), WCOST=WIDE_DQ_COST,
-            **_q_block_consts(q, v, sel, l_sel, rows, has_band, "dq"))
+            MODE=1 if kw else 0, KW=max(kw, 1), WCOST=tuning.wide_dq_cost,
+            **_q_block_consts(q, v, sel, l_sel, rows, has_band, "dq", tuning))
         if kw:
             wrap_triton(_sel_dq_kernel)[(nqb_w, B * Hkv)](
                 q, k, v, *args, w_num, w_idx, w_full_num, w_full_idx, *counts, dq, T, Hkv, nqb_w,
                 w_idx.shape[-1], nqb, nqb_w, s_lb, QK_SCALE=scale * LOG2E, SM_SCALE=scale,
-                MODE=2, KW=kw, WCOST=WIDE_DQ_COST,
-                **_q_block_consts(q, v, sel, l_sel, rows_wide, has_band, "dq"))
+                MODE=2, KW=kw, WCOST=tuning.wide_dq_cost,
+                **_q_block_consts(q, v, sel, l_sel, rows_wide, has_band, "dq", tuning))
     # dK/dV walk the inverse of the per-position selection (whatever the forward's q blocks):
     # for each kv block, the positions that selected it (CSR), so no gathered row is wasted on a
     # position that did not choose the block and no row needs the selection test
-    from masks.core import kv_major_csr
-
     p_num, p_idx = kv_major_csr(None, sel, nkb)
-    # the HEAVY most-read kv blocks of each head are split into NSPLIT shares of their lists
-    nh = max(1, min(heavy, nkb))  # at least one slot: the shapes stay static
-    nsplit = max(1, min(64, -(-T // split_tiles)))
+    # the tuning's `heavy` most-read kv blocks of each head are split into NSPLIT shares of their
+    # lists
+    nh = max(1, min(tuning.heavy, nkb))  # at least one slot: the shapes stay static
+    nsplit = max(1, min(64, -(-T // tuning.split_tiles)))
     count = p_num.view(B * Hkv, nkb)
     heavy_idx = torch.topk(count, nh, dim=-1).indices.to(torch.int32).contiguous()  # [BH, nh]
     hslot = torch.full((B * Hkv, nkb), -1, dtype=torch.int32, device=q.device)
@@ -699,14 +600,13 @@ def selected_attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Ten
     # 128 rows where measured (d_k <= 64, or dQ not fused: the fused dQ's extra tiles at d_k 192
     # need more shared memory than an H100 has); fp32 tiles take twice the registers: 64
     wide_ok = q.dtype != torch.float32 and (Dk <= 64 or not fuse_dq)
-    rows_dkv = DKV_ROWS if wide_ok else min(DKV_ROWS, 64)
+    rows_dkv = tuning.dkv_rows if wide_ok else min(tuning.dkv_rows, 64)
     wrap_triton(_sel_dkv_kernel)[((nkb + nh * nsplit) * B * Hkv,)](
         q, k, v, do, lse, delta, lo_, hi_, p_num, p_off, p_idx, hslot, heavy_idx, dk_pad, dv_pad,
         dka, dva, dqa, T, nkb * l_sel, Hkv, B * Hkv, nkb, p_idx.shape[-1], nh, nsplit, s_lb,
         QK_SCALE=scale * LOG2E, SM_SCALE=scale, NG=max(1, rows_dkv // gd), G=G, GP=gd,
         BLOCK=l_sel, DK=Dk, DK1=dk1, DK2=dk2, DV=Dv, DVP=dvp, HAS_BAND=has_band,
-        PREC=_prec(q.dtype), FUSE_DQ=fuse_dq, INTERLEAVE=DKV_ORDER == "interleave",
-        **_launch_opts("dkv", Dk, Dv, q.dtype))
+        PREC=_prec(q.dtype), FUSE_DQ=fuse_dq, **tuning.launch_opts("dkv", q.dtype))
     if fuse_dq:
         dq = dqa.to(q.dtype)
     idx = heavy_idx.long().view(B * Hkv, nh, 1, 1)
@@ -720,17 +620,17 @@ def selected_attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Ten
 def _setup(ctx, inputs, output):
     q, k, v, sel, lo, hi = inputs[:6]
     fwd_lists, dq_lists = inputs[6:10], inputs[10:14]  # the dQ pass's, and the forward's (hybrid)
-    scale, l_sel, rows, rows_dq, heavy, split_tiles = inputs[14:]
+    scale, l_sel, rows, rows_dq, tuning = inputs[14:]
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, sel, lo, hi, *dq_lists, *fwd_lists)
-    ctx.extra = (scale, l_sel, rows_dq, rows, heavy, split_tiles)
+    ctx.extra = (scale, l_sel, rows_dq, rows, tuning)
 
 
 def _backward(ctx, do, dlse):
     q, k, v, o, lse, sel, lo, hi, *lists = ctx.saved_tensors
     dq, dk, dv = torch.ops.nsa_flex.selected_attention_bwd(
         do, dlse, q, k, v, o, lse, sel, lo, hi, *lists, *ctx.extra)
-    return (dq, dk, dv) + (None,) * 17
+    return (dq, dk, dv) + (None,) * 16
 
 
 selected_attention_fwd.register_autograd(_backward, setup_context=_setup)
@@ -739,8 +639,8 @@ selected_attention_fwd.register_autograd(_backward, setup_context=_setup)
 def selected_attention(q: Tensor, k: Tensor, v: Tensor, sel: Tensor, l_sel: int, block_mask,
                        lo: Tensor | None = None, hi: Tensor | None = None,
                        scale: float | None = None, rows: int | None = None,
-                       heavy: int | None = None, split_tiles: int | None = None,
-                       dq_block_mask=None, rows_dq: int | None = None) -> tuple[Tensor, Tensor]:
+                       dq_block_mask=None, rows_dq: int | None = None,
+                       tuning: SelectedTuning = DEFAULT_TUNING) -> tuple[Tensor, Tensor]:
     """Attention of q to the selected blocks: (out [B, Hq, T, Dv], lse [B, Hq, T] fp32, natural
     log). sel [B, Hkv, T, n] block indices (-1: unused; a position lists a block at most once);
     lo, hi [B|1, T]: the keys each position may see at most (None: all up to itself); block_mask:
@@ -748,20 +648,51 @@ def selected_attention(q: Tensor, k: Tensor, v: Tensor, sel: Tensor, l_sel: int,
     positions and kv blocks of l_sel (`masks.MaskSpec.block_mask(..., block_size=(P * G, l_sel),
     q_pack=G)`), or its four q-major lists (kv_num_blocks, kv_indices, full_kv_*): the forward's;
     dq_block_mask likewise with q blocks of `tile_positions(G, rows_dq)` positions for the dQ pass
-    (None: block_mask and rows). The backward's kv-major index is the inverse of `sel` itself
-    (`masks.core.kv_major_csr`), built there. heavy / split_tiles: the dK/dV pass's split of the
-    most-read blocks (default HEAVY / SPLIT_TILES)."""
+    (None: block_mask and rows). rows / rows_dq default to tuning.rows. The backward's kv-major
+    index is the inverse of `sel` itself (`masks.core.kv_major_csr`), built there. tuning: the
+    passes' settings (`SelectedTuning`); `selected_lists` builds every other argument from a
+    MaskSpec."""
     def lists(bm):
         if not isinstance(bm, (list, tuple)):
             bm = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
         return [x.to(torch.int32).contiguous() for x in bm]
 
-    rows = rows or ROWS
+    rows = rows or tuning.rows
     fwd = lists(block_mask)
     dq = fwd if dq_block_mask is None else lists(dq_block_mask)
-    rows_dq = rows if dq_block_mask is None else (rows_dq or ROWS)
+    rows_dq = rows if dq_block_mask is None else (rows_dq or tuning.rows)
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     return torch.ops.nsa_flex.selected_attention_fwd(
         q.contiguous(), k.contiguous(), v.contiguous(), sel.to(torch.int32).contiguous(), lo, hi,
-        *fwd, *dq, scale, l_sel, rows, rows_dq, HEAVY if heavy is None else heavy,
-        split_tiles or SPLIT_TILES)
+        *fwd, *dq, scale, l_sel, rows, rows_dq, tuning.encode())
+
+
+def selected_lists(spec: MaskSpec, B: int, T: int, S: int, G: int, d_qk: int, device,
+                   tuning: SelectedTuning = DEFAULT_TUNING, rows: int | None = None,
+                   rows_dq: int | None = None) -> dict:
+    """What the op reads of a mask that is a per-position block selection (`spec.selection`), as
+    `selected_attention`'s keyword arguments: sel, l_sel, lo, hi, tuning and the selection's
+    BlockMask in the packed layout (kv block = l') as q-major lists, without kv-major lists (the
+    op's backward inverts `sel` itself, per position): the forward's (q blocks of
+    `tile_positions(G, rows)` positions x G heads; rows default `tuning.fwd_rows(G)`) and, where
+    the dQ pass runs with q blocks of another size (`rows_dq`, default tuning.rows), the dQ
+    pass's."""
+    picks = spec.selection
+
+    def lists(rows):
+        P = tile_positions(G, rows)
+        bm = spec.block_mask(B, T, S, device=device, block_size=(P * G, picks.l_sel), q_pack=G,
+                             kv_major=False)
+        # through an opaque op: saved for the backward, never recomputed there
+        return [captured(x) for x in (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks,
+                                      bm.full_kv_indices)]
+
+    rows = rows or tuning.fwd_rows(G)
+    out = dict(sel=picks.idx, l_sel=picks.l_sel, block_mask=lists(rows), rows=rows, lo=None,
+               hi=None, tuning=tuning)
+    if not tuning.fuse_dq(G, d_qk) and \
+            tile_positions(G, rows_dq or tuning.rows) != tile_positions(G, rows):
+        out.update(dq_block_mask=lists(rows_dq or tuning.rows), rows_dq=rows_dq)
+    if picks.band is not None:
+        out["lo"], out["hi"] = picks.band(torch.arange(T, device=device))
+    return out

@@ -1,7 +1,7 @@
 """``nsa-train --help``: this project's own options, answered without importing torch.
 
-The [nsa] fields and their help are read from ``NSAConfig`` (``nsa_flex/config.py``: each
-``knob(default, help[, paper])``) and the [nsa] / [ops] extras from ``nsa_flex/titan/job_config.py`` (the
+The [nsa] fields and their help are read from ``NSAConfig`` (``nsa_flex/config.py``, after those
+of its base ``LayerShape`` in ``nsa_flex/rules.py``: each ``knob(default, help[, paper])``) and the [nsa] / [ops] extras from ``nsa_flex/titan/job_config.py`` (the
 attribute docstrings), by parsing the source: importing those modules would import torch (~15 s).
 torchtitan's own 1,000 options stay behind ``--help-all``.
 """
@@ -12,6 +12,7 @@ import textwrap
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIG_PY = os.path.join(os.path.dirname(HERE), "config.py")
+RULES_PY = os.path.join(os.path.dirname(HERE), "rules.py")
 JOB_CONFIG_PY = os.path.join(HERE, "job_config.py")
 
 HEAD = """\
@@ -54,7 +55,7 @@ def _fields(path: str, cls: str) -> list[tuple[str, str, str]]:
         if isinstance(v, ast.Call) and getattr(v.func, "id", "") == "knob" and len(v.args) == 2:
             default, help_ = ast.unparse(v.args[0]), ast.literal_eval(v.args[1])
             paper = next((ast.literal_eval(k.value) for k in v.keywords if k.arg == "paper"), None)
-            help_ = f"{help_} (paper {paper})" if paper else help_  # as nsa_flex.config.knob
+            help_ = f"{help_} (paper {paper})" if paper else help_  # as nsa_flex.rules.knob
         elif i + 1 < len(body) and isinstance(body[i + 1], ast.Expr) and isinstance(body[i + 1].value, ast.Constant) \
                 and isinstance(body[i + 1].value.value, str):
             help_ = body[i + 1].value.value
@@ -83,7 +84,8 @@ def nsa_fields() -> list[tuple[str, str, str]]:
     """The [nsa] section: NSAConfig's knobs (without the model dims the flavor sets) and the
     section's extras."""
     dims = _constant(CONFIG_PY, "MODEL_DIMS")
-    knobs = [(n, "", h) for n, _, h in _fields(CONFIG_PY, "NSAConfig") if n not in dims]
+    fields = _fields(RULES_PY, "LayerShape") + _fields(CONFIG_PY, "NSAConfig")  # base first
+    knobs = [(n, "", h) for n, _, h in fields if n not in dims]
     return knobs + _fields(JOB_CONFIG_PY, "NSA")
 
 

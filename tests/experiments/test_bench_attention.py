@@ -200,10 +200,10 @@ def test_selection_trace_replaces_the_random_picks(bench, tmp_path, monkeypatch)
 
     def spy(q, k, v, spec, *a, **kw):
         if spec.selection is not None:
-            seen.append(spec.selection[0].clone())
+            seen.append(spec.selection.idx.clone())
         return orig(q, k, v, spec, *a, **kw)
 
-    monkeypatch.setattr(bench, "attend_flex", spy)
+    monkeypatch.setattr(attention, "attend_flex", spy)  # where the planned op hands CPU tensors
     items = dict((nm, mk) for nm, _, mk in bench.build_items("tiny", T, "cpu", torch.float32, False))
     items["attn_selected"]()()
     assert seen and torch.equal(seen[0].reshape(-1, n).sort(-1).values, idx.reshape(-1, n).sort(-1).values)

@@ -94,28 +94,6 @@ def test_kernel_overrides_set_inside_restored_after():
             pass
 
 
-def test_kernel_overrides_sel_rows():
-    pytest.importorskip("triton")
-    from nsa_flex.ops import selected_triton
-
-    rows0 = selected_triton.ROWS
-    with bench.kernel_overrides(sel_rows=rows0 * 2, log=lambda m: None):
-        assert selected_triton.ROWS == rows0 * 2
-    assert selected_triton.ROWS == rows0
-
-
-def test_kernel_overrides_sel_layout_and_dq_mode():
-    pytest.importorskip("triton")
-    from nsa_flex.ops import selected_triton
-
-    before = selected_triton.PAD_HEADS, selected_triton.DQ_ATOMIC
-    msgs = []
-    with bench.kernel_overrides(sel_pad_heads=not before[0], sel_dq_atomic=not before[1], log=msgs.append):
-        assert (selected_triton.PAD_HEADS, selected_triton.DQ_ATOMIC) == (not before[0], not before[1])
-    assert (selected_triton.PAD_HEADS, selected_triton.DQ_ATOMIC) == before
-    assert f"DQ_ATOMIC {not before[1]}" in msgs[-1]
-
-
 def _selected_gpu():
     import importlib.util
 
@@ -128,17 +106,20 @@ def _selected_gpu():
 def test_selected_gpu_layouts_parsed_or_refused():
     pytest.importorskip("triton")
     sg = _selected_gpu()
-    assert sg.parse_layouts("16:1,32:0:1") == [(16, True, None), (32, False, True)]
-    for bad in ("16", "20:1", "16:2", "0:1", "16:1:1:1", "x:1"):
-        with pytest.raises(SystemExit, match="must be ROWS:PAD"):
+    from nsa_flex.ops import SelectedTuning
+
+    assert sg.parse_layouts("16,32:1") == [SelectedTuning(rows=16), SelectedTuning(rows=32, dq_atomic=True)]
+    assert [sg.layout_name(t) for t in sg.parse_layouts("16,32:0")] == ["16", "32:0"]
+    for bad in ("20", "16:2", "0", "16:1:1", "x:1"):
+        with pytest.raises(SystemExit, match="must be ROWS"):
             sg.parse_layouts(bad)
 
 
 @pytest.mark.slow
 def test_selected_gpu_runs_interpreted(tmp_path):
     """experiments/selected_gpu.py end to end on the CPU (Triton's interpreter, tiny shapes): the
-    check against the reference for two layouts (padded heads; unpadded with dQ in the dK/dV
-    pass), then the timing rows, a trained selection that does not fit the shape skipped."""
+    check against the reference for two layouts (the defaults; dQ in the dK/dV pass), then the
+    timing rows, a trained selection that does not fit the shape skipped."""
     pytest.importorskip("triton")
     import subprocess
     import sys
@@ -146,15 +127,15 @@ def test_selected_gpu_runs_interpreted(tmp_path):
     trace = ROOT / "experiments" / "results" / "quality" / "selection_traces" / "nsa_L32768.npz"
     r = subprocess.run([sys.executable, "experiments/selected_gpu.py", "--out", str(tmp_path),
                         "--check-len", "40", "--check-shapes", "g2", "--shapes", "g2:64",
-                        "--layouts", "16:1,16:0:1", "--trace", f"{trace}:6"], cwd=ROOT,
+                        "--layouts", "16,16:1", "--trace", f"{trace}:6"], cwd=ROOT,
                        env={**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""},
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     check = list(csv.DictReader(open(tmp_path / "selected_check.csv")))
-    assert {c["layout"] for c in check} == {"16:1", "16:0:1"} and all(c["ok"] == "True" for c in check)
+    assert {c["layout"] for c in check} == {"16", "16:1"} and all(c["ok"] == "True" for c in check)
     times = list(csv.DictReader(open(tmp_path / "selected_time.csv")))
     assert {(t["layout"], t["executor"], t["mode"]) for t in times} >= {
-        ("16:1", "op_only", "fwd_bwd"), ("16:0:1", "op_only", "fwd_bwd"), ("16:0:1", "mask_build", "fwd")}
+        ("16", "op_only", "fwd_bwd"), ("16:1", "op_only", "fwd_bwd"), ("16:1", "mask_build", "fwd")}
     assert all(t["error"] == "" for t in times if t["executor"] == "op_only")
     assert "no trained selection" in r.stdout
 
@@ -163,8 +144,8 @@ def test_selected_gpu_runs_interpreted(tmp_path):
 def test_tune_selected_runs_interpreted(tmp_path):
     """experiments/tune_selected.py --quick end to end on the CPU (Triton's interpreter, tiny
     shape): every config of the grids checked against the default config and timed (a forward
-    config with other q block rows runs on its own lists; the dK/dV pass in each launch order
-    gives the default's gradients), one that
+    config with other q block rows runs on its own lists; each config a tuning record passed to
+    the op), one that
     cannot compile (24 gathered rows: not a power of two) recorded with its error and skipped, the
     trained selection that does not fit the shape skipped, the best config printed; --max-minutes
     stops the sweep cleanly."""
@@ -174,15 +155,14 @@ def test_tune_selected_runs_interpreted(tmp_path):
 
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     r = subprocess.run([sys.executable, "experiments/tune_selected.py", "--quick", "--out",
-                        str(tmp_path), "--dkv", "128:8:2,16:4:1,24:4:1",
-                        "--dkv-order", "block,interleave"], cwd=ROOT, env=env,
+                        str(tmp_path), "--dkv", "128:8:2,16:4:1,24:4:1"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = list(csv.DictReader(open(tmp_path / "tune_selected.csv")))
     timed = [x for x in rows if x["selection"] == "random"]
     assert [(x["kernel"], x["config"]) for x in timed] == [
         ("fwd", "w8:s2"), ("fwd", "r32:w2:s1"), ("dkv", "r128:w8:s2"), ("dkv", "r16:w4:s1"),
-        ("dkv", "r24:w4:s1"), ("dkvorder", "block"), ("dkvorder", "interleave")]
+        ("dkv", "r24:w4:s1")]
     good, bad = timed[:4] + timed[5:], timed[4]
     assert all(x["error"] == "" and float(x["ms"]) > 0 and float(x["err"]) < 1e-4 for x in good)
     assert "power of 2" in bad["error"] and bad["ms"] == "nan"

@@ -5,19 +5,18 @@ runs with fp32 math in place of cuDNN (the GPU test in test_flex_gpu.py
 runs cuDNN), against the reference backend on the `compressed_causal` mask: output, lse and
 the gradients of q, k, v, for any T (groups that do not fill the last one included), l, d with
 d | l, and GQA; exactly causal (hypothesis: no output up to t moves, nor has a gradient, when
-inputs after t change). Also which specs take the route: the compressed-causal mask alone, not with
-documents, and NSAConfig.cmp_kernel's choices."""
+inputs after t change). Also which plans take the route: the compressed-causal builder's in a step
+without documents, and NSAConfig.cmp_kernel's choices."""
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from masks import MaskContext, get_mask_builder
 from masks.builders import compressed_causal
 from nsa_flex import NSAConfig
 from nsa_flex.attention import (attend_compressed_lean, attend_compressed_sdpa, attend_reference,
-                                use_compressed_sdpa)
+                                plan_branch)
 from nsa_flex.rules import num_cmp
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -32,7 +31,6 @@ def _compare(T, l, d, Hkv, G, seed, route):
     R = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
     q, k, v = R(1, Hkv * G, T, 8), R(1, Hkv, S, 8), R(1, Hkv, S, 4)
     spec = compressed_causal(l, d)
-    assert spec.cmp_causal == (l, d)
     w = R(1, Hkv * G, T, 4)
     res = []
     for fn in (lambda *a: ROUTES[route](*a, l, d), lambda *a: attend_reference(*a, spec)):
@@ -65,33 +63,36 @@ def test_compressed_sdpa_paper_blocks(T, route):
     _compare(T, 32, 16, 2, 2, T, route)
 
 
+CFG = dict(dim=16, n_heads=4, n_kv_heads=2, d_qk=8, d_v=8, l=8, d=4, l_sel=16, n_sel=3, window=12)
+
+
 def test_only_the_plain_compressed_mask_takes_the_route():
-    cfg = NSAConfig(dim=16, n_heads=4, n_kv_heads=2, d_qk=8, d_v=8, l=8, d=4, l_sel=16,
-                    n_sel=3, window=12)
-    T = 64
-    plain = get_mask_builder("compressed_causal")(MaskContext(cfg, 1, T, "cpu"))
-    docs = torch.tensor([[0] * 30 + [1] * 34])
-    with_docs = get_mask_builder("compressed_causal")(MaskContext(cfg, 1, T, "cpu", doc_ids=docs))
-    assert plain.cmp_causal == (8, 4)
-    assert with_docs.cmp_causal is None  # documents: flex's template (the mask is not causal)
-    assert get_mask_builder("sliding_window")(MaskContext(cfg, 1, T, "cpu")).cmp_causal is None
+    """The compressed-causal builder's plan runs cuDNN on the config's (l, d) in a step without
+    documents and flex with them (the mask is not causal then); other builders' plans never."""
+    cfg = NSAConfig(**CFG)
+    plan = plan_branch(cfg, "compressed_causal")
+    assert (plan.executor, plan.docs_executor, plan.cmp) == ("cudnn", "flex", (8, 4))
+    assert plan_branch(cfg, "sliding_window").executor == "flex"
 
 
-def test_cmp_kernel_routing_and_errors():
+def test_cmp_kernel_routing_and_errors(monkeypatch):
     """flex never takes the route, auto falls back to flex where cuDNN cannot run (here: CPU
-    tensors), cudnn says why it cannot; a mask other than the plain compressed one never takes it;
-    an unknown value names the field and the allowed ones."""
+    tensors), cudnn says why it cannot; an unknown value names the field and the allowed ones."""
+    import nsa_flex.attention as A
+
+    monkeypatch.setattr(A, "attend_flex", lambda *a: "flex")
     spec = compressed_causal(8, 4)
-    q, v = torch.randn(1, 4, 64, 8), torch.randn(1, 2, 15, 8)
-    assert not use_compressed_sdpa(q, v, spec, "flex")
-    assert not use_compressed_sdpa(q, v, spec, "auto")
+    q, k, v = torch.randn(1, 4, 64, 8), torch.randn(1, 2, 15, 8), torch.randn(1, 2, 15, 8)
+    plans = {kern: plan_branch(NSAConfig(**CFG, backend="flex", cmp_kernel=kern),
+                               "compressed_causal") for kern in ("flex", "auto", "cudnn", "cudnn_lean")}
+    assert [(p.executor, p.strict) for p in plans.values()] == \
+        [("flex", False), ("cudnn", False), ("cudnn", True), ("cudnn_lean", True)]
+    assert plans["flex"].attend(q, k, v, spec) == "flex"
+    assert plans["auto"].attend(q, k, v, spec) == "flex"
     for kernel in ("cudnn", "cudnn_lean"):
         with pytest.raises(RuntimeError, match=f"cmp_kernel='{kernel}' cannot run here: .*CUDA"):
-            use_compressed_sdpa(q, v, spec, kernel)
-    window = get_mask_builder("sliding_window")(MaskContext(
-        NSAConfig(dim=16, n_heads=4, n_kv_heads=2, d_qk=8, d_v=8, l=8, d=4, l_sel=16, n_sel=3,
-                  window=12), 1, 64, "cpu"))
-    assert not use_compressed_sdpa(q, v, window, "cudnn")  # not the compressed mask: flex
+            plans[kernel].attend(q, k, v, spec)
+        assert plans[kernel].attend(q, k, v, spec, docs=True) == "flex"  # documents: flex
     with pytest.raises(ValueError, match="cmp_kernel='cuda': allowed values"):
         NSAConfig(cmp_kernel="cuda")
 

@@ -1,7 +1,7 @@
 """The flex fast paths on a CUDA device (marked `gpu`: skipped without one), bf16 against the fp32
 reference backend at the paper's heads (64 query heads, 4 KV groups, d_k 192, d_v 128), T=4096:
-each attention call built inside one `torch.compile(fullgraph=True)` function as the layer does
-(output and the gradients of a random linear loss), the Triton top-n against `pick_blocks`, and
+each branch's planned executor (`plan_branch`) called inside one `torch.compile(fullgraph=True)`
+function as the layer does (output and the gradients of a random linear loss), the Triton top-n against `pick_blocks`, and
 the whole layer forward + backward."""
 
 from dataclasses import replace
@@ -12,7 +12,8 @@ import torch._dynamo
 
 from masks import MaskContext, get_mask_builder
 from nsa_flex import NSAAttention, NSAConfig
-from nsa_flex.attention import attend_flex, attend_reference, use_compressed_sdpa
+from nsa_flex.attention import (attend_reference, compressed_sdpa_unsupported, plan_branch,
+                                selected_op_unsupported)
 from nsa_flex.kernel_options import install_flex_patches
 from nsa_flex.ops import topn_blocks
 from nsa_flex.rules import forced_and_valid, pick_blocks
@@ -43,7 +44,8 @@ def inputs():
     kc, vc = R(B, Hkv, nc, dk), R(B, Hkv, nc, dv)
     ctx = MaskContext(cfg, B, T, DEV)
     with torch.no_grad():
-        lse = attend_flex(q, kc, vc, get_mask_builder("compressed_causal")(ctx))[1]
+        lse = plan_branch(cfg, "compressed_causal").attend(
+            q, kc, vc, get_mask_builder("compressed_causal")(ctx))[1]
         idx = select_topn(q, kc, lse, cfg)
     sctx = MaskContext(cfg, B, T, DEV, topn=lambda: idx)
     specs = {"selected": lambda: get_mask_builder("topn")(sctx),
@@ -64,13 +66,22 @@ def test_compiled_flex_call_matches_reference(inputs, case):
     the full_causal preset (SDPA)."""
     cfg, tok, cmp, specs = inputs
     q, k, v = cmp if case.startswith("compressed") else tok
-    spec_fn = specs[case.replace("_flex", "").replace("_lean", "")]
+    name = case.replace("_flex", "").replace("_lean", "")
+    spec_fn = specs[name]
     kern = "flex" if case.endswith("_flex") else "cudnn_lean" if case.endswith("_lean") else "auto"
-    if case.startswith("compressed") and kern != "flex":  # the route this case is meant to take
-        assert use_compressed_sdpa(q, v, spec_fn(), kern)
-    fast = torch.compile(lambda q_, k_, v_: attend_flex(q_, k_, v_, spec_fn(),
-                                                        sel_kernel="flex" if kern == "flex" else "auto",
-                                                        cmp_kernel=kern),
+    builder = {"selected": "topn", "packed": "topn", "compressed": "compressed_causal",
+               "causal": "causal"}[name]
+    plan = plan_branch(replace(cfg, sel_kernel="flex" if kern == "flex" else "auto",
+                               cmp_kernel=kern), builder)
+    # the route this case is meant to take
+    want = {"selected": "selected", "compressed": "cudnn" if kern == "auto" else kern,
+            "causal": "sdpa"}.get(name, "flex")
+    assert plan.executor == ("flex" if kern == "flex" else want), plan
+    if plan.executor.startswith("cudnn"):
+        assert compressed_sdpa_unsupported(q, v) is None
+    if plan.executor == "selected":
+        assert selected_op_unsupported(q, k, v, spec_fn()) is None
+    fast = torch.compile(lambda q_, k_, v_: plan.attend(q_, k_, v_, spec_fn()),
                          fullgraph=True, dynamic=False)
     w = torch.randn(q.shape[0], q.shape[1], q.shape[2], v.shape[-1], device=DEV)
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]

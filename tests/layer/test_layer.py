@@ -245,16 +245,16 @@ def test_autocast_keeps_attention_in_low_precision(monkeypatch):
     """fp32 weights under bf16 autocast (torchtitan on one GPU): the projections are bf16, and so
     must be every attention call's q/k/v -- an fp32 residual stream must not promote them through
     RoPE's cos/sin (FlexAttention and the scorer would run in fp32)."""
-    import nsa_flex.layer as layer_mod
+    from nsa_flex.attention import BranchPlan
 
     seen = []
-    real = layer_mod.attend
+    real = BranchPlan.attend
 
-    def spy(q, k, v, spec, backend, scale=None, **kw):
+    def spy(plan, q, k, v, spec, docs=False, scale=None):
         seen.append((q.dtype, k.dtype, v.dtype))
-        return real(q, k, v, spec, backend, scale, **kw)
+        return real(plan, q, k, v, spec, docs, scale)
 
-    monkeypatch.setattr(layer_mod, "attend", spy)
+    monkeypatch.setattr(BranchPlan, "attend", spy)
     layer = make_layer()
     x = torch.randn(2, 96, layer.cfg.dim)
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -11,7 +11,7 @@ import torch
 from hypothesis import example, given, note, settings
 from hypothesis import strategies as st
 
-from masks import PRESETS, list_mask_builders
+from masks import PRESETS, list_mask_builders, register_mask_builder
 from nsa_flex import NSAAttention, NSAConfig
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -156,9 +156,9 @@ def test_builtin_builders_pass_the_registration_check():
     from masks import check_causal
     from masks.registry import _REGISTRY
 
-    for name, (kind, fn) in sorted(_REGISTRY.items()):
+    for name, info in sorted(_REGISTRY.items()):
         if not name.startswith("test_"):
-            check_causal(name, kind, fn)
+            check_causal(name, info.kind, info.fn)
 
 
 def _leaky_token(ctx):
@@ -218,3 +218,27 @@ def test_reregistering_the_same_function_is_fine_another_needs_replace():
         assert get_mask_builder("test_reg") is _sliding
     finally:
         _REGISTRY.pop("test_reg", None)
+
+
+def test_check_runs_builders_on_the_configs_own_fields():
+    """The causality check's small layer is NSAConfig's base (`nsa_flex.rules.LayerShape`), not a
+    copy of some of its fields: a builder may read any of them (here the head dim, which the old
+    copy lacked), and NSAConfig's shape fields are the base's, in its order."""
+    import dataclasses
+
+    from masks.builders import sliding_window
+    from masks.registry import _REGISTRY, check_config
+    from nsa_flex import NSAConfig
+    from nsa_flex.rules import LayerShape
+
+    assert issubclass(NSAConfig, LayerShape) and type(check_config()) is LayerShape
+    base = [f.name for f in dataclasses.fields(LayerShape)]
+    assert [f.name for f in dataclasses.fields(NSAConfig)][:len(base)] == base
+
+    def head_dim_window(ctx):  # a window of d_qk keys
+        return ctx.with_docs(sliding_window(ctx.cfg.d_qk))
+
+    try:
+        register_mask_builder("test_head_dim_window", "token", head_dim_window)
+    finally:
+        _REGISTRY.pop("test_head_dim_window", None)

@@ -5,13 +5,14 @@ set before triton decorates them): forward, lse and every gradient (also through
 dense reference on random selections, with and without documents, for G in {1, 2, 4, 8, 16}, head
 dims that split into two dots (48 = 32 + 16) or pad, ragged T, and both dK/dV paths (one program
 per kv block, and the most-read blocks split into shares); and a hypothesis property: no output or
-gradient at position t depends on a key after t, or outside its document; also with unpadded heads
-(several positions per q block, the union of their blocks). The kernels also compile
+gradient at position t depends on a key after t, or outside its document; with several positions
+per q block (the union of their blocks) and other tunings (`SelectedTuning`: rows, dQ by atomics
+or its own pass, the hybrid dQ rule). The kernels also compile
 for an H100 (sm_90) with the launch arguments the wrappers pass (fp64-typed scalars, as Inductor
 passes them). On CUDA (`gpu`): the same comparisons in bf16 and fp32 at the paper and 125M shapes.
 """
 
-import contextlib
+import dataclasses
 import random
 
 import pytest
@@ -19,9 +20,9 @@ import torch
 
 from masks import MaskContext, get_mask_builder
 from masks.builders import doc_start
-from nsa_flex.attention import attend_flex, attend_reference, use_selected_op
+from nsa_flex.attention import BranchPlan, attend_reference, plan_branch
 from nsa_flex.config import NSAConfig
-from nsa_flex.ops import HAS_TRITON, triton_interpreted
+from nsa_flex.ops import DEFAULT_TUNING, HAS_TRITON, SelectedTuning, triton_interpreted
 from nsa_flex.rules import random_topn
 
 
@@ -58,11 +59,18 @@ def rel(a, b):
     return ((a[fin] - b[fin]).norm() / b[fin].norm().clamp_min(1e-30)).item()
 
 
-def check_case(seed: int, device="cpu", dtype=torch.float32, small=True, heavy=None, shape=None):
-    """Op vs reference (fp64) on one random case: out, lse, dq, dk, dv (gradients of a random
-    linear function of out and lse)."""
-    from nsa_flex.ops import selected_triton
+def op_plan(**tuning) -> BranchPlan:
+    """The selection branch on our op, strictly (an error where it cannot run), with these
+    `SelectedTuning` settings over the defaults."""
+    return BranchPlan("flex", "selected", "selected", strict=True,
+                      tuning=dataclasses.replace(DEFAULT_TUNING, **tuning))
 
+
+def check_case(seed: int, device="cpu", dtype=torch.float32, small=True, heavy=None, shape=None,
+               **tuning):
+    """Op vs reference (fp64) on one random case: out, lse, dq, dk, dv (gradients of a random
+    linear function of out and lse). heavy: (heavy, split_tiles) of the dK/dV pass; tuning: other
+    `SelectedTuning` settings."""
     rng = random.Random(seed)
     cfg, B, T, spec = make_case(rng, device, small, shape)
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -76,15 +84,11 @@ def check_case(seed: int, device="cpu", dtype=torch.float32, small=True, heavy=N
     dl = torch.where(torch.isfinite(rl), dl, 0.0)
     ((ro * do).sum() + (torch.where(torch.isfinite(rl), rl, 0.0) * dl).sum()).backward()
     op_in = [t.to(dtype).requires_grad_() for t in x]
-    old = selected_triton.HEAVY, selected_triton.SPLIT_TILES
     if heavy is not None:
-        selected_triton.HEAVY, selected_triton.SPLIT_TILES = heavy
-    try:
-        o, lse = attend_flex(*op_in, spec, sel_kernel="triton")
-        ((o * do.to(dtype)).sum() + (torch.where(torch.isfinite(lse), lse, 0.0)
-                                     * dl.float()).sum()).backward()
-    finally:
-        selected_triton.HEAVY, selected_triton.SPLIT_TILES = old
+        tuning.update(heavy=heavy[0], split_tiles=heavy[1])
+    o, lse = op_plan(**tuning).attend(*op_in, spec)
+    ((o * do.to(dtype)).sum() + (torch.where(torch.isfinite(lse), lse, 0.0)
+                                 * dl.float()).sum()).backward()
     errs = dict(out=rel(o, ro), lse=rel(lse, rl), dq=rel(op_in[0].grad, ref_in[0].grad),
                 dk=rel(op_in[1].grad, ref_in[1].grad), dv=rel(op_in[2].grad, ref_in[2].grad))
     tol = 2e-5 if dtype == torch.float32 else 2e-2
@@ -103,29 +107,14 @@ def check_causal(seed: int, device="cpu"):
     q = torch.randn(B, cfg.n_heads, T, cfg.d_qk, generator=gen).to(device)
     k = torch.randn(B, cfg.n_kv_heads, T, cfg.d_qk, generator=gen).to(device).requires_grad_()
     v = torch.randn(B, cfg.n_kv_heads, T, cfg.d_v, generator=gen).to(device).requires_grad_()
-    o, _ = attend_flex(q, k, v, spec, sel_kernel="triton")
+    o, _ = op_plan().attend(q, k, v, spec)
     o[:, :, : t0 + 1].sum().backward()
     assert k.grad[:, :, t0 + 1:].abs().max() == 0 and v.grad[:, :, t0 + 1:].abs().max() == 0
     k2, v2 = k.detach().clone(), v.detach().clone()
     k2[:, :, t0 + 1:] = torch.randn_like(k2[:, :, t0 + 1:]) * 100
     v2[:, :, t0 + 1:] = torch.randn_like(v2[:, :, t0 + 1:]) * 100
-    o2, _ = attend_flex(q, k2, v2, spec, sel_kernel="triton")
+    o2, _ = op_plan().attend(q, k2, v2, spec)
     assert torch.equal(o2[:, :, : t0 + 1], o.detach()[:, :, : t0 + 1])
-
-
-@contextlib.contextmanager
-def op_settings(**kw):
-    """The op's module settings (PAD_HEADS, ROWS, DQ_ATOMIC) for a block, restored after."""
-    from nsa_flex.ops import selected_triton
-
-    old = {k: getattr(selected_triton, k) for k in kw}
-    for k, v in kw.items():
-        setattr(selected_triton, k, v)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            setattr(selected_triton, k, v)
 
 
 def _interpreter_main():
@@ -147,35 +136,28 @@ def _interpreter_main():
         check_causal(seed)
 
     causal()
-    with op_settings(PAD_HEADS=True):  # one position per 16-row q block (G heads padded)
-        for seed in (9, 5):
-            check_case(seed)
-            n += 1
-        causal()
-    with op_settings(ROWS=32):  # G = 4: 8 positions a block
-        check_case(7)
-        n += 1
+    check_case(7, rows=32)  # G = 4: 8 positions a block
+    n += 1
     # dQ by atomics in the dK/dV pass forced on (heavy blocks' rows added by several programs)
     # and off (the dQ kernel), whatever the shape
-    with op_settings(DQ_ATOMIC=True):
-        for seed in (11, 12, 13):
-            check_case(seed, heavy=(None, (0, 256), (3, 1))[seed % 3])
-            n += 1
-        causal()
-    with op_settings(DQ_ATOMIC=False):
-        check_case(9, heavy=(3, 1))
+    for seed in (11, 12, 13):
+        check_case(seed, heavy=(None, (0, 256), (3, 1))[seed % 3], dq_atomic=True)
         n += 1
-    # the paper's group: forward on two positions' union lists, dQ on one position's (fwd_rows)
+    check_case(9, heavy=(3, 1), dq_atomic=False)
+    n += 1
+    # the paper's group: forward on four positions' union lists, dQ on one position's (fwd_rows)
     check_case(11, shape=(16, 1, 48, 32))
     n += 1
-    with op_settings(ROWS=64):  # G = 16 on 64-row q blocks (4 positions' union) in both passes
-        check_case(12, shape=(16, 1, 48, 32))
-        n += 1
+    check_case(12, shape=(16, 1, 48, 32), rows=64)  # 64-row q blocks in both passes
+    n += 1
     # the hybrid dQ pass of the paper's group with every wide block taken wide, and none
     for cost in (0, 10**6):
-        with op_settings(WIDE_DQ_COST=cost):
-            check_case(13, shape=(16, 1, 48, 32))
-            n += 1
+        check_case(13, shape=(16, 1, 48, 32), wide_dq_cost=cost)
+        n += 1
+    # launch options and dK/dV rows as data: a config of the tuning sweep
+    check_case(5, dkv_rows=16, fwd_launch=(2, 1), dq_launch=(4, 1), dkv_launch=(4, 1),
+               dq_atomic=False)
+    n += 1
     print(f"OK {n} cases")
 
 
@@ -185,7 +167,7 @@ def test_op_matches_reference_and_is_causal_under_interpreter():
     from tests.ops.triton_harness import run_interpreted
 
     r = run_interpreted(__file__, timeout=900)
-    assert r.returncode == 0 and "OK 16 cases" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
+    assert r.returncode == 0 and "OK 15 cases" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
 
 
 @pytest.mark.skipif(not HAS_TRITON or triton_interpreted(), reason="needs triton, not interpreted")
@@ -195,7 +177,7 @@ def test_op_matches_reference_and_is_causal_under_interpreter():
 @pytest.mark.parametrize("dq_atomic", [False, True])
 def test_kernels_compile_for_h100(monkeypatch, shape, dtype, dq_atomic):
     """The forward, dQ and dK/dV kernels compile for sm_90 with the wrappers' launch arguments
-    (also with every Python float typed fp64, as Inductor passes it); with DQ_ATOMIC the dK/dV
+    (also with every Python float typed fp64, as Inductor passes it); with dq_atomic the dK/dV
     kernel also accumulates dQ and there is no dQ kernel."""
     from tests.ops.triton_harness import Launches, compile_for_h100, cuda_compiler, written_args
 
@@ -204,7 +186,7 @@ def test_kernels_compile_for_h100(monkeypatch, shape, dtype, dq_atomic):
 
     calls = Launches()
     monkeypatch.setattr(M, "wrap_triton", calls.wrap)
-    monkeypatch.setattr(M, "DQ_ATOMIC", dq_atomic)  # forced, whatever the shape
+    tuning = SelectedTuning(dq_atomic=dq_atomic)  # forced, whatever the shape
     H, Hkv, dk, dv = shape
     B, T, n, nqb, nkb = 1, 256, 4, 256, 4
     q = torch.randn(B, H, T, dk, dtype=dtype)
@@ -214,14 +196,14 @@ def test_kernels_compile_for_h100(monkeypatch, shape, dtype, dq_atomic):
     i32 = lambda *s: torch.zeros(*s, dtype=torch.int32)  # noqa: E731
     lists = (i32(B, Hkv, nqb), i32(B, Hkv, nqb, n), i32(B, Hkv, nqb), i32(B, Hkv, nqb, n))
     # the layer's forward rows; where its q blocks hold several dQ blocks, the dQ pass is hybrid
-    rows = M.fwd_rows(H // Hkv)
-    kw = 0 if dq_atomic else M.dq_hybrid(H // Hkv, rows, M.ROWS)
+    rows = tuning.fwd_rows(H // Hkv)
+    kw = 0 if dq_atomic else tuning.dq_hybrid(H // Hkv, rows, tuning.rows)
     nqw = nqb // max(kw, 1)
     wide = (i32(B, Hkv, nqw), i32(B, Hkv, nqw, n), i32(B, Hkv, nqw), i32(B, Hkv, nqw, n))
     o, lse = M.selected_attention_fwd._init_fn(q, k, v, sel, lo, hi, *wide, *lists, 0.125, 64, rows,
-                                               16, 16, 256)
+                                               16, tuning.encode())
     M.selected_attention_bwd._init_fn(torch.randn_like(o), None, q, k, v, o, lse.normal_(), sel,
-                                      lo, hi, *lists, *wide, 0.125, 64, 16, rows, 16, 256)
+                                      lo, hi, *lists, *wide, 0.125, 64, 16, rows, tuning.encode())
     names = ["_sel_fwd_kernel", "_delta_kernel", "_sel_dkv_kernel"] if dq_atomic else \
         ["_sel_fwd_kernel", "_delta_kernel"] + ["_sel_dq_kernel"] * (2 if kw else 1) + ["_sel_dkv_kernel"]
     assert [c[0].__name__ for c in calls] == names
@@ -234,51 +216,70 @@ def test_kernels_compile_for_h100(monkeypatch, shape, dtype, dq_atomic):
     assert [written_args(*c) for c in calls] == writes
 
 
-def test_routing_and_errors():
-    """sel_kernel: flex never runs the op, auto falls back to flex where the op cannot run, and
-    triton says why it cannot."""
+def test_routing_and_errors(monkeypatch):
+    """sel_kernel: flex plans flex for the selection, auto and triton our op; where the op cannot
+    run, auto hands the call to flex and triton says why; a mask that is no block selection goes
+    to flex whatever the plan."""
+    import nsa_flex.attention as A
+
     cfg, B, T, spec = make_case(random.Random(0))
     q = torch.randn(B, cfg.n_heads, T, cfg.d_qk)
     k = torch.randn(B, cfg.n_kv_heads, T, cfg.d_qk)
     v = torch.randn(B, cfg.n_kv_heads, T, cfg.d_v)
-    assert not use_selected_op(q, k, v, spec, "flex")
+    plans = {kern: plan_branch(dataclasses.replace(cfg, backend="flex", sel_kernel=kern), "topn")
+             for kern in ("flex", "auto", "triton")}
+    assert [(p.executor, p.strict) for p in plans.values()] == \
+        [("flex", False), ("selected", False), ("selected", True)]
+    monkeypatch.setattr(A, "attend_flex", lambda *a: "flex")
     window = get_mask_builder("sliding_window")(MaskContext(cfg, B, T, torch.device("cpu")))
-    assert not use_selected_op(q, k, v, window, "triton")  # not a block selection: flex
+    assert plans["triton"].attend(q, k, v, window) == "flex"  # not a block selection: flex
     if not triton_interpreted():
-        assert not use_selected_op(q, k, v, spec, "auto")
+        assert plans["auto"].attend(q, k, v, spec) == "flex"
         with pytest.raises(RuntimeError, match="sel_kernel='triton' cannot run here: .*CUDA"):
-            use_selected_op(q, k, v, spec, "triton")
+            plans["triton"].attend(q, k, v, spec)
     with pytest.raises(RuntimeError, match="sel_kernel='triton'.*float64"):
-        use_selected_op(q.double(), k.double(), v.double(), spec, "triton")
+        plans["triton"].attend(q.double(), k.double(), v.double(), spec)
     with pytest.raises(ValueError, match="sel_kernel='cuda': allowed values"):
         NSAConfig(sel_kernel="cuda")
 
 
 def test_head_split_and_tiles():
-    from nsa_flex.ops.selected_triton import head_split, padded_group, tile_positions
+    from nsa_flex.ops.selected_triton import head_split
+    from nsa_flex.ops.selected_tuning import padded_group, tile_positions
 
     assert head_split(192) == (128, 64) and head_split(64) == (64, 0)
     assert head_split(48) == (32, 16) and head_split(24) == (32, 0) and head_split(8) == (16, 0)
-    with op_settings(PAD_HEADS=True):  # a position's heads padded to 16 rows: one per q block
-        assert padded_group(8) == 16 and padded_group(16) == 16 and padded_group(24) == 32
-        assert tile_positions(8) == 1 and tile_positions(4, 64) == 4 and tile_positions(64, 16) == 1
-    with op_settings(PAD_HEADS=False):  # a power of two per position, q blocks of >= 16 rows
-        assert padded_group(8) == 8 and padded_group(3) == 4 and padded_group(24) == 32
-        assert tile_positions(8) == 2 and tile_positions(2) == 8 and tile_positions(8, 64) == 8
-        assert tile_positions(1, 16) == 16 and tile_positions(32) == 1
+    # a power of two per position, q blocks of >= 16 rows
+    assert padded_group(8) == 8 and padded_group(3) == 4 and padded_group(24) == 32
+    assert padded_group(1) == 1 and padded_group(16) == 16
+    assert tile_positions(8, 16) == 2 and tile_positions(2, 16) == 8 and tile_positions(8, 64) == 8
+    assert tile_positions(1, 16) == 16 and tile_positions(32, 16) == 1
 
 
 def test_dq_mode_by_shape():
-    """dQ by atomics where G x d_k <= ATOMIC_MAX_ROW (the 125M shape), the dQ kernel above (the
-    paper's), unless DQ_ATOMIC forces one."""
-    from nsa_flex.ops.selected_triton import dq_atomic
+    """dQ by atomics where G x d_k <= atomic_max_row (the 125M shape), the dQ kernel above (the
+    paper's), unless dq_atomic forces one."""
+    t = DEFAULT_TUNING
+    assert t.fuse_dq(8, 64) and not t.fuse_dq(16, 192) and not t.fuse_dq(16, 64)
+    assert SelectedTuning(dq_atomic=True).fuse_dq(16, 192)
+    assert not SelectedTuning(dq_atomic=False).fuse_dq(8, 64)
 
-    with op_settings(DQ_ATOMIC=None):
-        assert dq_atomic(8, 64) and not dq_atomic(16, 192) and not dq_atomic(16, 64)
-    with op_settings(DQ_ATOMIC=True):
-        assert dq_atomic(16, 192)
-    with op_settings(DQ_ATOMIC=False):
-        assert not dq_atomic(8, 64)
+
+def test_tuning_crosses_the_op_as_ints():
+    """The record the op gets back from its int list is the one passed (every field, None
+    included), and it is frozen: a script changes the op's settings by passing another record."""
+    for t in (DEFAULT_TUNING, SelectedTuning(rows=32, dq_atomic=False, heavy=3, split_tiles=1,
+                                             dkv_rows=64, fwd_launch=(2, 1), dkv_launch=(4, 3)),
+              SelectedTuning(dq_atomic=True, wide_dq_cost=0, dq_launch=(8, 2))):
+        assert all(isinstance(x, int) for x in t.encode())
+        assert SelectedTuning.decode(t.encode()) == t
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        DEFAULT_TUNING.rows = 32
+    import nsa_flex.ops.selected_triton as M
+
+    assert not [n for n in ("ROWS", "HEAVY", "SPLIT_TILES", "DKV_ROWS", "DKV_ORDER", "LAUNCH",
+                            "PAD_HEADS", "DQ_ATOMIC", "FWD_WIDE_ROWS", "WIDE_DQ_COST")
+                if hasattr(M, n)]
 
 
 @pytest.mark.gpu
@@ -297,14 +298,13 @@ def test_cuda_paper_shape(dtype, shape):
     union lists (`fwd_rows`), the hybrid dQ pass (one position per q block on its own lists, or
     the forward's blocks), also with every block taken wide and none; also at torchtitan's 1B
     flavor's group (G = 16, d 64)."""
-    from nsa_flex.ops.selected_triton import fwd_rows, tile_positions
+    from nsa_flex.ops.selected_tuning import tile_positions
 
-    assert tile_positions(16, fwd_rows(16)) == 4 and tile_positions(16) == 1
+    assert tile_positions(16, DEFAULT_TUNING.fwd_rows(16)) == 4 and tile_positions(16, 16) == 1
     for seed in range(2):
         check_case(seed, device="cuda", dtype=dtype, small=False, shape=shape)
     for cost in (0, 10**6):
-        with op_settings(WIDE_DQ_COST=cost):
-            check_case(2, device="cuda", dtype=dtype, small=False, shape=shape)
+        check_case(2, device="cuda", dtype=dtype, small=False, shape=shape, wide_dq_cost=cost)
 
 
 @pytest.mark.gpu
