@@ -8,7 +8,8 @@
 #   bash experiments/quality_curriculum.sh OUT DATA
 #     OUT   OUT/<variant>/ (quality_runs.sh's: metrics_short.jsonl, metrics.jsonl, needle/, ...),
 #           OUT/seed1/nsa/, OUT/progress.txt, OUT/ALL_DONE at the end
-#     DATA  folder with tiktoken_cache/
+#     DATA  folder with tiktoken_cache/ (used even where TIKTOKEN_CACHE_DIR is set: the device
+#           machines set one without gpt2)
 # Knobs: GPUS (4), SEGMENT (seconds for training + evaluations, 1440: a variant still training then
 # halts with a checkpoint and skips its evaluations), and those of quality_runs.sh (TRAIN_ARGS,
 # LENGTHS, DEPTHS, TRIALS, POS_DOCS, SEL_LENGTHS, ...; defaults below).
@@ -23,7 +24,11 @@ echo $$ > "$OUT/driver.pid"
 export TOML=${TOML:-titan_configs/quality_curriculum.toml} SEGMENT=${SEGMENT:-1440} HALT_GRACE=${HALT_GRACE:-120}
 export LENGTHS=${LENGTHS:-2048,4096,8192,16384,32768,65536} DEPTHS=${DEPTHS:-0,25,50,75,100}
 export TRIALS=${TRIALS:-20} POS_DOCS=${POS_DOCS:-8} SEL_LENGTHS=${SEL_LENGTHS:-16384}
+# bf16 evaluations, as trained: in fp32 full attention's SDPA takes its math kernel, O(T^2) memory
+# (run 1: out of memory at 32k on an H200)
+export EVAL_ARGS=${EVAL_ARGS:---dtype bfloat16}
 RUNS=${RUNS_DIR:-/tmp/nsa_curriculum_runs}
+export TIKTOKEN_CACHE_DIR=$(cd "$DATA" && pwd)/tiktoken_cache
 progress() { echo "[$(date -u +%FT%TZ)] $*" | tee -a "$OUT/progress.txt"; }
 variant() {  # VARIANT GPU OUT_SUBDIR [EXTRA_TRAIN_ARGS]
   CUDA_VISIBLE_DEVICES=$2 RUNS_DIR="$RUNS/$3" TRAIN_ARGS="${TRAIN_ARGS:-} ${4:-}" \
