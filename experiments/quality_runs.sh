@@ -17,7 +17,7 @@
 # Stages, in order, each done once (OUT/VARIANT/stages.txt records them; the cheap evaluations first):
 #   train      until the checkpoint of training.steps exists (a [curriculum] TOML: both phases, the
 #              short phase's metrics as metrics_short.jsonl). A segment ends by SIGTERM at its time
-#              limit: the trainer halts after the current step and saves a full checkpoint (exit 0);
+#              limit: the trainer halts after the current step and saves a full checkpoint (exit 4);
 #              the next invocation resumes from it exactly (same TOML, data position and LR schedule).
 #   position   python -m nsa_flex.eval --task position-loss (POS_SEQ tokens, VAL_DOCS).
 #   selection  python -m nsa_flex.eval --task selection at SEL_LENGTHS (variants with a selection branch).
@@ -117,7 +117,8 @@ print(load_job_config(sys.argv[1], sys.argv[2:]).training.steps)" "$TOML" --nsa.
   [ -f "$DUMP/short/metrics.jsonl" ] && cp "$DUMP/short/metrics.jsonl" "$D/metrics_short.jsonl"  # [curriculum]
   ck=$(latest_ckpt)
   note "train: rc=$rc, checkpoint ${ck:+$(basename "$ck")}"
-  if [ "$rc" -ne 0 ]; then grep -E "Error|error:" "$D/train_$n.log" | tail -3; finish "training failed (rc=$rc, $D/train_$n.log)"; fi
+  # exit 4: halted at the segment's SIGTERM with a checkpoint (nsa_flex.titan.ops.EXIT_HALTED): resume next time
+  if [ "$rc" -ne 0 ] && [ "$rc" -ne 4 ]; then grep -E "Error|error:" "$D/train_$n.log" | tail -3; finish "training failed (rc=$rc, $D/train_$n.log)"; fi
   [ "${ck##*step-}" = "$STEPS" ] || finish "training halted at ${ck:+$(basename "$ck")}"
   mark train
 fi
