@@ -87,7 +87,8 @@ class NSAConfig(LayerShape):
                                                 "checked, to register your own builders with "
                                                 "masks.register_mask_builder (found on sys.path or "
                                                 "in the working directory)")
-    rope_theta: float = knob(10000.0, "RoPE base")
+    rope_theta: float = knob(10000.0, "RoPE base; retrieval across L tokens needs >= 0.0424 L^1.628 "
+                             "(nsa_flex.rope.min_rope_base: ~1e4 at 2k, ~3.1e5 at 16k, ~9.5e5 at 32k)")
     score_chunk: int = knob(1024, "queries per chunk in the selection scorer (memory bound: "
                                   "B*H*chunk*num_cmp floats)")
     scorer: str = knob("auto", "selection scorer: auto (the fused Triton kernel on CUDA tensors when "
