@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from nsa_flex import plot
+from nsa_flex.apps import plot
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""nsa_flex.eval.selection_stats: the statistics on a hand-made selection, and the CLI's traces."""
+"""nsa_flex.apps.eval.selection_stats: the statistics on a hand-made selection, and the CLI's traces."""
 
 import csv
 import math
@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-import nsa_flex.eval.selection_stats as ss
-from nsa_flex.eval.__main__ import run
-from nsa_flex.eval.prompts import EvalError
+import nsa_flex.apps.eval.selection_stats as ss
+from nsa_flex.apps.eval.__main__ import run
+from nsa_flex.apps.eval.prompts import EvalError
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -110,7 +110,7 @@ def test_check_tokens():
 
 
 def test_generate_command_refuses_cuda_graphs_on_cpu(capsys):
-    from nsa_flex.generate import main
+    from nsa_flex.apps.generate import main
 
     with pytest.raises(SystemExit):
         main(["--config", "x.toml", "--checkpoint", "x", "--prompt", "hi", "--device", "cpu",

@@ -1,15 +1,15 @@
 """``python -m nsa_flex.eval [--task T] ...``: T = needle (default: passkey / multi-key retrieval,
-nsa_flex.eval.needle), position-loss (loss by token position, nsa_flex.eval.position_loss) or
-selection (selection statistics and traces, nsa_flex.eval.selection_stats). The needle task's
+nsa_flex.apps.eval.needle), position-loss (loss by token position, nsa_flex.apps.eval.position_loss) or
+selection (selection statistics and traces, nsa_flex.apps.eval.selection_stats). The needle task's
 arguments are checked before torch is imported (a missing --out fails at once)."""
 
 import sys
 
 from .prompts import EvalError
 
-TASKS = {"needle": ("nsa_flex.eval.needle", "needle_eval"),
-         "position-loss": ("nsa_flex.eval.position_loss", "position_loss"),
-         "selection": ("nsa_flex.eval.selection_stats", "selection")}
+TASKS = {"needle": ("nsa_flex.apps.eval.needle", "needle_eval"),
+         "position-loss": ("nsa_flex.apps.eval.position_loss", "position_loss"),
+         "selection": ("nsa_flex.apps.eval.selection_stats", "selection")}
 
 
 def split_task(argv: list[str]) -> tuple[str, list[str]]:

@@ -7,7 +7,7 @@ import os
 
 from .prompts import EvalError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 DEFAULT_CONFIG = os.path.join(ROOT, "titan_configs", "debug_nsa.toml")
 DEFAULT_DOCS = os.path.join(os.path.dirname(ROOT), "shared", "data", "fineweb_edu_sample_150.parquet")
 

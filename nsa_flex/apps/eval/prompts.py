@@ -1,5 +1,5 @@
 """Needle prompts and their scoring: the training passkey document cut before the answer, multi-key
-haystacks (synthetic or FineWeb filler), exact and per-digit scores. Used by `nsa_flex.eval.needle`.
+haystacks (synthetic or FineWeb filler), exact and per-digit scores. Used by `nsa_flex.apps.eval.needle`.
 """
 
 import os

@@ -23,7 +23,7 @@ Prompts (generated offline, deterministic in --seed):
   the pysource corpus's validation packages (``auto`` for a model trained on pysource). Depth d% puts the needle after d% of the filler.
 
 Model: flavor, [nsa] section and tokenizer from the TOML config (plus --override flags), weights from
-the checkpoint (nsa_flex.generate's loaders). Greedy answer: prefill + token-by-token decode with the
+the checkpoint (nsa_flex.apps.generate's loaders). Greedy answer: prefill + token-by-token decode with the
 NSA per-branch caches (nsa_flex.inference) when every layer's mask builders have a decode rule
 (nsa, full_causal, sliding_only, local_selection, no_compressed); otherwise (random_selection, custom
 builders) a full forward per new token. Attention backend per length (--backend auto): the dense
@@ -62,7 +62,7 @@ __all__ = ["KINDS", "MULTI_NEEDLE", "MULTI_QUESTION", "NAMES", "EvalError", "Fil
 # ---------------------------------------------------------------------- model
 def load(args):
     """(model, tokenizer, description) from --config / --checkpoint (or random weights)."""
-    from nsa_flex.generate import build_model, load_checkpoint, load_job_config
+    from nsa_flex.apps.generate import build_model, load_checkpoint, load_job_config
 
     if not os.path.isfile(args.config):
         raise EvalError(f"--config {args.config!r}: no such file")
