@@ -1,6 +1,7 @@
 """nsa_flex.apps.eval.selection_stats: the statistics on a hand-made selection, and the CLI's traces."""
 
 import csv
+import json
 import math
 
 import numpy as np
@@ -49,8 +50,10 @@ def test_sorted_rows_int16():
 
 
 def test_cli_traces_and_stats(tmp_path):
+    docs = tmp_path / "docs.jsonl"  # its own held-out document: 256 byte tokens and more
+    docs.write_text(json.dumps({"text": "The quick brown fox jumps over the lazy dog. " * 8}) + "\n")
     res = run(["--task", "selection", "--quick", "--out", str(tmp_path), "--lengths", "256,192",
-               "--trace-layers", "1"])
+               "--trace-layers", "1", "--docs", str(docs)])
     rows = list(csv.DictReader(open(tmp_path / "selection_stats.csv")))
     assert [(r["length"], r["layer"]) for r in rows] == [("192", "0"), ("192", "1"), ("256", "0"), ("256", "1")]
     for L in (192, 256):
