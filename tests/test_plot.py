@@ -67,5 +67,5 @@ def test_plot_command_and_its_errors(tmp_path):
     assert (tmp_path / "o.png").is_file() and "NSA gate mean" in r.stdout
     r = subprocess.run([sys.executable, "-m", "nsa_flex.plot", str(tmp_path / "nothing")],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and r.stderr.startswith("nsa_flex.plot: error:") and "no metrics.jsonl" in r.stderr
+    assert r.returncode == 2 and r.stderr.startswith("python -m nsa_flex.plot: error:") and "no metrics.jsonl" in r.stderr
     assert "Traceback" not in r.stderr

@@ -15,6 +15,9 @@ import math
 import os
 import sys
 
+from nsa_flex.errors import UserError, user_error
+
+PROG = "python -m nsa_flex.plot"
 LOSS = "loss_metrics/global_avg_loss"
 VAL_LOSS = "validation_metrics/loss"
 TPS = "throughput(tps)"
@@ -23,7 +26,7 @@ BRANCHES = ("cmp", "sel", "win")
 SEL_DIST = "nsa/sel_dist_mean"
 
 
-class PlotError(Exception):
+class PlotError(UserError):
     """A user error (no metrics file, nothing to plot, no matplotlib): printed as one line."""
 
 
@@ -122,15 +125,14 @@ def plot(paths: list[str], out: str | None = None):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m nsa_flex.plot", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", metavar="RUN", help="a run's dump folder (or its metrics.jsonl)")
     p.add_argument("-o", "--out", default="metrics.png", help="PNG to write (default: metrics.png)")
     a = p.parse_args(argv)
     try:
         fig = plot(a.runs, a.out)
     except PlotError as e:
-        print(f"nsa_flex.plot: error: {e}", file=sys.stderr)
-        return 2
+        return user_error(str(e), prog=PROG)
     titles = [ax.get_title() for ax in fig.axes]
     print(f"wrote {a.out}: {', '.join(titles)} for {len(a.runs)} run(s)")
     return 0

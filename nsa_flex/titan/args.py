@@ -11,7 +11,8 @@ from torch import nn
 from torchtitan.protocols.model import BaseModelArgs
 from torchtitan.tools.logging import logger
 
-from nsa_flex.config import MODEL_DIMS, NSAConfig, NSAConfigError, UserError, resolve_backend
+from nsa_flex.config import MODEL_DIMS, NSAConfig, NSAConfigError, resolve_backend
+from nsa_flex.errors import UserError
 from nsa_flex.flops import nsa_attention_flops
 
 from .tokenizer import build_tokenizer

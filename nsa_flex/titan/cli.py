@@ -13,7 +13,7 @@ Equivalent to ``torchrun --nproc_per_node=1 -m nsa_flex.titan.train ...`` plus e
 Configuration itself comes only from the TOML file and command-line overrides.
 
 User errors (an invalid config value, unknown flavor or field, a TOML syntax error, a bad data file
-or checkpoint: :class:`nsa_flex.config.UserError` and config-parsing errors) are printed as one
+or checkpoint: :class:`nsa_flex.errors.UserError` and config-parsing errors) are printed as one
 short message on stderr, exit code 2; a traceback only for real bugs.
 
 Exit codes: 0 done (or halted by the halt file, SIGTERM or a first Ctrl-C, with a checkpoint to
@@ -29,9 +29,12 @@ exits 0 only when every check passes (:mod:`nsa_flex.titan.preflight`).
 """
 
 import os
-import re
 import socket
 import sys
+
+from nsa_flex.errors import user_error
+
+from .flags import check_config_file, check_flags
 
 CONFIG_MODULE = "nsa_flex.titan.job_config"
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -74,41 +77,6 @@ def build_args(argv: list[str]) -> list[str]:
     return args
 
 
-def check_config_file(args: list[str]) -> None:
-    """The --job.config_file exists and is valid TOML (torchtitan would log a traceback)."""
-    import tomllib
-
-    path = next((a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else "")
-                 for i, a in enumerate(args) if a.split("=", 1)[0] in ("--job.config_file", "--job.config-file")),
-                None)
-    if path is None:
-        return
-    if not os.path.isfile(path):
-        raise ValueError(f"--job.config_file {path!r} does not exist")
-    try:
-        with open(path, "rb") as f:
-            tomllib.load(f)
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"config file {path!r}: TOML syntax error: {e}") from None
-
-
-def check_flags(args: list[str]) -> None:
-    """Every option is ``--section.field`` (or one of nsa-train's own) and no value comes before the
-    first option: reported before torch is imported (the field names themselves are checked by
-    torchtitan's parser)."""
-    own = ("--preflight", "--preflight-full", "--help-all")
-    if args and not args[0].startswith("-"):
-        raise ValueError(f"unexpected argument {args[0]!r}: values follow an option (--SECTION.FIELD VALUE); "
-                         "see nsa-train --help")
-    for a in args:
-        name = a.split("=", 1)[0]
-        if re.fullmatch(r"-\d[\d.]*(e-?\d+)?|-\.\d+|-inf", a):  # a negative value
-            continue
-        if a.startswith("-") and name not in own and not re.fullmatch(r"--[A-Za-z_][\w-]*\.[A-Za-z_][\w.-]*", name):
-            raise ValueError(f"unknown option {name!r}: options are --SECTION.FIELD VALUE (e.g. --training.steps "
-                             "100), --preflight, --preflight-full; see nsa-train --help")
-
-
 def main(argv: list[str] | None = None) -> None:
     given = sys.argv[1:] if argv is None else list(argv)
     if "-h" in given or "--help" in given:  # answered before torch is imported
@@ -123,11 +91,11 @@ def main(argv: list[str] | None = None) -> None:
             check_flags(given)
             check_config_file(given)
         except ValueError as e:
-            sys.exit(_user_error(str(e)))
+            sys.exit(user_error(str(e)))
     full = "--preflight-full" in given
     args = build_args([a for a in given if a != "--preflight-full"])
     if full and "--preflight" not in args:
-        sys.exit(_user_error("--preflight-full is an option of --preflight (nsa-train --preflight --preflight-full ...)"))
+        sys.exit(user_error("--preflight-full is an option of --preflight (nsa-train --preflight --preflight-full ...)"))
     setup_env()
     if "--preflight" in args:
         from .preflight import main as preflight
@@ -136,12 +104,6 @@ def main(argv: list[str] | None = None) -> None:
     from .train import run
 
     sys.exit(run(args))
-
-
-def _user_error(msg: str, code: int = 2) -> int:
-    """Print a user error as one short message (no traceback); the exit code (2 by default)."""
-    print(f"nsa-train: error: {msg}", file=sys.stderr, flush=True)
-    return code
 
 
 if __name__ == "__main__":

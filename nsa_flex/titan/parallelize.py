@@ -23,7 +23,7 @@ from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list, apply_ddp, apply_fsdp
 from torchtitan.tools.logging import logger
 
-from nsa_flex.config import UserError
+from nsa_flex.errors import UserError
 
 
 class CompileConfigError(UserError, ValueError):
@@ -71,8 +71,6 @@ def parallelize_nsa(model: nn.Module, parallel_dims: ParallelDims, job_config) -
         raise NotImplementedError("nsa_flex supports data parallelism only (no TP / CP)")
     problem = cpu_data_parallel_problem(job_config.parallelism, parallel_dims.world_size, torch.cuda.is_available())
     if problem:
-        from nsa_flex.config import UserError
-
         raise UserError(problem)
 
     compile_cfg = job_config.compile

@@ -6,7 +6,7 @@ Parses the same flags as ``torchtitan.train`` (torchtitan's ``ConfigManager``, w
 ``[ops]``, ... sections of ``[job] custom_config_module``) and runs torchtitan's ``main`` with the
 trainer subclass. Before torchtitan starts: the config file exists and is valid TOML, the training
 numbers are in range, the folders are writable and rank 0 locks the dump folder. User errors
-(:class:`nsa_flex.config.UserError`, config-parsing errors) are printed as one line, exit code 2;
+(:class:`nsa_flex.errors.UserError`, config-parsing errors) are printed as one line, exit code 2;
 a non-finite step exits with 3 (:data:`nsa_flex.titan.ops.EXIT_NONFINITE`). ``nsa-train``
 (:mod:`nsa_flex.titan.cli`) is this entry point plus the single-process environment and a default
 config.
@@ -22,10 +22,10 @@ import torch
 from torchtitan.config import ConfigManager, JobConfig
 from torchtitan.train import main as titan_main
 
-from nsa_flex.config import UserError
+from nsa_flex.errors import UserError, user_error
 
 from . import console
-from .cli import check_config_file
+from .flags import check_config_file
 from .job_config import JobConfig as NSAJobConfig
 from .ops import EXIT_NONFINITE, NonFiniteError
 from .parallelize import cpu_data_parallel_problem
@@ -81,12 +81,6 @@ def titan_parses(args: list[str]):
         yield
     finally:
         ConfigManager.parse_args.__defaults__ = saved
-
-
-def user_error(msg: str, code: int = 2, prog: str = "nsa-train") -> int:
-    """Print a user error as one short message (no traceback); the exit code (2 by default)."""
-    print(f"{prog}: error: {msg}", file=sys.stderr, flush=True)
-    return code
 
 
 def run(args: list[str], prog: str = "nsa-train") -> int:

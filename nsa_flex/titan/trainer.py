@@ -40,7 +40,7 @@ import torch
 from torchtitan.tools.logging import logger as log
 from torchtitan.train import Trainer
 
-from nsa_flex.config import UserError
+from nsa_flex.errors import UserError
 
 from . import checkpoint, console, cpu
 from .ops import NonFiniteError, OpsMonitor

@@ -357,7 +357,7 @@ def test_cli_user_error_exit_code(cmd):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run([sys.executable, *cmd, "--quick"], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=120)
-    assert r.returncode == 2 and "needle_eval: error: --out is required" in r.stderr, r.stderr
+    assert r.returncode == 2 and "python -m nsa_flex.eval: error: --out is required" in r.stderr, r.stderr
 
 
 def test_time_limit_then_resume(tmp_path, monkeypatch):

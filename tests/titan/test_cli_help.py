@@ -67,7 +67,7 @@ def test_argument_errors_without_torch():
 
 
 def test_negative_values_pass_the_flag_check():
-    from nsa_flex.titan.cli import check_flags
+    from nsa_flex.titan.flags import check_flags
 
     check_flags(["--training.steps", "-1", "--optimizer.lr=-3e-4", "--nsa.builder_modules", "a", "b",
                  "--checkpoint.enable", "--job.config-file", "x.toml", "--preflight"])

@@ -1,15 +1,22 @@
 """``python -m nsa_flex.eval [--task T] ...``: T = needle (default: passkey / multi-key retrieval,
 nsa_flex.apps.eval.needle), position-loss (loss by token position, nsa_flex.apps.eval.position_loss) or
 selection (selection statistics and traces, nsa_flex.apps.eval.selection_stats). The needle task's
-arguments are checked before torch is imported (a missing --out fails at once)."""
+arguments are checked before torch is imported (a missing --out fails at once). A user error is one
+line ``python -m nsa_flex.eval: error: ...``, exit code 2."""
 
+import importlib
 import sys
 
-from .prompts import EvalError
+from nsa_flex.errors import UserError, user_error
 
-TASKS = {"needle": ("nsa_flex.apps.eval.needle", "needle_eval"),
-         "position-loss": ("nsa_flex.apps.eval.position_loss", "position_loss"),
-         "selection": ("nsa_flex.apps.eval.selection_stats", "selection")}
+from .args import parse_args
+from .cli import EvalError
+
+PROG = "python -m nsa_flex.eval"
+# the task's module, imported only when the task runs (it imports torch)
+TASKS = {"needle": "nsa_flex.apps.eval.needle",
+         "position-loss": "nsa_flex.apps.eval.position_loss",
+         "selection": "nsa_flex.apps.eval.selection_stats"}
 
 
 def split_task(argv: list[str]) -> tuple[str, list[str]]:
@@ -33,21 +40,19 @@ def split_task(argv: list[str]) -> tuple[str, list[str]]:
 
 
 def run(argv: list[str]):
-    import importlib
-
     task, rest = split_task(argv)
     if task == "needle":
-        from .args import parse_args
-
         parse_args(rest)  # argument errors before the task's module (and torch) is imported
-    return importlib.import_module(TASKS[task][0]).main(rest)
+    return importlib.import_module(TASKS[task]).main(rest)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        run(sys.argv[1:] if argv is None else argv)
+    except UserError as e:
+        return user_error(str(e), prog=PROG)
+    return 0
 
 
 if __name__ == "__main__":
-    name = "needle_eval"
-    try:
-        name = TASKS.get(split_task(sys.argv[1:])[0], TASKS["needle"])[1]
-        run(sys.argv[1:])
-    except EvalError as e:
-        print(f"{name}: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(main())

@@ -6,15 +6,17 @@ import os
 import random
 import re
 
+from nsa_flex.data.errors import DatasetError
+from nsa_flex.data.passkey import PASSKEY_ANSWER, PASSKEY_INTRO, PasskeyCorpus, synthetic_filler
+
+from .cli import EvalError
+from .docs import PYSOURCE, read_texts
+
 KINDS = ("passkey", "multikey")
 NAMES = ("Alice", "Bob", "Carol", "David", "Emma", "Frank", "Grace", "Henry", "Irene", "Jack",
          "Karen", "Louis", "Maria", "Nora", "Oscar", "Peter")
 MULTI_NEEDLE = " The pass key of {name} is: {key}. Remember it. The pass key of {name} is: {key}. "
 MULTI_QUESTION = "\nWhat is the pass key of {name}? The pass key of {name} is:"  # + " {key}."
-
-
-class EvalError(ValueError):
-    """A bad argument or input, named in the message."""
 
 
 # ---------------------------------------------------------------------- arguments
@@ -46,7 +48,6 @@ def kinds_list(text: str) -> list[str]:
 
 # ---------------------------------------------------------------------- filler
 FILLERS = ("auto", "synthetic", "fineweb", "pysource")
-PYSOURCE = "pysource"  # --docs / filler name: the validation split of the pysource corpus, not a file
 
 
 class Filler:
@@ -78,8 +79,6 @@ class Filler:
 
     def tokens(self, n: int, trial: int) -> list[int]:
         if self.kind == "synthetic":  # the training documents' kind of filler, one passage per trial
-            from nsa_flex.data.passkey import synthetic_filler
-
             got = self._cache.get(trial, [])
             if len(got) < n:
                 got = self._cache[trial] = synthetic_filler(self.tok, n, f"eval:{trial}")
@@ -87,8 +86,6 @@ class Filler:
         got = self._cache.get(trial, [])
         if len(got) < n:
             if self._texts is None:
-                from .docs import read_texts
-
                 self._texts = read_texts(PYSOURCE if self.kind == "pysource" else self.path, "text",
                                          "--filler pysource" if self.kind == "pysource" else "--fineweb")
             i = (trial * 37) % len(self._texts)
@@ -108,9 +105,6 @@ def make_prompt(tok, kind: str, length: int, depth: int, trial: int, filler: Fil
                 n_keys: int = 4, seed: int = 0) -> dict:
     """One prompt of ``length`` (= the training document of seq_len ``length``, cut before the
     answer): {"tokens", "expected", "answer_tokens"}."""
-    from nsa_flex.data.errors import DatasetError
-    from nsa_flex.data.passkey import PASSKEY_ANSWER, PASSKEY_INTRO, PasskeyCorpus
-
     rng = random.Random(f"needle:{seed}:{kind}:{length}:{depth}:{trial}")
     if kind == "passkey":
         key = rng.randint(10000, 99999)

@@ -1,0 +1,39 @@
+"""The command line's own checks, made before torch is imported (by ``nsa-train``) and again by
+the torchrun entry point: options are ``--section.field`` and the config file is valid TOML."""
+
+import os
+import re
+import tomllib
+
+
+def check_config_file(args: list[str]) -> None:
+    """The --job.config_file exists and is valid TOML (torchtitan would log a traceback)."""
+    path = next((a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else "")
+                 for i, a in enumerate(args) if a.split("=", 1)[0] in ("--job.config_file", "--job.config-file")),
+                None)
+    if path is None:
+        return
+    if not os.path.isfile(path):
+        raise ValueError(f"--job.config_file {path!r} does not exist")
+    try:
+        with open(path, "rb") as f:
+            tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"config file {path!r}: TOML syntax error: {e}") from None
+
+
+def check_flags(args: list[str]) -> None:
+    """Every option is ``--section.field`` (or one of nsa-train's own) and no value comes before the
+    first option: reported before torch is imported (the field names themselves are checked by
+    torchtitan's parser)."""
+    own = ("--preflight", "--preflight-full", "--help-all")
+    if args and not args[0].startswith("-"):
+        raise ValueError(f"unexpected argument {args[0]!r}: values follow an option (--SECTION.FIELD VALUE); "
+                         "see nsa-train --help")
+    for a in args:
+        name = a.split("=", 1)[0]
+        if re.fullmatch(r"-\d[\d.]*(e-?\d+)?|-\.\d+|-inf", a):  # a negative value
+            continue
+        if a.startswith("-") and name not in own and not re.fullmatch(r"--[A-Za-z_][\w-]*\.[A-Za-z_][\w.-]*", name):
+            raise ValueError(f"unknown option {name!r}: options are --SECTION.FIELD VALUE (e.g. --training.steps "
+                             "100), --preflight, --preflight-full; see nsa-train --help")
