@@ -35,6 +35,7 @@ import sys
 from nsa_flex.errors import user_error
 
 from .flags import check_config_file, check_flags
+from .usage import usage
 
 CONFIG_MODULE = "nsa_flex.titan.job_config"
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -55,7 +56,8 @@ def setup_env() -> None:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     if "TIKTOKEN_CACHE_DIR" not in os.environ:
-        from .tokenizer import default_tiktoken_cache
+        from .tokenizer import default_tiktoken_cache  # here and below: modules that import torch,
+        # loaded once the command needs them (--help and argument errors answer without torch)
 
         cache = default_tiktoken_cache()
         if cache:
@@ -80,8 +82,6 @@ def build_args(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     given = sys.argv[1:] if argv is None else list(argv)
     if "-h" in given or "--help" in given:  # answered before torch is imported
-        from .usage import usage
-
         print(usage(), end="")
         sys.exit(0)
     if "--help-all" in given:

@@ -23,6 +23,8 @@ import re
 import sys
 import warnings
 
+from masks import PRESETS
+
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _VERSION = re.compile(r"torchtitan version: (\S+) \(0\.0\.0 means __version__ is not defined correctly\)\.?")
 _BUILDING = re.compile(r"Building (\S+) (\S+?)\s*with (\{.*\})\s*$", re.S)
@@ -32,8 +34,6 @@ def branch_builders(a: dict) -> str:
     """The mask builder of each branch (preset, then the per-branch overrides) and the user's
     builder modules, e.g. "cmp=compressed_causal sel=topn win=half_window (preset nsa, modules
     my_masks)"."""
-    from masks import PRESETS
-
     preset = PRESETS.get(a["masks"], (None, None, None))
     names = [a.get(k) or p for k, p in zip(("cmp_mask", "sel_mask", "win_mask"), preset)]
     mods = list(a.get("builder_modules") or ())

@@ -23,6 +23,9 @@ reference backend's dense attention counted in full.
 import os
 import time
 
+from masks import PRESETS
+from nsa_flex.config import RECOMPUTED
+
 GiB = 2**30
 
 
@@ -42,8 +45,6 @@ def _branches(args, T: int) -> list[tuple[str, int, float]]:
     """(branch, key count S, mean keys a query reads) of each enabled branch: compressed blocks
     for the compressed branch, tokens for the others (the selected blocks / the window bound the
     reach; a branch of another builder is counted as causal)."""
-    from masks import PRESETS
-
     cmp, sel, win = PRESETS[args.masks]
     names = (args.cmp_mask or cmp, args.sel_mask or sel, args.win_mask or win)
     reach = {"sliding_window": args.window, "topn": args.n_sel * args.l_sel,
@@ -55,8 +56,6 @@ def _branches(args, T: int) -> list[tuple[str, int, float]]:
 
 
 def _recomputed(args) -> tuple[str, ...]:
-    from nsa_flex.config import RECOMPUTED
-
     return RECOMPUTED[getattr(args, "recompute", None) or "none"]
 
 

@@ -44,6 +44,7 @@ from nsa_flex.errors import UserError
 
 from . import checkpoint, console, cpu
 from .ops import NonFiniteError, OpsMonitor
+from .runlock import check_writable, lock_dump_folder
 
 TORCHTITAN_VERSION = "0.2.2"  # the Trainer methods overridden here and every patch target this version
 TORCH_RANGE = ((2, 11), (2, 15))  # [low, high) as (major, minor), as in pyproject.toml
@@ -138,7 +139,6 @@ class NSATrainer(Trainer):
         self.rank, self.world = _dist_info()
         self.ops = OpsMonitor(jc)  # validates [ops] first
         if self.rank == 0:  # nsa-train has taken the lock already: a no-op then
-            from .runlock import check_writable, lock_dump_folder
 
             check_writable(jc)
             self._lock = lock_dump_folder(jc.job.dump_folder)

@@ -89,7 +89,7 @@ def test_graphed_step_refuses_a_cpu_model():
     cache = prefilled(model)
     before = counters(cache)
     with pytest.raises(ValueError, match="needs a CUDA model"):
-        GraphedDecodeStep(model, cache, 2)
+        GraphedDecodeStep(model, cache, 2, model_decode_step)
     assert counters(cache) == before
     with pytest.raises(ValueError, match="needs a CUDA device"):
         generate(model, [[5, 6, 7]], 3, greedy=True, cuda_graphs=True)
@@ -129,7 +129,7 @@ def test_graphed_step_equals_eager_on_cuda(backend):
             layer.decode_backend = backend
         caches.append(c)
     eager_cache, graph_cache = caches
-    step = GraphedDecodeStep(model, graph_cache, 2)
+    step = GraphedDecodeStep(model, graph_cache, 2, model_decode_step)
     assert counters(graph_cache) == counters(eager_cache)  # the capture left no trace
     g = torch.Generator().manual_seed(2)
     for k in range(20):
