@@ -118,7 +118,7 @@ def test_generate_command_refuses_cuda_graphs_on_cpu(capsys):
     assert "--cuda-graphs needs a CUDA --device" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.gpu  # CUDA graphs need a GPU
 @pytest.mark.parametrize("backend", ["torch", "auto"])
 def test_graphed_step_equals_eager_on_cuda(backend):
     model = make_model(doc_masking=True, device="cuda")
