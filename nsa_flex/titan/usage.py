@@ -13,6 +13,7 @@ import textwrap
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIG_PY = os.path.join(os.path.dirname(HERE), "config.py")
 JOB_CONFIG_PY = os.path.join(HERE, "job_config.py")
+SOURCES_PY = os.path.join(os.path.dirname(HERE), "data", "sources.py")
 
 HEAD = """\
 usage: nsa-train [--job.config_file FILE.toml] [--preflight [--preflight-full]] [--SECTION.FIELD VALUE ...]
@@ -32,8 +33,8 @@ options of nsa-train:
 """
 
 TAIL = """\
-Sections of torchtitan used most: [training] steps, local_batch_size, seq_len, dataset (passkey |
-fineweb_edu | local), dataset_path; [model] flavor (debugmodel, 30M, 30M_kv4, 125M, 350M, 1B),
+Sections of torchtitan used most: [training] steps, local_batch_size, seq_len, dataset
+({datasets}), dataset_path; [model] flavor (debugmodel, 30M, 30M_kv4, 125M, 350M, 1B),
 tokenizer; [checkpoint] enable, interval; [parallelism]; [compile] enable. Every field of every
 section: nsa-train --help-all.
 """
@@ -93,5 +94,5 @@ def usage() -> str:
         _section("[nsa] NSA attention (TOML section [nsa] or --nsa.FIELD; unset fields keep the "
                  "model flavor's value):", nsa_fields(), "nsa"),
         _section("[ops] operating long runs (--ops.FIELD):", _fields(JOB_CONFIG_PY, "Ops"), "ops"),
-        TAIL,
+        TAIL.format(datasets=" | ".join(_constant(SOURCES_PY, "DATASET_CHOICES"))),
     ])

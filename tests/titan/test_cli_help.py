@@ -55,6 +55,13 @@ def test_help_lists_every_nsa_and_ops_field():
             assert f"--{prefix}.{f.name} " in text or f"--{prefix}.{f.name}\n" in text, f.name
 
 
+def test_help_lists_every_dataset():
+    from nsa_flex.data.sources import DATASET_CHOICES
+    from nsa_flex.titan.usage import usage
+
+    assert f"dataset\n({' | '.join(DATASET_CHOICES)})" in usage()
+
+
 def test_argument_errors_without_torch():
     for argv, msg in ((["foo"], "unexpected argument 'foo'"),
                       (["--trainingsteps", "3"], "unknown option '--trainingsteps'"),
