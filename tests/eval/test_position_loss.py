@@ -1,4 +1,4 @@
-"""nsa_flex.eval.position_loss (``python -m nsa_flex.eval --task position-loss``): bucket edges,
+"""nsa_flex.apps.eval.position_loss (``python -m nsa_flex.eval --task position-loss``): bucket edges,
 documents to sequences, and the CSV against a direct per-token loss of the same checkpoint."""
 
 import csv
