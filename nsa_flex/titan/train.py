@@ -51,6 +51,25 @@ def config_error_message(e: Exception) -> str:
     return str(e)
 
 
+def unknown_flag(args: list[str]) -> str | None:
+    """The first ``--section.field`` flag that names no section or field of the merged JobConfig
+    (``-`` and ``_`` alike; ``--section.no-field`` negates a boolean field), said in one line with
+    the valid names; None when every flag is known (tyro would print a boxed panel instead)."""
+    sections = {f.name: f.type for f in dataclasses.fields(merged_job_config())}
+    for a in args:
+        m = re.fullmatch(r"--([A-Za-z_][\w-]*)\.([A-Za-z_][\w-]*)(?:\..*)?", a.split("=", 1)[0])
+        if not m:
+            continue
+        section, field = m.group(1).replace("-", "_"), m.group(2).replace("-", "_")
+        if section not in sections:
+            return f"unknown option {a.split('=', 1)[0]!r}: no section [{section}]; sections: {', '.join(sorted(sections))}"
+        names = sorted(f.name for f in dataclasses.fields(sections[section]) if not f.name.startswith("_"))
+        if field not in names and not (field.startswith("no_") and field[3:] in names):
+            return (f"unknown option {a.split('=', 1)[0]!r}: [{section}] has no field {field!r}; "
+                    f"valid fields: {', '.join(names)}")
+    return None
+
+
 def check_run(job_config) -> None:
     """Before torchtitan starts (every error a :class:`UserError`): the training numbers are in
     range, the folders are writable, and rank 0 holds the dump folder's lock."""
@@ -87,6 +106,9 @@ def run(args: list[str], prog: str = "nsa-train") -> int:
     """Parse ``args``, check the run and train with :class:`NSATrainer`; the exit code."""
     try:  # parse once up front: every error here is the user's (file, TOML, field, value)
         check_config_file(args)
+        problem = unknown_flag(args)
+        if problem:
+            return user_error(problem, prog=prog)
         job_config = ConfigManager().parse_args(args)
     except (ValueError, TypeError, OSError) as e:
         return user_error(config_error_message(e), prog=prog)

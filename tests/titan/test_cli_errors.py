@@ -54,3 +54,16 @@ def test_user_errors_are_one_message_exit_2(tmp_path, case):
     assert expected in p.stderr, p.stderr[-2000:]
     assert "Traceback" not in out and "run_train.sh" not in out
     assert len(p.stderr.strip().splitlines()) <= 3, p.stderr
+
+
+def test_unknown_flag_is_one_line(capsys):
+    from nsa_flex.titan.train import run, unknown_flag
+
+    code = run(["--job.config_file", str(CONFIG), "--nsa.bogus", "3"])  # refused before torchtitan parses
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("nsa-train: error: unknown option '--nsa.bogus': [nsa] has no field 'bogus'; "
+                          "valid fields: backend, builder_modules,"), err
+    assert "no section [bogus]; sections: activation_checkpoint," in unknown_flag(["--bogus.steps=3"])
+    assert unknown_flag(["--job.config-file", "x.toml", "--compile.no-enable", "--training.steps=3",
+                         "--parallelism.data_parallel_shard_degree", "-1"]) is None
