@@ -1,10 +1,12 @@
 """A debug run's console holds none of the known noise, and a halted run says so instead of
 "Training completed" (nsa_flex.titan.console, nsa_flex.titan.metrics)."""
 
+import logging
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -55,3 +57,18 @@ def test_halted_run_does_not_say_completed(tmp_path):
     assert r.returncode == 0, out[-3000:]
     assert "Training completed" not in out
     assert f"Training halted after step 1 of 3 (halt file {tmp_path / 'HALT'})" in out, out[-2000:]
+
+
+def test_a_run_with_nothing_left_to_do_says_how_to_go_on():
+    from nsa_flex.titan.trainer import _EndOfRun
+
+    trainer = SimpleNamespace(halted_at=None, steps_run=0, step=50,
+                              job_config=SimpleNamespace(training=SimpleNamespace(steps=50)))
+    end = lambda: logging.LogRecord("torchtitan", logging.INFO, __file__, 0, "Training completed", None, None)
+    r = end()
+    assert _EndOfRun(trainer).filter(r) and r.getMessage() == (
+        "Nothing to train: the run is at step 50 of --training.steps 50; raise --training.steps "
+        "(e.g. --training.steps 100) to train further")
+    trainer.steps_run = 50  # a run that trained keeps torchtitan's line
+    r = end()
+    assert _EndOfRun(trainer).filter(r) and r.getMessage() == "Training completed"
