@@ -38,6 +38,7 @@ import torch
 from nsa_flex import telemetry as tm
 from nsa_flex.config import NSAConfigError
 
+from . import console
 from . import estimate as est
 from . import ops
 from .args import apply_nsa_section, nsa_flex_args
@@ -424,6 +425,7 @@ def main(args: list[str], full: bool = False) -> int:
     from torchtitan.tools.logging import init_logger
 
     init_logger()
+    console.setup()  # the training run's console filters (torchdata's set_vital warning, ...)
     print(f"nsa-train preflight: {' '.join(args)}", flush=True)
     cl = Checklist()
     t_all = time.perf_counter()

@@ -72,6 +72,7 @@ def test_custom_builder_preflight_sees_the_module(tmp_path):
                         str(toml)], cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert "[ ok ] config: valid" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
     assert r.returncode == 0, r.stdout[-3000:]
+    assert "Warning" not in r.stdout + r.stderr, r.stderr[-2000:]  # torchdata's set_vital one included
 
 
 def test_missing_builder_module_is_one_message(tmp_path):
