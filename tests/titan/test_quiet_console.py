@@ -9,6 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "titan_configs" / "debug_nsa.toml"
@@ -72,3 +73,18 @@ def test_a_run_with_nothing_left_to_do_says_how_to_go_on():
     trainer.steps_run = 50  # a run that trained keeps torchtitan's line
     r = end()
     assert _EndOfRun(trainer).filter(r) and r.getMessage() == "Training completed"
+
+
+def test_only_rank_zero_logs_and_cpu_runs_drop_nccl_notes(monkeypatch):
+    from nsa_flex.titan import console
+
+    record = lambda level, msg: logging.LogRecord("root", level, __file__, 0, msg, None, None)
+    f = console.ConsoleFilter(color=False)
+    monkeypatch.setenv("RANK", "1")  # a torchrun worker other than rank 0: its errors only
+    assert not f.filter(record(logging.INFO, "step: 1/2  loss: 6.2"))
+    assert not f.filter(record(logging.WARNING, "Warmup steps (5) exceed total steps (2)."))
+    assert f.filter(record(logging.ERROR, "rank 1 failed"))
+    monkeypatch.setenv("RANK", "0")
+    assert f.filter(record(logging.INFO, "step: 1/2  loss: 6.2"))
+    nccl = "ENV[TORCH_NCCL_ASYNC_ERROR_HANDLING] = 1 will be overridden to 3 based on job config"
+    assert f.filter(record(logging.WARNING, nccl)) == torch.cuda.is_available()
