@@ -75,4 +75,5 @@ def test_cli_traces_and_stats(tmp_path):
     assert float(rows[0]["gate_sel"]) == 0.5  # zero-initialised gates
     assert (tmp_path / "selection.png").stat().st_size > 1000
     with pytest.raises(EvalError, match="'full_causal' have no top-n selection"):
-        run(["--task", "selection", "--quick", "--out", str(tmp_path / "f"), "--override=--nsa.masks=full_causal"])
+        run(["--task", "selection", "--quick", "--out", str(tmp_path / "f"), "--docs", str(docs),
+             "--override=--nsa.masks=full_causal"])
