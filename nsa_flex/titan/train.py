@@ -25,6 +25,7 @@ from torchtitan.train import main as titan_main
 from nsa_flex.errors import UserError, user_error
 
 from . import console
+from .args import nsa_flex_args
 from .flags import check_config_file
 from .job_config import JobConfig as NSAJobConfig
 from .ops import EXIT_NONFINITE, NonFiniteError
@@ -71,8 +72,10 @@ def unknown_flag(args: list[str]) -> str | None:
 
 
 def check_run(job_config) -> None:
-    """Before torchtitan starts (every error a :class:`UserError`): the training numbers are in
-    range, the folders are writable, and rank 0 holds the dump folder's lock."""
+    """Before torchtitan starts (every error a :class:`UserError`): the flavor exists, the training
+    numbers are in range, the folders are writable, and rank 0 holds the dump folder's lock."""
+    if job_config.model.name == "nsa_flex":
+        nsa_flex_args[job_config.model.flavor]  # an unknown flavor: FlavorError, before any log line
     tr = job_config.training
     errs = [f"training.{name}={getattr(tr, name)!r}: must be an integer >= 1"
             for name in ("steps", "local_batch_size", "seq_len")

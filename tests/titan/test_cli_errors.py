@@ -67,3 +67,16 @@ def test_unknown_flag_is_one_line(capsys):
     assert "no section [bogus]; sections: activation_checkpoint," in unknown_flag(["--bogus.steps=3"])
     assert unknown_flag(["--job.config-file", "x.toml", "--compile.no-enable", "--training.steps=3",
                          "--parallelism.data_parallel_shard_degree", "-1"]) is None
+
+
+def test_unknown_flavor_is_refused_before_torchtitan_starts(tmp_path, capsys, monkeypatch):
+    from nsa_flex.titan import train
+
+    def started(*a):
+        raise AssertionError("torchtitan's main started (and logged) before the refusal")
+
+    monkeypatch.setattr(train, "titan_main", started)
+    code = train.run(["--job.config_file", str(CONFIG), "--model.flavor", "7B", "--job.dump_folder", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("nsa-train: error: [model] flavor='7B': unknown nsa_flex flavor"), err
+    assert not (tmp_path / "metrics.jsonl").exists()
