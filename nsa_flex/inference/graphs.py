@@ -1,7 +1,7 @@
 """Whole-model decode as one CUDA graph replay per token.
 
-Eager decode of the model is host-bound (the 125M model at batch 1 on an H100: ~480 small kernel
-launches per step from Python over 12 layers, 26 ms per step for ~1.7 ms of GPU time). The step
+Eager decode of the model is host-bound (hundreds of small kernel launches per step from Python,
+the GPU idle most of the step). The step
 is built for capture (cache.py: static shapes, per-row state in device tensors, no host sync;
 `emit_compressed` is branch-free), so `GraphedDecodeStep` captures one step of the model (the
 `model_decode_step` of inference/model.py, passed in: this module is below it) and replays it; the host keeps only its counters (each layer cache's host_max_len, the model cache's

@@ -46,7 +46,7 @@ def compile_blocks(model: nn.Module, compile_cfg) -> None:
     """torch.compile each transformer block with fullgraph=True (llama3's ``apply_compile``), and
     for the inductor backend with ``combo_kernels`` from [compile]: the NSA layer's many small
     kernels are launched in fewer, larger launches, which matters where the host's launch rate
-    bounds a step (short sequences; experiments/NOTES.md 60)."""
+    bounds a step (short sequences)."""
     options = {"combo_kernels": compile_cfg.combo_kernels} if compile_cfg.backend == "inductor" else None
     for layer_id, block in model.layers.named_children():
         model.layers.register_module(layer_id, torch.compile(block, backend=compile_cfg.backend,
