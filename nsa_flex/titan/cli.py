@@ -21,8 +21,9 @@ resume from); 2 a user error; 3 the loss or the gradient norm was not finite (th
 guard, :mod:`nsa_flex.titan.trainer`: nothing saved from that step on, the last checkpoint is the last
 finite one); ``[ops] stall_exit_code`` after a stall dump.
 
-One run per dump folder: rank 0 locks it (:mod:`nsa_flex.titan.runlock`) before torchtitan starts;
-a second run on it stops at once with one message naming the holder.
+One run per dump folder: rank 0 locks it (:mod:`nsa_flex.titan.runlock`) before torch is imported
+when the flags or the TOML name it (else before torchtitan starts); a second run on it stops at
+once with one message naming the holder.
 
 ``nsa-train --preflight ...`` (same config and overrides) checks the launch instead of training and
 exits 0 only when every check passes (:mod:`nsa_flex.titan.preflight`).
@@ -34,7 +35,8 @@ import sys
 
 from nsa_flex.errors import user_error
 
-from .flags import check_config_file, check_flags
+from .flags import check_config_file, check_flags, dump_folder
+from .runlock import RunLockError, lock_dump_folder
 from .usage import usage
 
 CONFIG_MODULE = "nsa_flex.titan.job_config"
@@ -96,6 +98,12 @@ def main(argv: list[str] | None = None) -> None:
     args = build_args([a for a in given if a != "--preflight-full"])
     if full and "--preflight" not in args:
         sys.exit(user_error("--preflight-full is an option of --preflight (nsa-train --preflight --preflight-full ...)"))
+    folder = dump_folder(args)
+    if folder and "--preflight" not in args and os.environ.get("RANK", "0") == "0":
+        try:  # a busy dump folder is refused before torch is imported (the trainer takes it again)
+            lock_dump_folder(folder)
+        except RunLockError as e:
+            sys.exit(user_error(str(e)))
     setup_env()
     if "--preflight" in args:
         from .preflight import main as preflight

@@ -1,5 +1,6 @@
 """The command line's own checks, made before torch is imported (by ``nsa-train``) and again by
-the torchrun entry point: options are ``--section.field`` and the config file is valid TOML."""
+the torchrun entry point: options are ``--section.field`` and the config file is valid TOML; and
+the dump folder a run would use, read from the flags and the TOML alone."""
 
 import os
 import re
@@ -37,3 +38,26 @@ def check_flags(args: list[str]) -> None:
         if a.startswith("-") and name not in own and not re.fullmatch(r"--[A-Za-z_][\w-]*\.[A-Za-z_][\w.-]*", name):
             raise ValueError(f"unknown option {name!r}: options are --SECTION.FIELD VALUE (e.g. --training.steps "
                              "100), --preflight, --preflight-full; see nsa-train --help")
+
+
+def _flag_value(args: list[str], *names: str) -> str | None:
+    """The value of the last of the flags ``names`` in ``args`` (``--flag value`` or ``--flag=value``)."""
+    value = None
+    for i, a in enumerate(args):
+        name, eq, rest = a.partition("=")
+        if name in names:
+            value = rest if eq else (args[i + 1] if i + 1 < len(args) else None)
+    return value
+
+
+def dump_folder(args: list[str]) -> str | None:
+    """The run's ``[job] dump_folder``: the flag's, else the config file's; None when neither says
+    (torchtitan's default then applies, known only once torchtitan is imported)."""
+    flag = _flag_value(args, "--job.dump_folder", "--job.dump-folder")
+    if flag is not None:
+        return flag
+    path = _flag_value(args, "--job.config_file", "--job.config-file")
+    if not path or not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        return tomllib.load(f).get("job", {}).get("dump_folder")
