@@ -35,7 +35,7 @@ import sys
 
 from nsa_flex.errors import user_error
 
-from .flags import check_config_file, check_flags, dump_folder
+from .flags import check_config_file, check_flags, check_flavor, dump_folder
 from .runlock import RunLockError, lock_dump_folder
 from .usage import usage
 
@@ -92,6 +92,8 @@ def main(argv: list[str] | None = None) -> None:
         try:  # argument and config-file errors, also before torch
             check_flags(given)
             check_config_file(given)
+            if "--preflight" not in given:  # the preflight lists it among the config's problems
+                check_flavor(given)
         except ValueError as e:
             sys.exit(user_error(str(e)))
     full = "--preflight-full" in given

@@ -6,6 +6,8 @@ import os
 import re
 import tomllib
 
+from .usage import flavor_names
+
 
 def check_config_file(args: list[str]) -> None:
     """The --job.config_file exists and is valid TOML (torchtitan would log a traceback)."""
@@ -50,14 +52,35 @@ def _flag_value(args: list[str], *names: str) -> str | None:
     return value
 
 
-def dump_folder(args: list[str]) -> str | None:
-    """The run's ``[job] dump_folder``: the flag's, else the config file's; None when neither says
-    (torchtitan's default then applies, known only once torchtitan is imported)."""
-    flag = _flag_value(args, "--job.dump_folder", "--job.dump-folder")
+def _setting(args: list[str], section: str, field: str):
+    """``[section] field`` as the flags (``_`` or ``-``) or else the config file set it; None when
+    neither does."""
+    flag = _flag_value(args, f"--{section}.{field}", f"--{section}.{field.replace('_', '-')}")
     if flag is not None:
         return flag
     path = _flag_value(args, "--job.config_file", "--job.config-file")
     if not path or not os.path.isfile(path):
         return None
     with open(path, "rb") as f:
-        return tomllib.load(f).get("job", {}).get("dump_folder")
+        return tomllib.load(f).get(section, {}).get(field)
+
+
+def dump_folder(args: list[str]) -> str | None:
+    """The run's ``[job] dump_folder``: the flag's, else the config file's; None when neither says
+    (torchtitan's default then applies, known only once torchtitan is imported)."""
+    return _setting(args, "job", "dump_folder")
+
+
+def unknown_flavor(name: str) -> str | None:
+    """The one-line message for a ``[model] flavor`` that nsa_flex lacks; None when it exists."""
+    names = flavor_names()
+    if name in names:
+        return None
+    return f"[model] flavor={name!r}: unknown nsa_flex flavor; allowed values are {sorted(names)}"
+
+
+def check_flavor(args: list[str]) -> None:
+    """The nsa_flex model's flavor, from the flags or the config file, exists (before torch)."""
+    flavor = _setting(args, "model", "flavor")
+    if _setting(args, "model", "name") in (None, "nsa_flex") and flavor is not None and unknown_flavor(flavor):
+        raise ValueError(unknown_flavor(flavor))

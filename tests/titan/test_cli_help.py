@@ -62,11 +62,20 @@ def test_help_lists_every_dataset():
     assert f"dataset\n({' | '.join(DATASET_CHOICES)})" in usage()
 
 
+def test_flavors_read_without_torch_are_the_table():
+    from nsa_flex.titan.args import nsa_flex_args
+    from nsa_flex.titan.usage import flavor_names
+
+    assert flavor_names() == list(nsa_flex_args)
+
+
 def test_argument_errors_without_torch():
     for argv, msg in ((["foo"], "unexpected argument 'foo'"),
                       (["--trainingsteps", "3"], "unknown option '--trainingsteps'"),
                       (["--job.config_file", "no/such.toml"], "'no/such.toml' does not exist"),
-                      (["--preflight-full"], "--preflight-full is an option of --preflight")):
+                      (["--preflight-full"], "--preflight-full is an option of --preflight"),
+                      (["--model.flavor", "7B"], "[model] flavor='7B': unknown nsa_flex flavor; allowed values are "
+                                                 "['125M', '1B', '30M', '30M_kv4', '350M', 'debugmodel']")):
         r = _in_fresh_python(PROBE.format(argv=argv))
         assert r.stdout.rstrip().endswith("exit 2\ntorch imported: False"), (argv, r.stdout, r.stderr)
         assert r.stderr.strip() == f"nsa-train: error: {r.stderr.strip().split('error: ', 1)[1]}"
