@@ -129,7 +129,7 @@ def available_bytes(device) -> float:
 
 
 def matmul_flops_per_s(device, dtype, n: int = 512, reps: int = 3) -> float:
-    """Measured matmul rate (FLOP/s) of an n x n x n product, best of ``reps`` (~10 ms on a CPU)."""
+    """Measured matmul rate (FLOP/s) of an n x n x n product, best of ``reps`` (quick on a CPU)."""
     import torch
 
     a = torch.randn(n, n, device=device, dtype=dtype)
