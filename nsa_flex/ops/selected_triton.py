@@ -45,7 +45,7 @@ LOG2E = 1.4426950408889634
 
 # Rows of a q block (positions x padded G heads) by default, and how many of each head's most-read
 # kv blocks the dK/dV pass splits over the q blocks that read them. Chosen on the H100 on random
-# selections (experiments/NOTES.md 33: one position per block won; bench_attention.py --sel-rows).
+# selections (one position per block won; bench_attention.py --sel-rows).
 ROWS = 16
 HEAVY = 16
 SPLIT_TILES = 256  # positions per share of a heavy block's list (at most), sets the share count
@@ -55,7 +55,7 @@ DKV_ROWS = 128  # rows of the dK/dV pass's gathered tile (several positions of o
 # Launch order of the dK/dV pass's programs (kv blocks in index order, then the heavy blocks'
 # shares): "interleave" (the KV heads interleaved) or "block" (one head after the other: with few
 # KV heads the last head's long lists start last and can run alone at the end, which shows at
-# short T). Chosen on the H100 (experiments/NOTES.md 59); "block" is kept for tune_selected.py.
+# short T). Chosen on the H100; "block" is kept for tune_selected.py.
 DKV_ORDER = "interleave"
 
 # Launch options per kernel ("fwd", "dq", "dkv": num_warps, num_stages) over those of
@@ -78,18 +78,16 @@ def head_split(d: int) -> tuple[int, int]:
 # True: a position's G heads are padded to 16 rows (G < 16), so a q block can hold one position
 # and its lists are the position's own selection. False (default): G heads take
 # next_power_of_2(G) rows and a 16-row q block holds 16 // G positions (the union of their
-# selections, no padding rows): fewer loads where adjacent positions pick the same blocks. H100,
-# 125M shape at 32k (NOTES 50): forward 1.74 ms against 2.58 padded on a trained selection, 2.33
-# against 2.59 on random ones.
+# selections, no padding rows): fewer loads where adjacent positions pick the same blocks, faster
+# on the H100 on trained and random selections.
 PAD_HEADS = False
 
 # True: dQ is accumulated in the dK/dV pass, which already computes every dS tile, by fp32 atomic
 # adds (FlashAttention-2's backward): no separate dQ pass re-reading the selected K/V blocks (the
 # same L2-bound gather as the forward), at the price of G x d_k x 4 bytes of atomics per (position,
 # selected block, KV head) and a dQ that is not bit-reproducible run to run. False: the dQ kernel
-# (deterministic). None (default): atomics where G x d_k <= ATOMIC_MAX_ROW. H100 (NOTES 50): at
-# the 125M shape (G x d_k = 512) the atomics cost 1.1 ms where the dQ pass took 2.5; at the paper
-# shape (3072) 10.8 ms where it took 7.8.
+# (deterministic). None (default): atomics where G x d_k <= ATOMIC_MAX_ROW, where they cost less
+# than the dQ pass on the H100 (the 125M shape, 512; not the paper shape, 3072).
 DQ_ATOMIC: bool | None = None
 ATOMIC_MAX_ROW = 512
 
@@ -97,12 +95,12 @@ ATOMIC_MAX_ROW = 512
 # Rows of the forward's q blocks where a position has 16 heads or more (G >= 16): 64, four positions
 # at G = 16 on the union of their selections, on 4 warps (the dQ pass keeps ROWS rows, one position,
 # and its own lists, and takes the wide blocks where they are cheaper: `dq_hybrid`). G < 16 keeps
-# ROWS (two positions at G = 8). Chosen on the H100 (experiments/NOTES.md 57-58): the forward is
+# ROWS (two positions at G = 8). Chosen on the H100: the forward is
 # bound by its K/V loads, which the positions share on trained selections; at the paper shape 64
 # rows beat 32 on trained picks and tie on random ones, at G = 8 they lose on random ones.
 FWD_WIDE_ROWS = 64
 # A wide (FWD_WIDE_ROWS) dQ block step costs about this many narrow (ROWS) ones (H100, paper
-# shape, NOTES 58): the hybrid dQ pass's rule (`_wide_wins`).
+# shape): the hybrid dQ pass's rule (`_wide_wins`).
 WIDE_DQ_COST = 2
 
 
@@ -347,7 +345,7 @@ def _sel_dq_kernel(Q, K, V, DO, LSE, DELTA, SEL, LO, HI, KVN, KVI, FKVN, FKVI, N
                    DK2: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
                    HAS_BAND: tl.constexpr, PREC: tl.constexpr, MODE: tl.constexpr,
                    KW: tl.constexpr, WCOST: tl.constexpr):
-    """dQ of q blocks walking KVN..FKVI. MODE 0: every block. Hybrid (experiments/NOTES.md 58):
+    """dQ of q blocks walking KVN..FKVI. MODE 0: every block. Hybrid:
     MODE 1 (narrow blocks) skips the positions whose wide block `_wide_wins`, MODE 2 (wide blocks)
     runs only those; NKVN / NFKVN and WKVN / WFKVN are the narrow and wide lists' counts."""
     tile, bh, b, t, row_ok, qrow = _q_rows(T, HKV, G, GP, BT, BM)
@@ -539,7 +537,7 @@ def _sel_dkv_kernel(Q, K, V, DO, LSE, DELTA, LO, HI, QN, QOFF, QI, HSLOT, HEAVY,
 
 # ---------------------------------------------------------------------- launchers
 # (num_warps, num_stages) of the query-centric kernels in 16-bit by kernel and q block rows, chosen
-# on the H100 (experiments/tune_selected.py, NOTES.md 55, 58): 2 warps cover 16 rows best at both
+# on the H100 (experiments/tune_selected.py): 2 warps cover 16 rows best at both
 # the 125M and the paper shape; 64 rows take 4 (a warp group), the dQ pass there 1 stage.
 QC_LAUNCH = {("fwd", 16): (2, 2), ("fwd", 32): (2, 2), ("fwd", 64): (4, 2),
              ("dq", 16): (2, 2), ("dq", 32): (2, 2), ("dq", 64): (4, 1)}
