@@ -100,12 +100,14 @@ def main(argv: list[str] | None = None) -> None:
     args = build_args([a for a in given if a != "--preflight-full"])
     if full and "--preflight" not in args:
         sys.exit(user_error("--preflight-full is an option of --preflight (nsa-train --preflight --preflight-full ...)"))
-    folder = dump_folder(args)
-    if folder and "--preflight" not in args and os.environ.get("RANK", "0") == "0":
+    folder = dump_folder(args)  # only an existing folder can be busy: a new one is made by the run
+    if folder and os.path.isdir(folder) and "--preflight" not in args and os.environ.get("RANK", "0") == "0":
         try:  # a busy dump folder is refused before torch is imported (the trainer takes it again)
             lock_dump_folder(folder)
         except RunLockError as e:
             sys.exit(user_error(str(e)))
+        except OSError:  # not writable: the run's own check says so, with the folder's name
+            pass
     setup_env()
     if "--preflight" in args:
         from .preflight import main as preflight
