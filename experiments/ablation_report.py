@@ -19,7 +19,7 @@ import csv
 import os
 import sys
 
-from nsa_flex.eval.report import read_metrics, summarize
+from nsa_flex.apps.eval.report import read_metrics, summarize
 
 
 class ReportError(ValueError):

@@ -391,7 +391,7 @@ def run_config(cname, T, dev, dtype, rows, stages, baselines, compile_=True, onl
     global TRACE
     label = "random"
     if TRACE_RAW is not None:  # the trace's first T positions, its KV heads as the config's
-        from nsa_flex.eval.selection_stats import fit_trace
+        from nsa_flex.apps.eval.selection_stats import fit_trace
 
         c = NSAConfig(**config_args(cname))
         try:
@@ -606,7 +606,7 @@ def main(argv=None):
     SEL_KERNEL = args.sel_kernel
     CMP_KERNEL = args.cmp_kernel
     if args.selection_trace:
-        from nsa_flex.eval.selection_stats import load_trace_arg
+        from nsa_flex.apps.eval.selection_stats import load_trace_arg
 
         TRACE_RAW = load_trace_arg(args.selection_trace)
     # items compile flex calls on their own, before any layer exists (the layer installs it too)

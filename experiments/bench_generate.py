@@ -86,7 +86,7 @@ def run_one(model, batch, context, steps, warmup, vocab, dev, profile=False, mod
     tps = {}
     for mode in modes:
         if mode == "graph":  # the capture is not timed
-            step = GraphedDecodeStep(model, cache, batch)
+            step = GraphedDecodeStep(model, cache, batch, model_decode_step)
             print(f"  graph vs eager logits, one step: max abs diff "
                   f"{graph_check(model, step, tok, cache):.3g}", flush=True)
         else:

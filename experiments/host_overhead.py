@@ -97,7 +97,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (the host cost of launching the GPU kernels)")
     if a.selection_trace:  # as bench_attention.py: the trace's first T positions
-        from nsa_flex.eval.selection_stats import fit_trace, load_trace_arg
+        from nsa_flex.apps.eval.selection_stats import fit_trace, load_trace_arg
 
         c = ba.NSAConfig(**ba.config_args(a.configs))
         ba.TRACE = fit_trace(*load_trace_arg(a.selection_trace), c.n_kv_heads, a.T, c.n_sel)

@@ -1,5 +1,5 @@
 """Passkey / multi-key needle evaluation of a checkpoint: ``python -m nsa_flex.eval`` (the code is in
-nsa_flex/eval/), under the name the README, NOTES.md and ablation_runs.sh use.
+nsa_flex/apps/eval/), under the name the README, NOTES.md and ablation_runs.sh use.
 
     python experiments/needle_eval.py --quick --out /tmp/needle_quick
 """

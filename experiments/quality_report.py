@@ -25,8 +25,8 @@ import re
 import shutil
 import sys
 
-from nsa_flex.eval.position_loss import read_rows
-from nsa_flex.eval.report import (TRAIN_LOSS, loss_curves, plot_heatmap, plot_loss_vs_tokens,
+from nsa_flex.apps.eval.position_loss import read_rows
+from nsa_flex.apps.eval.report import (TRAIN_LOSS, loss_curves, plot_heatmap, plot_loss_vs_tokens,
                                   plot_position_loss, read_metrics, summarize)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

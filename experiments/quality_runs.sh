@@ -101,7 +101,7 @@ latest_ckpt() { ls -d "$DUMP"/checkpoint/step-* 2>/dev/null | sort -t- -k2 -n | 
 # ------------------------------------------------------------------ train
 if ! done_stage train; then
   # shellcheck disable=SC2086
-  STEPS=$($PY -c "import sys; from nsa_flex.generate import load_job_config
+  STEPS=$($PY -c "import sys; from nsa_flex.apps.generate import load_job_config
 print(load_job_config(sys.argv[1], sys.argv[2:]).training.steps)" "$TOML" --nsa.masks="$VARIANT" $TRAIN_ARGS) \
     || { echo "cannot read training.steps from $TOML with TRAIN_ARGS" >&2; exit 2; }
   t=$(( $(left) - HALT_GRACE ))

@@ -29,7 +29,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from nsa_flex.generate import build_model, load_job_config
+from nsa_flex.apps.generate import build_model, load_job_config
 from nsa_flex.rules import forced_and_valid
 from nsa_flex.selection import block_scores, select_topn
 from nsa_flex.data.passkey import PASSKEY_NEEDLE, PASSKEY_QUESTION, PasskeyCorpus

@@ -143,7 +143,7 @@ def parse_layouts(text: str) -> list[SelectedTuning]:
 def trace_selection(spec: str, T: int, Hkv: int, n: int):
     """The first T positions of a trained selection NPZ[:LAYER[+LAYER]] ([1, Hkv, T, n] int64),
     or None with the reason when it does not fit the shape."""
-    from nsa_flex.eval.selection_stats import fit_trace, load_trace_arg
+    from nsa_flex.apps.eval.selection_stats import fit_trace, load_trace_arg
 
     try:
         idx, label = fit_trace(*load_trace_arg(spec), Hkv, T, n)

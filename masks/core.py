@@ -37,7 +37,7 @@ def captured(x: Tensor) -> Tensor:
     codegen of the inlined `ops.masked` expects a LoopBody). Costs one copy of the captured
     tensor ([B, H, T, n] int64 for the selection). No upstream issue is filed; whether a later
     torch still needs it is checked on a GPU only (compile the 64k layer with one builder's
-    `captured` removed; experiments/NOTES.md 12 has the traceback)."""
+    `captured` removed)."""
     return x.clone()
 
 
@@ -52,7 +52,7 @@ def row_cumsum(x: Tensor) -> Tensor:
     aten's scan. Inductor lowers a scan of few rows over a long axis to its split-scan kernel,
     whose codegen fails on the block lists' cumsum (torch 2.11: the compressed mask's kv-major
     lists at T=32k, rows [1, 1, 16] x 256 q blocks, in the fwd+bwd graph raise "TypeError: list
-    indices must be integers or slices, not NoneType"; experiments/NOTES.md 52)."""
+    indices must be integers or slices, not NoneType")."""
     assert not x.is_floating_point(), "row_cumsum: integer tensors only"
     return x.cumsum(-1)
 
@@ -175,7 +175,7 @@ def _kv_major_sorted(num, idx, nkb):
     srt = j.sort(dim=-1, stable=True)
     # pairs per kv block: where each block's run starts in the sorted keys (a binary search per
     # block), not a scatter_add of ones onto nkb + 1 counters (one atomic per slot, all on a few
-    # addresses: slow on a GPU; experiments/NOTES.md 59)
+    # addresses: slow on a GPU)
     bounds = torch.arange(nkb + 2, dtype=narrow, device=dev).expand(B, H, nkb + 2).contiguous()
     counts = torch.searchsorted(srt.values, bounds).diff(dim=-1)
     return srt.values.long(), (srt.indices // W).to(torch.int32), counts
@@ -298,8 +298,7 @@ def block_mask_from_flags(any_: Tensor, full: Tensor, block_size: tuple[int, int
 def _flags_to_indices(flags: Tensor) -> tuple[Tensor, Tensor]:
     """Row-wise (count, indices) of the set flags: the set blocks first in increasing order, then
     the unset ones (what a stable sort of ~flags gives), by cumsum + scatter. No sort: inductor
-    lowers a sort of a few hundred columns to a Triton sort network that took minutes to compile
-    (the NSA layer's first forward at T=16k: 352 s on an H100, experiments/NOTES.md 25)."""
+    lowers a sort of a few hundred columns to a Triton sort network that takes minutes to compile."""
     f = flags.to(torch.int32)
     num = f.sum(-1, dtype=torch.int32)
     cols = torch.arange(flags.shape[-1], device=flags.device, dtype=torch.int32)

@@ -12,6 +12,7 @@ import torch
 
 from masks import PRESETS, import_builder_modules, list_mask_builders
 
+from .errors import UserError
 from .rules import LayerShape, knob
 
 PHI_CHOICES = ("avg", "mlp")
@@ -22,11 +23,6 @@ CMP_KERNEL_CHOICES = ("auto", "flex", "cudnn", "cudnn_lean")
 # NSAConfig.recompute -> the branches run under activation checkpointing (NSAAttention.branch)
 RECOMPUTED = {"none": (), "win": ("win",), "cmp_win": ("cmp", "win"), "all": ("cmp", "sel", "win")}
 RECOMPUTE_CHOICES = tuple(RECOMPUTED)
-
-
-class UserError(Exception):
-    """Base of the errors a user fixes in a config, a flag or a file (not a bug): ``nsa-train``
-    prints their message alone (no traceback) and exits with code 2."""
 
 
 class NSAConfigError(UserError, ValueError):

@@ -31,8 +31,8 @@ import torch
 # Rows of a packed q block at least (16: the tensor-core minimum for a q tile). A q block holds
 # P = lcm(G, PACK_ROWS) / G positions: with P > 1 its kv list is the union of the P positions'
 # selections (the mask_mod keeps each row exact), so larger blocks trade more kv blocks per q
-# block for bigger tiles (measured: 2 or 4 positions per block are 2x slower, NOTES 27).
-# Set from H100 measurements (`bench_attention.py --pack-rows`, experiments/NOTES.md).
+# block for bigger tiles, which loses: 16 rows, the fewest positions per block, is the default
+# (`bench_attention.py --pack-rows` measures the others).
 PACK_ROWS = 16
 
 
@@ -72,19 +72,18 @@ def flex_kernel_options(q: torch.Tensor, block_size: tuple[int, int]) -> dict | 
 
 # Overrides of the packed call's options above, by q/k head dim; every tile must divide the
 # packed block sizes. Filled only from H100 measurements (`bench_attention.py --packed-options`,
-# `PLAN=packtune` in experiments/perf_gpu_run.sh; experiments/NOTES.md 27). d_k 192: the backward
-# otherwise runs the small fallback config's num_stages 1 (no load pipelining); 3 stages take the
-# 64k selected branch's fwd+bwd from ~172 to ~151 ms (2 and 4 stages, 2 or 8 warps: no better).
+# `PLAN=packtune` in experiments/perf_gpu_run.sh). d_k 192: the backward otherwise runs the small
+# fallback config's num_stages 1 (no load pipelining); 3 stages pipeline the loads.
 PACKED_OPTIONS: dict[int, dict] = {192: {"bwd_num_stages": 3}}
 
 
 # Triton options of the flex calls with ordinary 128-row q blocks (compressed keys, the forced
 # selection bands, the window), by q/k head dim; a head dim not listed gets inductor's defaults.
-# Filled only from H100 measurements (experiments/tune_flex_options.py, experiments/NOTES.md 24).
-# d_k 192 (paper config): inductor's sm90 default for head dims > 128 is fwd 64x64 / 4 warps and
-# bwd 64x64 tiles / 4 warps / 2 stages; with dK/dV over 128 keys per program (N1 = M2 = 128),
-# 32-row q steps, 8 warps, 3 stages the 64k compressed call's fwd+bwd takes 78.9 ms instead of
-# 135.4 and the window's 28.6 instead of 48.4; the 128x64 / 8-warp forward takes 1-3 ms more off.
+# Filled only from H100 measurements (experiments/tune_flex_options.py). d_k 192 (paper config):
+# inductor's sm90 default for head dims > 128 is fwd 64x64 / 4 warps and bwd 64x64 tiles / 4 warps
+# / 2 stages, small for this head dim; dK/dV over 128 keys per program (N1 = M2 = 128), 32-row q
+# steps, 8 warps, 3 stages and a 128x64 / 8-warp forward are faster for the compressed and window
+# calls.
 BAND_OPTIONS: dict[int, dict] = {
     192: {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "fwd_num_warps": 8, "fwd_num_stages": 2,
           "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 32,

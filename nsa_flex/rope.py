@@ -25,8 +25,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     cos/sin are cast to x's dtype: under autocast (torchtitan on one GPU: fp32 weights, bf16
     autocast) the residual stream is fp32 while the projections are bf16; fp32 cos/sin would
     promote q and k to fp32, and FlexAttention (not on autocast's lists) and the scorer would then
-    run in fp32 (H100, torchtitan 1B flavor at 32k: the scorer 13x and the flex forwards 2x
-    slower; experiments/NOTES.md 28)."""
+    run in fp32, several times slower."""
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin

@@ -115,5 +115,5 @@ def select_topn(q: Tensor, k_cmp: Tensor, lse: Tensor | None, cfg, doc_starts: T
 
 MAX_CHUNKS = 8  # score chunks of the Triton scorer per call at most (its buffer is one chunk)
 # the Triton scorer's chunk buffer at most (bytes) where MAX_CHUNKS allows: one chunk at the 125M
-# shape up to 16k, two at 32k (experiments/NOTES.md 59)
+# shape up to 16k, two at 32k
 SCORE_BUFFER_MAX = 64 * 2**20

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from nsa_flex import plot
+from nsa_flex.apps import plot
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,7 +59,7 @@ def test_plot_draws_every_panel_for_two_runs(tmp_path):
     titles = [ax.get_title() for ax in fig.axes]
     assert titles == ["loss", "tokens/s", "memory", "NSA gate mean", "NSA selected-block distance"]
     loss_ax = fig.axes[0]
-    assert sorted(line.get_label() for line in loss_ax.get_lines()) == ["full_causal train", "nsa train"]
+    assert sorted(line.get_label() for line in loss_ax.get_lines()) == ["full_causal", "nsa"]
     gate_lines = fig.axes[3].get_lines()
     assert sorted(l.get_label() for l in gate_lines) == ["nsa cmp", "nsa sel", "nsa win"]
     assert list(gate_lines[0].get_xdata()) == [1, 2, 4, 6, 8, 10]  # the telemetry steps only
@@ -69,6 +69,19 @@ def test_plot_without_telemetry_has_three_panels(tmp_path):
     run = _write_run(tmp_path / "r", 3, telemetry=False)
     fig = plot.plot([str(run)], str(tmp_path / "x.png"))
     assert [ax.get_title() for ax in fig.axes] == ["loss", "tokens/s", "memory"]
+    # one run, one series a panel: nothing for a legend to tell; one row, no empty cell
+    assert [ax.get_legend() for ax in fig.axes] == [None, None, None]
+    assert [ax.get_subplotspec().rowspan.start for ax in fig.axes] == [0, 0, 0]
+
+
+def test_panels_fill_their_rows():
+    assert [plot.row_sizes(n) for n in range(1, 7)] == [[1], [2], [3], [2, 2], [3, 2], [3, 3]]
+
+
+def test_one_run_with_telemetry_names_the_series_not_the_run(tmp_path):
+    fig = plot.plot([str(_write_run(tmp_path / "nsa", 10, telemetry=True))], str(tmp_path / "x.png"))
+    assert sorted(l.get_label() for l in fig.axes[3].get_lines()) == ["cmp", "sel", "win"]
+    assert fig.axes[0].get_legend() is None  # the training loss alone
 
 
 def test_plot_command_and_its_errors(tmp_path):
@@ -79,5 +92,5 @@ def test_plot_command_and_its_errors(tmp_path):
     assert (tmp_path / "o.png").is_file() and "NSA gate mean" in r.stdout
     r = subprocess.run([sys.executable, "-m", "nsa_flex.plot", str(tmp_path / "nothing")],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and r.stderr.startswith("nsa_flex.plot: error:") and "no metrics.jsonl" in r.stderr
+    assert r.returncode == 2 and r.stderr.startswith("python -m nsa_flex.plot: error:") and "no metrics.jsonl" in r.stderr
     assert "Traceback" not in r.stderr

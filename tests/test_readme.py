@@ -31,6 +31,10 @@ def _block(after: str, lang: str) -> str:
     return m.group(1)
 
 
+def test_readme_stays_short():
+    assert len(README.splitlines()) <= 250
+
+
 def test_layer_example_runs_as_written():
     code = _block("## The NSA layer and its masks", "python")
     assert "NSAAttention(NSAConfig())" in code and "backward()" in code

@@ -1,6 +1,6 @@
 """The one error type of the data path."""
 
-from nsa_flex.config import UserError
+from nsa_flex.errors import UserError
 
 
 class DatasetError(UserError, ValueError):

@@ -1,10 +1,10 @@
 """Whole-model decode as one CUDA graph replay per token.
 
-Eager decode of the model is host-bound (the 125M model at batch 1 on an H100: ~480 small kernel
-launches per step from Python over 12 layers, 26 ms per step for ~1.7 ms of GPU time). The step
+Eager decode of the model is host-bound (hundreds of small kernel launches per step from Python,
+the GPU idle most of the step). The step
 is built for capture (cache.py: static shapes, per-row state in device tensors, no host sync;
-`emit_compressed` is branch-free), so `GraphedDecodeStep` captures one `model_decode_step` and
-replays it; the host keeps only its counters (each layer cache's host_max_len, the model cache's
+`emit_compressed` is branch-free), so `GraphedDecodeStep` captures one step of the model (the
+`model_decode_step` of inference/model.py, passed in: this module is below it) and replays it; the host keeps only its counters (each layer cache's host_max_len, the model cache's
 steps), which the wrapper advances itself.
 """
 
@@ -65,9 +65,9 @@ def _backends(cache, device) -> tuple[str, ...]:
 
 
 class GraphedDecodeStep:
-    """`model_decode_step(model, tokens, cache)` as one CUDA graph replay.
+    """`decode(model, tokens, cache)` (`inference.model.model_decode_step`) as one CUDA graph replay.
 
-    step = GraphedDecodeStep(model, cache, batch)   # after the prefill
+    step = GraphedDecodeStep(model, cache, batch, model_decode_step)   # after the prefill
     logits = step(tokens)                           # tokens [B] long -> logits [B, V]
 
     The graph is bound to this cache's tensors (a prefill writes them in place, so it stays
@@ -87,9 +87,7 @@ class GraphedDecodeStep:
     the eager step makes it happen before the capture; a fallback during the capture is refused.
     """
 
-    def __init__(self, model, cache, batch: int, warmup: int = 2):
-        from .model import model_decode_step
-
+    def __init__(self, model, cache, batch: int, decode, warmup: int = 2):
         dev = next(model.parameters()).device
         if dev.type != "cuda":
             raise ValueError(f"GraphedDecodeStep needs a CUDA model; its parameters are on {dev}")
@@ -103,7 +101,7 @@ class GraphedDecodeStep:
         self.tokens = torch.zeros(batch, dtype=torch.long, device=dev)  # static input
 
         def step():
-            return model_decode_step(model, self.tokens, cache)
+            return decode(model, self.tokens, cache)
 
         state = snapshot_state(cache)
         try:

@@ -157,7 +157,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, temperature: 
     t1 = time.perf_counter()
     step = lambda tok: model_decode_step(model, tok, cache)  # noqa: E731
     if cuda_graphs and max_new_tokens > 1:
-        step = GraphedDecodeStep(model, cache, B)  # its logits are overwritten by the next step
+        step = GraphedDecodeStep(model, cache, B, model_decode_step)  # its logits are overwritten by the next step
         sync()
     t1c = time.perf_counter()
     out = [nxt]

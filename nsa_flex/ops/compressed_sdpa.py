@@ -13,13 +13,12 @@ positions see every key (plain math, fewer than d rows); positions before l - 1 
 `cmp_sdpa_bwd`); torch.compile keeps it opaque, so what the compiled graph keeps for the
 backward is what the op saves -- q (the layer keeps it anyway), k, v, its output and lse -- and
 cuDNN gets the layout chosen here (the traced route keeps packed copies of q and of the output,
-128 MiB a layer at the 125M shape, 32k, and inductor's layouts slow cuDNN down at d_k 192:
-experiments/NOTES.md 56). On CUDA the kernels are cuDNN's fused
+and inductor's layouts slow cuDNN down at d_k 192). On CUDA the kernels are cuDNN's fused
 attention (the private SDPA op, which also returns the lse); elsewhere fp32 math with the same
 formulas on the same views (how the CPU tests check the layout, forward and backward). The lse
 carries no gradient (the scorer reads it detached; cuDNN's backward has no lse input).
 Its cost against the traced route (`nsa_flex.attention.attend_compressed_sdpa`): the op's Python
-(host time, ~1 ms a layer step: visible where the layer is host-bound, e.g. 8k at the 125M shape)
+(host time: visible where the layer is host-bound, at short sequences)
 and those two copies; hence `NSAConfig.cmp_kernel = "cudnn_lean"`, not the default.
 """
 

@@ -3,8 +3,7 @@
 o[b, t, h*Dv + e] = sum_i g[b, t, h, i] * out_i[b, h, t, e], written straight in the layout the
 output projection reads ([B, T, H*Dv]). Why an op of its own: torch.compile fuses this pointwise
 sum into the epilogue of the last attention call that produces one of its inputs (the window
-branch's flex forward), and that fused kernel is much slower than the two apart
-(experiments/NOTES.md 57). A user-defined Triton kernel is a node inductor does not fuse into
+branch's flex forward), and that fused kernel is much slower than the two apart. A user-defined Triton kernel is a node inductor does not fuse into
 flex's template.
 
 Backward: d out_i = g_i * do (in [B, H, T, Dv]) and dg_i = rowsum(do * out_i) (fp32 sums).

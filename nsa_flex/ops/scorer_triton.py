@@ -169,8 +169,8 @@ def tile_shape(l: int, d: int, l_sel: int, block_n: int) -> tuple[int, int, int]
 
 
 # (block_m, block_n, num_warps, num_stages) by head dim, from H100 measurements
-# (experiments/tune_scorer.py, results/perf/run9/tune_scorer_*.csv): at d_k 192, 64k, 128 query
-# rows per program take the scorer from 20.9 to 9.4 ms (16k: 1.60 -> 0.87): q is re-read once per
+# (experiments/tune_scorer.py, results/perf/run9/tune_scorer_*.csv): at d_k 192, 128 query rows
+# per program run the scorer in about half the time of 64: q is re-read once per
 # tile of block_n compressed keys, K once per tile of block_m queries, and 64 x 128 was bound by
 # the latter's program count; wider key tiles (256, 512) exceed shared memory at 8 warps.
 TILES: dict[int, tuple[int, int, int, int]] = {192: (128, 128, 8, 2)}

@@ -284,7 +284,7 @@ def _sel_dq_kernel(Q, K, V, DO, LSE, DELTA, SEL, LO, HI, KVN, KVI, FKVN, FKVI, N
                    DK2: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
                    HAS_BAND: tl.constexpr, PREC: tl.constexpr, MODE: tl.constexpr,
                    KW: tl.constexpr, WCOST: tl.constexpr):
-    """dQ of q blocks walking KVN..FKVI. MODE 0: every block. Hybrid (experiments/NOTES.md 58):
+    """dQ of q blocks walking KVN..FKVI. MODE 0: every block. Hybrid:
     MODE 1 (narrow blocks) skips the positions whose wide block `_wide_wins`, MODE 2 (wide blocks)
     runs only those; NKVN / NFKVN and WKVN / WFKVN are the narrow and wide lists' counts."""
     tile, bh, b, t, row_ok, qrow = _q_rows(T, HKV, G, GP, BT, BM)

@@ -66,8 +66,7 @@ def topn_blocks(scores: Tensor, doc_starts: Optional[Tensor], t0: int, l_sel: in
         return out
     ns_pad = max(16, triton.next_power_of_2(ns))
     # ~64 int64 keys per thread: the n max-reductions are latency-bound, few warps per program
-    # sync least (H100, 64k: 2 rows x 1 warp 2.58 ms, the former 4 rows x 8 warps 3.98; more keys
-    # per thread spill; experiments/tune_scorer.py --topn-configs, NOTES 28)
+    # sync least (more keys per thread spill; experiments/tune_scorer.py --topn-configs)
     block_r = block_r or max(1, min(16, 2048 // ns_pad))
     num_warps = num_warps or max(1, block_r * ns_pad // 2048)
     if doc_starts is None:

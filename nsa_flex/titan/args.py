@@ -11,9 +11,11 @@ from torch import nn
 from torchtitan.protocols.model import BaseModelArgs
 from torchtitan.tools.logging import logger
 
-from nsa_flex.config import MODEL_DIMS, NSAConfig, NSAConfigError, UserError, resolve_backend
+from nsa_flex.config import MODEL_DIMS, NSAConfig, NSAConfigError, resolve_backend
+from nsa_flex.errors import UserError
 from nsa_flex.flops import nsa_attention_flops
 
+from .flags import unknown_flavor
 from .tokenizer import build_tokenizer
 
 # NSAConfig's fields besides the decoder's own dims (MODEL_DIMS): the attention knobs
@@ -125,8 +127,7 @@ class Flavors(Mapping):
 
     def __getitem__(self, name: str) -> NSAModelArgs:
         if name not in self._table:
-            raise FlavorError(f"[model] flavor={name!r}: unknown nsa_flex flavor; allowed values are "
-                              f"{sorted(self._table)}")
+            raise FlavorError(unknown_flavor(name))
         return copy.deepcopy(self._table[name])
 
     def __iter__(self):

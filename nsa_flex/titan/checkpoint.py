@@ -45,8 +45,12 @@ import time
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.tools.logging import logger
 
-from nsa_flex.config import UserError
+from nsa_flex.errors import UserError
 from nsa_flex.titan.runlock import existing_folder
+
+from . import run_record
+from .metrics import note_resume
+from .ops import NonFiniteError
 
 DAMAGED = "damaged"  # sub-folder of the checkpoint folder (no "step-N" name: torchtitan ignores it)
 CHECKSUMS = "checksums.json"  # in each step folder: {"sha256": {relative path: hex digest}}
@@ -136,8 +140,6 @@ def _job_config(manager):
 
 def check_config(manager, path: str) -> None:
     """Compare the checkpoint ``path``'s config record with the current config (module docstring)."""
-    from . import run_record
-
     jc = _job_config(manager)
     if jc is None:
         return
@@ -159,8 +161,6 @@ def check_config(manager, path: str) -> None:
 
 
 def rebuild_schedule(manager) -> None:
-    from . import run_record
-
     jc = _job_config(manager)
     scheds = manager.states.get("lr_scheduler")
     if jc is None or scheds is None:
@@ -303,8 +303,6 @@ def _load(manager, original, step: int) -> bool:
         check_config(manager, path)
     loaded = original(manager, step)
     if loaded and step > 0:  # mark the resume in metrics.jsonl: the replayed steps follow
-        from .metrics import note_resume
-
         rebuild_schedule(manager)
         note_resume(step, path)
     return loaded
@@ -376,8 +374,6 @@ def save_checked(manager, original, curr_step: int, last_step: bool = False) -> 
     if not manager._should_save(curr_step, last_step):
         return original(manager, curr_step, last_step)
     if not _model_finite(manager):
-        from .ops import NonFiniteError
-
         raise NonFiniteError(f"step {curr_step}: the model holds non-finite weights (NaN/inf); not saved")
     path = os.path.join(manager.folder, f"step-{curr_step}")
     try:
@@ -393,8 +389,6 @@ def save_checked(manager, original, curr_step: int, last_step: bool = False) -> 
                              f"{path} is removed, older checkpoints are intact: free space and rerun to "
                              "resume") from None
     if _rank0() and os.path.isdir(path):
-        from . import run_record
-
         jc = _job_config(manager)
         if jc is not None:
             run_record.write(path, jc)

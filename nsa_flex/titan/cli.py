@@ -13,7 +13,7 @@ Equivalent to ``torchrun --nproc_per_node=1 -m nsa_flex.titan.train ...`` plus e
 Configuration itself comes only from the TOML file and command-line overrides.
 
 User errors (an invalid config value, unknown flavor or field, a TOML syntax error, a bad data file
-or checkpoint: :class:`nsa_flex.config.UserError` and config-parsing errors) are printed as one
+or checkpoint: :class:`nsa_flex.errors.UserError` and config-parsing errors) are printed as one
 short message on stderr, exit code 2; a traceback only for real bugs.
 
 Exit codes (docs/operations.md lists every fault): 0 done; 2 a user error (a full disk, a locked
@@ -23,16 +23,26 @@ that led to it set aside); 4 halted by the halt file, SIGTERM or a first Ctrl-C,
 to resume from; ``[ops] stall_exit_code`` after a stall dump.
 
 One run per dump folder and per checkpoint folder: rank 0 locks them (:mod:`nsa_flex.titan.runlock`)
-before torchtitan starts; a second run on either stops at once with one message naming the holder.
+before torchtitan starts (the dump folder already before torch is imported when the flags or the
+TOML name it); a second run on either stops at once with one message naming the holder.
+
+A TOML with a ``[curriculum] short`` phase runs it, then the long phase from its final weights, each
+as its own ``nsa-train ... --curriculum.phase short|long`` (:mod:`nsa_flex.titan.curriculum`).
 
 ``nsa-train --preflight ...`` (same config and overrides) checks the launch instead of training and
 exits 0 only when every check passes (:mod:`nsa_flex.titan.preflight`).
 """
 
 import os
-import re
 import socket
 import sys
+
+from nsa_flex.errors import UserError, user_error
+
+from .curriculum import drive, phase_args, wants_driver
+from .flags import check_config_file, check_flags, check_flavor, dump_folder
+from .runlock import RunLockError, lock_dump_folder
+from .usage import usage
 
 CONFIG_MODULE = "nsa_flex.titan.job_config"
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -53,7 +63,8 @@ def setup_env() -> None:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     if "TIKTOKEN_CACHE_DIR" not in os.environ:
-        from .tokenizer import default_tiktoken_cache
+        from .tokenizer import default_tiktoken_cache  # here and below: modules that import torch,
+        # loaded once the command needs them (--help and argument errors answer without torch)
 
         cache = default_tiktoken_cache()
         if cache:
@@ -75,49 +86,9 @@ def build_args(argv: list[str]) -> list[str]:
     return args
 
 
-def check_config_file(args: list[str]) -> None:
-    """The --job.config_file exists and is valid TOML (torchtitan would log a traceback)."""
-    import tomllib
-
-    paths = [a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else "")
-             for i, a in enumerate(args) if a.split("=", 1)[0] in ("--job.config_file", "--job.config-file")]
-    if len(paths) > 1:  # torchtitan reads the first one only
-        raise ValueError(f"--job.config_file given {len(paths)} times ({', '.join(map(repr, paths))}): give one "
-                         "config file, and change its values with --section.field options")
-    if not paths:
-        return
-    path = paths[0]
-    if not os.path.isfile(path):
-        raise ValueError(f"--job.config_file {path!r} does not exist")
-    try:
-        with open(path, "rb") as f:
-            tomllib.load(f)
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"config file {path!r}: TOML syntax error: {e}") from None
-
-
-def check_flags(args: list[str]) -> None:
-    """Every option is ``--section.field`` (or one of nsa-train's own) and no value comes before the
-    first option: reported before torch is imported (the field names themselves are checked by
-    torchtitan's parser)."""
-    own = ("--preflight", "--preflight-full", "--help-all")
-    if args and not args[0].startswith("-"):
-        raise ValueError(f"unexpected argument {args[0]!r}: values follow an option (--SECTION.FIELD VALUE); "
-                         "see nsa-train --help")
-    for a in args:
-        name = a.split("=", 1)[0]
-        if re.fullmatch(r"-\d[\d.]*(e-?\d+)?|-\.\d+|-inf", a):  # a negative value
-            continue
-        if a.startswith("-") and name not in own and not re.fullmatch(r"--[A-Za-z_][\w-]*\.[A-Za-z_][\w.-]*", name):
-            raise ValueError(f"unknown option {name!r}: options are --SECTION.FIELD VALUE (e.g. --training.steps "
-                             "100), --preflight, --preflight-full; see nsa-train --help")
-
-
 def main(argv: list[str] | None = None) -> None:
     given = sys.argv[1:] if argv is None else list(argv)
     if "-h" in given or "--help" in given:  # answered before torch is imported
-        from .usage import usage
-
         print(usage(), end="")
         sys.exit(0)
     if "--help-all" in given:
@@ -126,39 +97,39 @@ def main(argv: list[str] | None = None) -> None:
         try:  # argument and config-file errors, also before torch
             check_flags(given)
             check_config_file(given)
+            if "--preflight" not in given:  # the preflight lists it among the config's problems
+                check_flavor(given)
         except ValueError as e:
-            sys.exit(_user_error(str(e)))
+            sys.exit(user_error(str(e)))
     full = "--preflight-full" in given
     args = build_args([a for a in given if a != "--preflight-full"])
     if full and "--preflight" not in args:
-        sys.exit(_user_error("--preflight-full is an option of --preflight (nsa-train --preflight --preflight-full ...)"))
-    from .curriculum import drive, phase_args, wants_driver
-
+        sys.exit(user_error("--preflight-full is an option of --preflight (nsa-train --preflight --preflight-full ...)"))
     if wants_driver(args):  # [curriculum]: the short phase, then the long one, each its own process
         from .train import bool_flags
 
         sys.exit(drive(bool_flags(args)))
+    folder = dump_folder(args)  # only an existing folder can be busy: a new one is made by the run
+    if folder and os.path.isdir(folder) and "--preflight" not in args and os.environ.get("RANK", "0") == "0":
+        try:  # a busy dump folder is refused before torch is imported (the trainer takes it again)
+            lock_dump_folder(folder)
+        except RunLockError as e:
+            sys.exit(user_error(str(e)))
+        except OSError:  # not writable: the run's own check says so, with the folder's name
+            pass
     setup_env()
     if "--preflight" in args:
-        from nsa_flex.config import UserError
-
         from .preflight import main as preflight
         from .train import bool_flags
 
         try:
             args = bool_flags(phase_args(bool_flags([a for a in args if a != "--preflight"])))
         except UserError as e:
-            sys.exit(_user_error(str(e)))
+            sys.exit(user_error(str(e)))
         sys.exit(preflight(args, full=full))
     from .train import run
 
     sys.exit(run(args))
-
-
-def _user_error(msg: str, code: int = 2) -> int:
-    """Print a user error as one short message (no traceback); the exit code (2 by default)."""
-    print(f"nsa-train: error: {msg}", file=sys.stderr, flush=True)
-    return code
 
 
 if __name__ == "__main__":

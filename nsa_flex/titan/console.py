@@ -13,7 +13,13 @@
   process, "Error running lspci ..., fallback to use device_name" always (the device name is right);
 * ANSI colour codes are removed when stdout is not a terminal (a log file, a pipe);
 * torchdata's "'set_vital' is deprecated" UserWarning (raised inside StatefulDataLoader, no
-  action of ours can avoid it) is ignored.
+  action of ours can avoid it) is ignored;
+* under torchrun only rank 0 logs (as torchtitan's own launcher script does with
+  ``--local-ranks-filter 0``): the other ranks keep their errors, not their INFO / WARNING lines
+  nor their Python warnings;
+* without CUDA, what only concerns NCCL or a CUDA mesh is dropped: torchtitan's
+  "ENV[TORCH_NCCL_ASYNC_ERROR_HANDLING] ... will be overridden" and DTensor's "may not have complete
+  support on cpu device mesh" warnings (the CPU data-parallel runs use gloo and DDP).
 """
 
 import json
@@ -22,6 +28,10 @@ import os
 import re
 import sys
 import warnings
+
+import torch
+
+from masks import PRESETS
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _VERSION = re.compile(r"torchtitan version: (\S+) \(0\.0\.0 means __version__ is not defined correctly\)\.?")
@@ -32,8 +42,6 @@ def branch_builders(a: dict) -> str:
     """The mask builder of each branch (preset, then the per-branch overrides) and the user's
     builder modules, e.g. "cmp=compressed_causal sel=topn win=half_window (preset nsa, modules
     my_masks)"."""
-    from masks import PRESETS
-
     preset = PRESETS.get(a["masks"], (None, None, None))
     names = [a.get(k) or p for k, p in zip(("cmp_mask", "sel_mask", "win_mask"), preset)]
     mods = list(a.get("builder_modules") or ())
@@ -57,8 +65,12 @@ class ConsoleFilter(logging.Filter):
         self.color = color
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR and not rank_zero():
+            return False
         msg = record.getMessage()
         if msg.startswith("Error running lspci"):
+            return False
+        if msg.startswith("ENV[TORCH_NCCL_") and not torch.cuda.is_available():
             return False
         if msg.startswith("Sleeping 2 seconds for other ranks") and os.environ.get("WORLD_SIZE", "1") == "1":
             return False
@@ -82,9 +94,19 @@ class ConsoleFilter(logging.Filter):
         return True
 
 
+def rank_zero() -> bool:
+    """This process is rank 0 (or the only one)."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def setup() -> None:
     """Install the filters (idempotent)."""
     root = logging.getLogger()
     if not any(isinstance(f, ConsoleFilter) for f in root.filters):
         root.addFilter(ConsoleFilter(color=sys.stdout.isatty()))
     warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
+    if not torch.cuda.is_available():
+        warnings.filterwarnings("ignore", message=r"DTensor .* may not have complete support on cpu device mesh",
+                                category=UserWarning)
+    if not rank_zero():
+        warnings.simplefilter("ignore")

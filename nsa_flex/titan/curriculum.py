@@ -21,7 +21,7 @@ import re
 import subprocess
 import sys
 
-from nsa_flex.config import UserError
+from nsa_flex.errors import UserError
 
 PHASES = ("short", "long")
 _ITEM = re.compile(r"[A-Za-z_]\w*\.[A-Za-z_][\w.-]*(=.*)?", re.S)

@@ -23,6 +23,9 @@ reference backend's dense attention counted in full.
 import os
 import time
 
+from masks import PRESETS
+from nsa_flex.config import RECOMPUTED
+
 GiB = 2**30
 
 
@@ -42,8 +45,6 @@ def _branches(args, T: int) -> list[tuple[str, int, float]]:
     """(branch, key count S, mean keys a query reads) of each enabled branch: compressed blocks
     for the compressed branch, tokens for the others (the selected blocks / the window bound the
     reach; a branch of another builder is counted as causal)."""
-    from masks import PRESETS
-
     cmp, sel, win = PRESETS[args.masks]
     names = (args.cmp_mask or cmp, args.sel_mask or sel, args.win_mask or win)
     reach = {"sliding_window": args.window, "topn": args.n_sel * args.l_sel,
@@ -55,8 +56,6 @@ def _branches(args, T: int) -> list[tuple[str, int, float]]:
 
 
 def _recomputed(args) -> tuple[str, ...]:
-    from nsa_flex.config import RECOMPUTED
-
     return RECOMPUTED[getattr(args, "recompute", None) or "none"]
 
 
@@ -130,7 +129,7 @@ def available_bytes(device) -> float:
 
 
 def matmul_flops_per_s(device, dtype, n: int = 512, reps: int = 3) -> float:
-    """Measured matmul rate (FLOP/s) of an n x n x n product, best of ``reps`` (~10 ms on a CPU)."""
+    """Measured matmul rate (FLOP/s) of an n x n x n product, best of ``reps`` (quick on a CPU)."""
     import torch
 
     a = torch.randn(n, n, device=device, dtype=dtype)

@@ -42,6 +42,7 @@ from torchtitan.components.metrics import BaseLogger, MetricsProcessor, TensorBo
 from torchtitan.tools.logging import logger as log
 
 from nsa_flex import telemetry as tm
+from nsa_flex.layer import NSAAttention
 
 from .ops import OpsMonitor
 from .retrieval import summary as retrieval_summary
@@ -245,7 +246,6 @@ class NSAMetricsProcessor(MetricsProcessor):
         self._model_parts = parts
         if not parts or self.telemetry_every <= 0:
             return
-        from nsa_flex.layer import NSAAttention
 
         self._nsa_layers = [m for part in parts for m in part.modules() if isinstance(m, NSAAttention)]
         for m in self._nsa_layers:

@@ -23,7 +23,7 @@ from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list, apply_ddp, apply_fsdp
 from torchtitan.tools.logging import logger
 
-from nsa_flex.config import UserError
+from nsa_flex.errors import UserError
 
 
 class CompileConfigError(UserError, ValueError):
@@ -46,7 +46,7 @@ def compile_blocks(model: nn.Module, compile_cfg) -> None:
     """torch.compile each transformer block with fullgraph=True (llama3's ``apply_compile``), and
     for the inductor backend with ``combo_kernels`` from [compile]: the NSA layer's many small
     kernels are launched in fewer, larger launches, which matters where the host's launch rate
-    bounds a step (short sequences; experiments/NOTES.md 60)."""
+    bounds a step (short sequences)."""
     options = {"combo_kernels": compile_cfg.combo_kernels} if compile_cfg.backend == "inductor" else None
     for layer_id, block in model.layers.named_children():
         model.layers.register_module(layer_id, torch.compile(block, backend=compile_cfg.backend,
@@ -71,8 +71,6 @@ def parallelize_nsa(model: nn.Module, parallel_dims: ParallelDims, job_config) -
         raise NotImplementedError("nsa_flex supports data parallelism only (no TP / CP)")
     problem = cpu_data_parallel_problem(job_config.parallelism, parallel_dims.world_size, torch.cuda.is_available())
     if problem:
-        from nsa_flex.config import UserError
-
         raise UserError(problem)
 
     compile_cfg = job_config.compile

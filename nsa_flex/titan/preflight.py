@@ -35,6 +35,19 @@ import traceback
 
 import torch
 
+from nsa_flex import telemetry as tm
+from nsa_flex.config import NSAConfigError
+
+from . import console
+from . import estimate as est
+from . import ops
+from .args import apply_nsa_section, nsa_flex_args
+from .data import DATASET_CHOICES, build_dataloader, passkey_mix_of
+from .model import NSATransformer, NSATransformerBlock
+from .ops import STALLS_DIR
+from .parallelize import cpu_data_parallel_problem
+from .tokenizer import build_tokenizer
+
 OK, FAIL, SKIP = "ok", "FAIL", "skip"
 LAYER_CHECK_S = 60.0  # the layer check runs when its estimate is below this (and fits in memory)
 PASS_OVERHEAD_S = 0.5  # per forward+backward pass: mask building, Python, allocator (tiny shapes)
@@ -109,13 +122,6 @@ def range_problems(jc) -> list[str]:
 
 def config_problems(jc) -> list[str]:
     """Every problem of a parsed JobConfig that can be found without building anything."""
-    from nsa_flex import telemetry as tm
-    from nsa_flex.config import NSAConfigError
-
-    from . import ops
-    from .args import apply_nsa_section, nsa_flex_args
-    from .data import DATASET_CHOICES, passkey_mix_of
-
     probs: list[str] = []
     m, t, par = jc.model, jc.training, jc.parallelism
     if m.name != "nsa_flex" and not m.name.startswith("nsa_flex"):
@@ -166,8 +172,6 @@ def config_problems(jc) -> list[str]:
 
 # ----------------------------------------------------------------------------- checks
 def check_tokenizer(cl: Checklist, jc):
-    from .tokenizer import build_tokenizer
-
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     t0 = time.perf_counter()
     try:
@@ -183,8 +187,6 @@ def check_tokenizer(cl: Checklist, jc):
 
 
 def check_dataset(cl: Checklist, jc, tok) -> None:
-    from .data import build_dataloader
-
     t = jc.training
     if tok is None:
         cl.add(SKIP, "dataset", "needs the tokenizer")
@@ -213,8 +215,6 @@ def check_dataset(cl: Checklist, jc, tok) -> None:
 
 
 def check_dump_folder(cl: Checklist, jc) -> None:
-    from .ops import STALLS_DIR
-
     d = jc.job.dump_folder
     probs = []
     try:
@@ -306,8 +306,6 @@ def check_device(cl: Checklist, jc) -> bool:
                f"param {t.mixed_precision_param}, reduce {t.mixed_precision_reduce}", probs)
         return not probs
     par = jc.parallelism
-    from .parallelize import cpu_data_parallel_problem
-
     problem = cpu_data_parallel_problem(par, world, cuda=False)
     if problem:
         probs.append(problem)
@@ -325,8 +323,6 @@ def _peak_rss_gib() -> float:
 
 
 def _model_args(jc):
-    from .args import nsa_flex_args
-
     args = nsa_flex_args[jc.model.flavor]
     args.update_from_config(jc)  # as the trainer does: [nsa] overrides, vocab, flex -> reference on CPU
     return args
@@ -341,9 +337,6 @@ def _device_dtype(jc):
 
 def check_memory(cl: Checklist, jc) -> None:
     """The training step's estimated memory per rank against the device's available memory."""
-    from . import estimate as est
-    from .model import NSATransformer
-
     t, par = jc.training, jc.parallelism
     args = _model_args(jc)
     dev, dtype = _device_dtype(jc)
@@ -372,8 +365,6 @@ def check_memory(cl: Checklist, jc) -> None:
 
 def layer_estimate(jc, args, dev, dtype) -> tuple[float, float]:
     """(seconds, bytes) of the layer check (two forward+backward passes of one block)."""
-    from . import estimate as est
-
     t = jc.training
     rate = est.matmul_flops_per_s(dev, dtype)
     flops = 2 * est.block_flops(args, t.local_batch_size, t.seq_len)
@@ -386,8 +377,6 @@ def layer_estimate(jc, args, dev, dtype) -> tuple[float, float]:
 def check_layer(cl: Checklist, jc, full: bool = False) -> None:
     """One decoder block (NSA attention + SwiGLU) forward+backward at the configured shape, after
     an estimate of its time and memory (skipped when over the limits, unless ``full``)."""
-    from . import estimate as est
-    from .model import NSATransformerBlock
 
     t = jc.training
     args = _model_args(jc)
@@ -448,6 +437,7 @@ def main(args: list[str], full: bool = False) -> int:
     from torchtitan.tools.logging import init_logger
 
     init_logger()
+    console.setup()  # the training run's console filters (torchdata's set_vital warning, ...)
     print(f"nsa-train preflight: {' '.join(args)}", flush=True)
     cl = Checklist()
     t_all = time.perf_counter()

@@ -33,7 +33,7 @@ import socket
 import tempfile
 import time
 
-from nsa_flex.config import UserError
+from nsa_flex.errors import UserError
 
 LOCK_NAME = ".nsa-run.lock"
 

@@ -17,7 +17,7 @@ import os
 
 from torchtitan.components.tokenizer import BaseTokenizer
 
-from nsa_flex.config import UserError
+from nsa_flex.errors import UserError
 
 TIKTOKEN_ENCODINGS = ("gpt2", "r50k_base", "cl100k_base")
 TOKENIZER_CHOICES = ("byte",) + TIKTOKEN_ENCODINGS + ("<path>.tiktoken",)

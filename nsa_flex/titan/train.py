@@ -6,7 +6,7 @@ Parses the same flags as ``torchtitan.train`` (torchtitan's ``ConfigManager``, w
 ``[ops]``, ... sections of ``[job] custom_config_module``) and runs torchtitan's ``main`` with the
 trainer subclass. Before torchtitan starts: the config file exists and is valid TOML, the training
 numbers are in range, the folders are writable and rank 0 locks the dump and checkpoint folders. User errors
-(:class:`nsa_flex.config.UserError`, config-parsing errors) are printed as one line, exit code 2;
+(:class:`nsa_flex.errors.UserError`, config-parsing errors) are printed as one line, exit code 2;
 a non-finite step exits with 3 (:data:`nsa_flex.titan.ops.EXIT_NONFINITE`), a halted run (halt
 file, SIGTERM, Ctrl-C; a checkpoint to resume from) with 4 (:data:`nsa_flex.titan.ops.EXIT_HALTED`).
 ``--section.field true|false`` of a boolean field is accepted (:func:`bool_flags`). ``nsa-train``
@@ -24,13 +24,15 @@ import torch
 from torchtitan.config import ConfigManager, JobConfig
 from torchtitan.train import main as titan_main
 
-from nsa_flex.config import UserError
+from nsa_flex.errors import UserError, user_error
 
 from . import console, curriculum
-from .cli import check_config_file
+from .args import nsa_flex_args
+from .flags import check_config_file
 from .job_config import JobConfig as NSAJobConfig
 from .ops import EXIT_HALTED, EXIT_NONFINITE, NonFiniteError
 from .parallelize import cpu_data_parallel_problem
+from .preflight import range_problems
 from .runlock import check_writable, lock_run, release_all
 from .trainer import NSATrainer
 
@@ -82,12 +84,31 @@ def bool_flags(args: list[str]) -> list[str]:
     return out
 
 
+def unknown_flag(args: list[str]) -> str | None:
+    """The first ``--section.field`` flag that names no section or field of the merged JobConfig
+    (``-`` and ``_`` alike; ``--section.no-field`` negates a boolean field), said in one line with
+    the valid names; None when every flag is known (tyro would print a boxed panel instead)."""
+    sections = {f.name: f.type for f in dataclasses.fields(merged_job_config())}
+    for a in args:
+        m = re.fullmatch(r"--([A-Za-z_][\w-]*)\.([A-Za-z_][\w-]*)(?:\..*)?", a.split("=", 1)[0])
+        if not m:
+            continue
+        section, field = m.group(1).replace("-", "_"), m.group(2).replace("-", "_")
+        if section not in sections:
+            return f"unknown option {a.split('=', 1)[0]!r}: no section [{section}]; sections: {', '.join(sorted(sections))}"
+        names = sorted(f.name for f in dataclasses.fields(sections[section]) if not f.name.startswith("_"))
+        if field not in names and not (field.startswith("no_") and field[3:] in names):
+            return (f"unknown option {a.split('=', 1)[0]!r}: [{section}] has no field {field!r}; "
+                    f"valid fields: {', '.join(names)}")
+    return None
+
+
 def check_run(job_config) -> None:
-    """Before torchtitan starts (every error a :class:`UserError`): the numbers are in range
+    """Before torchtitan starts (every error a :class:`UserError`): the flavor exists, the numbers are in range
     (:func:`nsa_flex.titan.preflight.range_problems`), the folders are writable, and rank 0 holds
     the dump and checkpoint folders' locks."""
-    from .preflight import range_problems
-
+    if job_config.model.name == "nsa_flex":
+        nsa_flex_args[job_config.model.flavor]  # an unknown flavor: FlavorError, before any log line
     errs = range_problems(job_config)
     if errs:
         raise UserError("; ".join(errs))
@@ -114,17 +135,17 @@ def titan_parses(args: list[str]):
         ConfigManager.parse_args.__defaults__ = saved
 
 
-def user_error(msg: str, code: int = 2, prog: str = "nsa-train") -> int:
-    """Print a user error as one short message (no traceback); the exit code (2 by default)."""
-    print(f"{prog}: error: {msg}", file=sys.stderr, flush=True)
-    return code
-
-
 def run(args: list[str], prog: str = "nsa-train") -> int:
     """Parse ``args``, check the run and train with :class:`NSATrainer`; the exit code."""
     try:  # parse once up front: every error here is the user's (file, TOML, field, value)
         check_config_file(args)
+        problem = unknown_flag(args)
+        if problem:
+            return user_error(problem, prog=prog)
         args = bool_flags(curriculum.phase_args(bool_flags(args)))
+        problem = unknown_flag(args)  # a [curriculum] short item's field
+        if problem:
+            return user_error(problem, prog=prog)
         job_config = ConfigManager().parse_args(args)
     except (ValueError, TypeError, OSError) as e:
         return user_error(config_error_message(e), prog=prog)

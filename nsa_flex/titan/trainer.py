@@ -48,10 +48,11 @@ import torch
 from torchtitan.tools.logging import logger as log
 from torchtitan.train import Trainer
 
-from nsa_flex.config import UserError
+from nsa_flex.errors import UserError
 
 from . import checkpoint, console, cpu
 from .ops import NonFiniteError, OpsMonitor
+from .runlock import check_writable, lock_run
 
 TORCHTITAN_VERSION = "0.2.2"  # the Trainer methods overridden here and every patch target this version
 TORCH_RANGE = ((2, 11), (2, 15))  # [low, high) as (major, minor), as in pyproject.toml
@@ -88,7 +89,8 @@ def _dist_info() -> tuple[int, int]:
 
 class _EndOfRun(logging.Filter):
     """torchtitan's "Training completed" after a halt (HALT file, SIGTERM, Ctrl-C) says where it
-    stopped."""
+    stopped; after no step at all (the resumed checkpoint is already at training.steps) it says
+    how to train further."""
 
     def __init__(self, trainer):
         super().__init__()
@@ -99,6 +101,11 @@ class _EndOfRun(logging.Filter):
         if record.msg == "Training completed" and t.halted_at is not None:
             record.msg = (f"Training halted after step {t.halted_at} of "
                           f"{t.job_config.training.steps} ({t.halt_reason})")
+            record.args = None
+        elif record.msg == "Training completed" and t.steps_run == 0:
+            steps = t.job_config.training.steps
+            record.msg = (f"Nothing to train: the run is at step {t.step} of --training.steps {steps}; "
+                          f"raise --training.steps (e.g. --training.steps {steps * 2}) to train further")
             record.args = None
         return True
 
@@ -125,6 +132,7 @@ class NSATrainer(Trainer):
         self.halt_requested: str | None = None  # the signal's name, set by SIGTERM / SIGINT
         self.halt_reason: str | None = None
         self.halted_at: int | None = None
+        self.steps_run = 0  # steps trained by this process (0: the run was already at training.steps)
         self.rank, self.world = _dist_info()
         self._signals = 0
         self._old_handlers: dict = {}
@@ -146,7 +154,6 @@ class NSATrainer(Trainer):
         self.rank, self.world = _dist_info()
         self.ops = OpsMonitor(jc)  # validates [ops] first
         if self.rank == 0:  # nsa-train has taken the lock already: a no-op then
-            from .runlock import check_writable, lock_run
 
             check_writable(jc)
             self._locks = lock_run(jc)
@@ -202,6 +209,7 @@ class NSATrainer(Trainer):
 
     # ------------------------------------------------------------------ the loop
     def train_step(self, data_iterator):
+        self.steps_run += 1
         super().train_step(data_iterator)
         self.end_of_step(self.step)
 

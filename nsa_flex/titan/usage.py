@@ -14,6 +14,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIG_PY = os.path.join(os.path.dirname(HERE), "config.py")
 RULES_PY = os.path.join(os.path.dirname(HERE), "rules.py")
 JOB_CONFIG_PY = os.path.join(HERE, "job_config.py")
+SOURCES_PY = os.path.join(os.path.dirname(HERE), "data", "sources.py")
+ARGS_PY = os.path.join(HERE, "args.py")
 
 HEAD = """\
 usage: nsa-train [--job.config_file FILE.toml] [--preflight [--preflight-full]] [--SECTION.FIELD VALUE ...]
@@ -33,10 +35,10 @@ options of nsa-train:
 """
 
 TAIL = """\
-Sections of torchtitan used most: [training] steps, local_batch_size, seq_len, dataset (passkey |
-fineweb_edu | local), dataset_path; [model] flavor (debugmodel, 30M, 30M_kv4, 125M, 350M, 1B),
-tokenizer; [checkpoint] enable, interval; [parallelism]; [compile] enable. Every field of every
-section: nsa-train --help-all.
+Sections of torchtitan used most: [training] steps, local_batch_size, seq_len, dataset
+({datasets}), dataset_path; [model] flavor
+({flavors}), tokenizer; [checkpoint] enable, interval;
+[parallelism]; [compile] enable. Every field of every section: nsa-train --help-all.
 """
 
 
@@ -80,6 +82,14 @@ def _constant(path: str, name: str):
                 if isinstance(n, ast.Assign) and any(getattr(t, "id", "") == name for t in n.targets))
 
 
+def flavor_names() -> list[str]:
+    """The flavors of ``nsa_flex_args`` (titan/args.py: ``Flavors({name: NSAModelArgs(...)})``), in order."""
+    tree = ast.parse(open(ARGS_PY).read())
+    table = next(n.value.args[0] for n in tree.body if isinstance(n, ast.Assign)
+                 and any(getattr(t, "id", "") == "nsa_flex_args" for t in n.targets))
+    return [ast.literal_eval(k) for k in table.keys]
+
+
 def nsa_fields() -> list[tuple[str, str, str]]:
     """The [nsa] section: NSAConfig's knobs (without the model dims the flavor sets) and the
     section's extras."""
@@ -95,5 +105,5 @@ def usage() -> str:
         _section("[nsa] NSA attention (TOML section [nsa] or --nsa.FIELD; unset fields keep the "
                  "model flavor's value):", nsa_fields(), "nsa"),
         _section("[ops] operating long runs (--ops.FIELD):", _fields(JOB_CONFIG_PY, "Ops"), "ops"),
-        TAIL,
+        TAIL.format(datasets=" | ".join(_constant(SOURCES_PY, "DATASET_CHOICES")), flavors=", ".join(flavor_names())),
     ])

@@ -85,7 +85,7 @@ def test_source_streams_only_its_split(site):
 
 def test_multikey_document_is_the_evaluations_prompt():
     """The training multi-key document, cut before its answer, is the needle evaluation's prompt."""
-    from nsa_flex.eval.prompts import NAMES as EVAL_NAMES, Filler, make_prompt
+    from nsa_flex.apps.eval.prompts import NAMES as EVAL_NAMES, Filler, make_prompt
 
     filler = Filler("synthetic", TOK)
     for length, depth, trial in ((600, 0, 1), (1000, 50, 2), (2048, 100, 3)):

@@ -2,9 +2,9 @@
 
 import pytest
 
-from nsa_flex.eval import needle, position_loss, selection_stats
-from nsa_flex.eval.cli import DEFAULT_CONFIG, DEFAULT_DOCS, resolve_common
-from nsa_flex.eval.prompts import EvalError
+from nsa_flex.apps.eval import needle, position_loss, selection_stats
+from nsa_flex.apps.eval.cli import DEFAULT_CONFIG, DEFAULT_DOCS, resolve_common
+from nsa_flex.apps.eval.prompts import EvalError
 
 TASKS = (needle, position_loss, selection_stats)
 

@@ -21,7 +21,7 @@ SHARED = ROOT.parent / "shared" / "data"
 FINEWEB = SHARED / "fineweb_sample_2800.parquet"
 TIKTOKEN = SHARED / "tiktoken_cache"
 
-import nsa_flex.eval.needle as ne  # noqa: E402
+import nsa_flex.apps.eval.needle as ne  # noqa: E402
 
 BYTE = ByteTokenizer()
 
@@ -107,7 +107,7 @@ def test_pysource_filler_and_docs_are_the_validation_packages():
     """--filler pysource / --docs pysource: source of the validation split only (never trained on);
     auto picks it for a model trained on pysource."""
     from nsa_flex.data.pysource import SPLIT_SALT, split_of
-    from nsa_flex.eval.docs import read_texts
+    from nsa_flex.apps.eval.docs import read_texts
 
     assert ne.Filler.resolve("auto", "/nonexistent.parquet", code_trained=True) == "pysource"
     with pytest.raises(ne.EvalError, match="--filler: 'code' not in"):
@@ -161,7 +161,7 @@ def test_checkpoint_required_without_quick(tmp_path):
 
 # ---------------------------------------------------------------------- model paths
 def _debug_model(masks="nsa"):
-    from nsa_flex.generate import build_model, load_job_config
+    from nsa_flex.apps.generate import build_model, load_job_config
 
     job = load_job_config(str(ROOT / "titan_configs" / "debug_nsa.toml"), [f"--nsa.masks={masks}"])
     model, tok = build_model(job)
@@ -230,7 +230,7 @@ def test_checkpoint_is_loaded(tmp_path):
     answers as --random-init with the same seed; other weights give other answers."""
     import torch.distributed.checkpoint as dcp
 
-    from nsa_flex.generate import build_model, load_job_config
+    from nsa_flex.apps.generate import build_model, load_job_config
 
     cfg = str(ROOT / "titan_configs" / "debug_nsa.toml")
     model, _ = build_model(load_job_config(cfg))
@@ -359,7 +359,7 @@ def test_cli_user_error_exit_code(cmd):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run([sys.executable, *cmd, "--quick"], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=120)
-    assert r.returncode == 2 and "needle_eval: error: --out is required" in r.stderr, r.stderr
+    assert r.returncode == 2 and "python -m nsa_flex.eval: error: --out is required" in r.stderr, r.stderr
 
 
 def test_time_limit_then_resume(tmp_path, monkeypatch):
@@ -399,7 +399,7 @@ def test_time_limit_then_resume(tmp_path, monkeypatch):
 
 
 def test_summary_wilson_interval():
-    from nsa_flex.eval.report import summarize, wilson
+    from nsa_flex.apps.eval.report import summarize, wilson
 
     lo, hi = wilson(18, 20)
     assert abs(lo - 0.6990) < 1e-3 and abs(hi - 0.9721) < 1e-3

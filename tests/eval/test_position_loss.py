@@ -1,4 +1,4 @@
-"""nsa_flex.eval.position_loss (``python -m nsa_flex.eval --task position-loss``): bucket edges,
+"""nsa_flex.apps.eval.position_loss (``python -m nsa_flex.eval --task position-loss``): bucket edges,
 documents to sequences, and the CSV against a direct per-token loss of the same checkpoint."""
 
 import csv
@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import nsa_flex.eval.position_loss as pl
-from nsa_flex.eval.__main__ import run, split_task
-from nsa_flex.eval.docs import read_texts, token_sequences
-from nsa_flex.eval.prompts import EvalError
+import nsa_flex.apps.eval.position_loss as pl
+from nsa_flex.apps.eval.__main__ import run, split_task
+from nsa_flex.apps.eval.docs import read_texts, token_sequences
+from nsa_flex.apps.eval.prompts import EvalError
 from nsa_flex.titan.tokenizer import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,7 +61,7 @@ def _checkpoint(tmp_path):
     """A DCP checkpoint of the debug model with non-trivial gates; the model itself."""
     import torch.distributed.checkpoint as dcp
 
-    from nsa_flex.generate import build_model, load_job_config
+    from nsa_flex.apps.generate import build_model, load_job_config
 
     model, _ = build_model(load_job_config(CFG))
     torch.manual_seed(3)

@@ -33,6 +33,10 @@ def test_quality_runs_checks_its_arguments(tmp_path):
     assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
     run = lambda *a, **kw: subprocess.run(["bash", str(SCRIPT), *a], cwd=ROOT, capture_output=True, text=True,
                                           env=_env(tmp_path, **kw))
+    DATA = tmp_path / "data"  # the checks stop before DATA is read: any folder does
+    r = run("nsa", str(tmp_path / "o"), str(DATA))
+    assert r.returncode == 2 and f"DATA={DATA} is not a folder" in r.stderr
+    DATA.mkdir()
     r = run("bogus", str(tmp_path / "o"), str(DATA))
     assert r.returncode == 2 and "VARIANT must be one of nsa, full_causal, sliding_only; got 'bogus'" in r.stderr
     r = run("nsa", str(tmp_path / "o"), str(DATA), TRAIN_DATA=str(tmp_path / "none.parquet"))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from nsa_flex.eval.report import loss_curves, plot_loss_vs_tokens, plot_position_loss, read_metrics
+from nsa_flex.apps.eval.report import loss_curves, plot_loss_vs_tokens, plot_position_loss, read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,7 +35,7 @@ def test_position_loss_figure_several_runs(tmp_path):
 
 
 def test_quality_toml():
-    from nsa_flex.generate import load_job_config
+    from nsa_flex.apps.generate import load_job_config
 
     path = str(ROOT / "titan_configs" / "quality_125m_16k.toml")
     for masks in ("nsa", "full_causal", "sliding_only"):

@@ -1,15 +1,16 @@
-"""nsa_flex.eval.selection_stats: the statistics on a hand-made selection, and the CLI's traces."""
+"""nsa_flex.apps.eval.selection_stats: the statistics on a hand-made selection, and the CLI's traces."""
 
 import csv
+import json
 import math
 
 import numpy as np
 import pytest
 import torch
 
-import nsa_flex.eval.selection_stats as ss
-from nsa_flex.eval.__main__ import run
-from nsa_flex.eval.prompts import EvalError
+import nsa_flex.apps.eval.selection_stats as ss
+from nsa_flex.apps.eval.__main__ import run
+from nsa_flex.apps.eval.prompts import EvalError
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -49,8 +50,10 @@ def test_sorted_rows_int16():
 
 
 def test_cli_traces_and_stats(tmp_path):
+    docs = tmp_path / "docs.jsonl"  # its own held-out document: 256 byte tokens and more
+    docs.write_text(json.dumps({"text": "The quick brown fox jumps over the lazy dog. " * 8}) + "\n")
     res = run(["--task", "selection", "--quick", "--out", str(tmp_path), "--lengths", "256,192",
-               "--trace-layers", "1"])
+               "--trace-layers", "1", "--docs", str(docs)])
     rows = list(csv.DictReader(open(tmp_path / "selection_stats.csv")))
     assert [(r["length"], r["layer"]) for r in rows] == [("192", "0"), ("192", "1"), ("256", "0"), ("256", "1")]
     for L in (192, 256):
@@ -72,4 +75,5 @@ def test_cli_traces_and_stats(tmp_path):
     assert float(rows[0]["gate_sel"]) == 0.5  # zero-initialised gates
     assert (tmp_path / "selection.png").stat().st_size > 1000
     with pytest.raises(EvalError, match="'full_causal' have no top-n selection"):
-        run(["--task", "selection", "--quick", "--out", str(tmp_path / "f"), "--override=--nsa.masks=full_causal"])
+        run(["--task", "selection", "--quick", "--out", str(tmp_path / "f"), "--docs", str(docs),
+             "--override=--nsa.masks=full_causal"])

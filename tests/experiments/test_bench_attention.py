@@ -170,8 +170,8 @@ def test_selection_trace_replaces_the_random_picks(bench, tmp_path, monkeypatch)
     errors."""
     import numpy as np
 
-    from nsa_flex.eval.prompts import EvalError
-    from nsa_flex.eval.selection_stats import load_trace
+    from nsa_flex.apps.eval.prompts import EvalError
+    from nsa_flex.apps.eval.selection_stats import load_trace
 
     T, n = 256, 4
     rows = np.full((2, T, n), -1, dtype=np.int16)
@@ -186,7 +186,7 @@ def test_selection_trace_replaces_the_random_picks(bench, tmp_path, monkeypatch)
         load_trace(str(path), 0)
     with pytest.raises(EvalError, match="no such file"):
         load_trace(str(tmp_path / "none.npz"))
-    from nsa_flex.eval.selection_stats import load_trace_arg
+    from nsa_flex.apps.eval.selection_stats import load_trace_arg
 
     same, label = load_trace_arg(f"{path}:3")
     assert torch.equal(same, idx) and label == "trained:selection_L256.npz:layer3"
@@ -224,8 +224,8 @@ def test_trace_layers_stack_and_fit(tmp_path):
     crops to T and refuses other heads, n, or a longer T."""
     import numpy as np
 
-    from nsa_flex.eval.prompts import EvalError
-    from nsa_flex.eval.selection_stats import fit_trace, load_trace_arg
+    from nsa_flex.apps.eval.prompts import EvalError
+    from nsa_flex.apps.eval.selection_stats import fit_trace, load_trace_arg
 
     T, n = 64, 4
     a = np.arange(2 * T * n, dtype=np.int16).reshape(2, T, n) % 7

@@ -89,7 +89,7 @@ def test_graphed_step_refuses_a_cpu_model():
     cache = prefilled(model)
     before = counters(cache)
     with pytest.raises(ValueError, match="needs a CUDA model"):
-        GraphedDecodeStep(model, cache, 2)
+        GraphedDecodeStep(model, cache, 2, model_decode_step)
     assert counters(cache) == before
     with pytest.raises(ValueError, match="needs a CUDA device"):
         generate(model, [[5, 6, 7]], 3, greedy=True, cuda_graphs=True)
@@ -110,7 +110,7 @@ def test_check_tokens():
 
 
 def test_generate_command_refuses_cuda_graphs_on_cpu(capsys):
-    from nsa_flex.generate import main
+    from nsa_flex.apps.generate import main
 
     with pytest.raises(SystemExit):
         main(["--config", "x.toml", "--checkpoint", "x", "--prompt", "hi", "--device", "cpu",
@@ -118,7 +118,7 @@ def test_generate_command_refuses_cuda_graphs_on_cpu(capsys):
     assert "--cuda-graphs needs a CUDA --device" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.gpu  # CUDA graphs need a GPU
 @pytest.mark.parametrize("backend", ["torch", "auto"])
 def test_graphed_step_equals_eager_on_cuda(backend):
     model = make_model(doc_masking=True, device="cuda")
@@ -129,7 +129,7 @@ def test_graphed_step_equals_eager_on_cuda(backend):
             layer.decode_backend = backend
         caches.append(c)
     eager_cache, graph_cache = caches
-    step = GraphedDecodeStep(model, graph_cache, 2)
+    step = GraphedDecodeStep(model, graph_cache, 2, model_decode_step)
     assert counters(graph_cache) == counters(eager_cache)  # the capture left no trace
     g = torch.Generator().manual_seed(2)
     for k in range(20):

@@ -87,7 +87,7 @@ def test_generate_greedy_matches_uncached():
 def test_generate_command_on_dcp_checkpoint(tmp_path, capsys):
     import torch.distributed.checkpoint as dcp
 
-    from nsa_flex.generate import build_model, load_job_config, main
+    from nsa_flex.apps.generate import build_model, load_job_config, main
 
     job_config = load_job_config(CONFIG)
     model, tok = build_model(job_config)

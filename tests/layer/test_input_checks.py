@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from masks.builders import selection
-from nsa_flex.config import NSAConfig, NSAConfigError, UserError
+from nsa_flex.config import NSAConfig, NSAConfigError
+from nsa_flex.errors import UserError
 from nsa_flex.layer import NSAAttention
 
 SMALL = dict(dim=32, n_heads=4, n_kv_heads=2, d_qk=8, d_v=8, l=8, d=4, l_sel=8, n_sel=4, n_local=1,

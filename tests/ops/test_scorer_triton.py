@@ -222,12 +222,14 @@ def test_kernel_matches_torch_under_interpreter():
 
 
 # ---------------------------------------------------------------------- CUDA
+@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA and triton")
 def test_cuda_topn_matches_pick_blocks():
     for seed in range(40):
         check_topn(seed, device="cuda")
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA and triton")
 @pytest.mark.parametrize("i", range(6))
 def test_cuda_fp32_matches_torch(i):

@@ -146,7 +146,7 @@ def test_merge_parts_row_that_sees_one_part_only():
     assert lse[0, 0, 0] == 0 and lse[0, 0, 1] == float("-inf")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex's split route runs on CUDA only")
+@pytest.mark.gpu  # flex's split route runs on CUDA only
 @pytest.mark.parametrize("docs", [False, True])
 def test_cuda_flex_split_matches_reference(docs):
     """The GPU route (one flex call per part, merged by lse; the sink with sliced K/V and one

@@ -85,3 +85,29 @@ def test_user_errors_are_one_message_exit_2(tmp_path, case):
     assert expected in p.stderr, p.stderr[-2000:]
     assert "Traceback" not in out and "run_train.sh" not in out
     assert len(p.stderr.strip().splitlines()) <= 3, p.stderr
+
+
+def test_unknown_flag_is_one_line(capsys):
+    from nsa_flex.titan.train import run, unknown_flag
+
+    code = run(["--job.config_file", str(CONFIG), "--nsa.bogus", "3"])  # refused before torchtitan parses
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("nsa-train: error: unknown option '--nsa.bogus': [nsa] has no field 'bogus'; "
+                          "valid fields: backend, builder_modules,"), err
+    assert "no section [bogus]; sections: activation_checkpoint," in unknown_flag(["--bogus.steps=3"])
+    assert unknown_flag(["--job.config-file", "x.toml", "--compile.no-enable", "--training.steps=3",
+                         "--parallelism.data_parallel_shard_degree", "-1"]) is None
+
+
+def test_unknown_flavor_is_refused_before_torchtitan_starts(tmp_path, capsys, monkeypatch):
+    from nsa_flex.titan import train
+
+    def started(*a):
+        raise AssertionError("torchtitan's main started (and logged) before the refusal")
+
+    monkeypatch.setattr(train, "titan_main", started)
+    code = train.run(["--job.config_file", str(CONFIG), "--model.flavor", "7B", "--job.dump_folder", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("nsa-train: error: [model] flavor='7B': unknown nsa_flex flavor"), err
+    assert not (tmp_path / "metrics.jsonl").exists()

@@ -55,19 +55,53 @@ def test_help_lists_every_nsa_and_ops_field():
             assert f"--{prefix}.{f.name} " in text or f"--{prefix}.{f.name}\n" in text, f.name
 
 
+def test_help_lists_every_dataset():
+    from nsa_flex.data.sources import DATASET_CHOICES
+    from nsa_flex.titan.usage import usage
+
+    assert f"dataset\n({' | '.join(DATASET_CHOICES)})" in usage()
+
+
+def test_flavors_read_without_torch_are_the_table():
+    from nsa_flex.titan.args import nsa_flex_args
+    from nsa_flex.titan.usage import flavor_names
+
+    assert flavor_names() == list(nsa_flex_args)
+
+
 def test_argument_errors_without_torch():
     for argv, msg in ((["foo"], "unexpected argument 'foo'"),
                       (["--trainingsteps", "3"], "unknown option '--trainingsteps'"),
                       (["--job.config_file", "no/such.toml"], "'no/such.toml' does not exist"),
-                      (["--preflight-full"], "--preflight-full is an option of --preflight")):
+                      (["--preflight-full"], "--preflight-full is an option of --preflight"),
+                      (["--model.flavor", "7B"], "[model] flavor='7B': unknown nsa_flex flavor; allowed values are "
+                                                 "['125M', '1B', '30M', '30M_kv4', '350M', 'debugmodel']")):
         r = _in_fresh_python(PROBE.format(argv=argv))
         assert r.stdout.rstrip().endswith("exit 2\ntorch imported: False"), (argv, r.stdout, r.stderr)
         assert r.stderr.strip() == f"nsa-train: error: {r.stderr.strip().split('error: ', 1)[1]}"
         assert msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
+def test_busy_dump_folder_refused_without_torch(tmp_path):
+    import json
+    import socket
+
+    from nsa_flex.titan.runlock import LOCK_NAME
+
+    held = tmp_path / "run"
+    held.mkdir()  # held by a live process on this host: this test's
+    (held / LOCK_NAME).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": 0}))
+    toml = tmp_path / "run.toml"
+    toml.write_text(f'[job]\ndump_folder = "{held}"\n')
+    for argv in (["--job.dump_folder", str(held)], ["--job.config_file", str(toml)]):
+        r = _in_fresh_python(PROBE.format(argv=argv))
+        assert r.stdout.rstrip().endswith("exit 2\ntorch imported: False"), (argv, r.stdout, r.stderr)
+        assert r.stderr.startswith(f"nsa-train: error: dump folder {held} is in use by another run (pid {os.getpid()}")
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
 def test_negative_values_pass_the_flag_check():
-    from nsa_flex.titan.cli import check_flags
+    from nsa_flex.titan.flags import check_flags
 
     check_flags(["--training.steps", "-1", "--optimizer.lr=-3e-4", "--nsa.builder_modules", "a", "b",
                  "--checkpoint.enable", "--job.config-file", "x.toml", "--preflight"])

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from tests.titan.helpers import launch_env
 
-from nsa_flex.config import UserError
+from nsa_flex.errors import UserError
 from nsa_flex.titan import curriculum
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,14 +1,17 @@
 """A debug run's console holds none of the known noise, and a halted run says so instead of
 "Training completed" (nsa_flex.titan.console, nsa_flex.titan.metrics, nsa_flex.titan.trainer)."""
 
+import logging
 import os
 import re
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from nsa_flex.titan.ops import EXIT_HALTED
 from tests.titan.helpers import running
@@ -74,3 +77,34 @@ def test_halted_run_does_not_say_completed(tmp_path):
     assert "Training completed" not in out
     m = re.search(rf"Training halted after step (\d+) of 40 \(halt file {re.escape(str(tmp_path / 'HALT'))}\)", out)
     assert m and 1 <= int(m.group(1)) < 40, out[-2000:]
+
+
+
+def test_a_run_with_nothing_left_to_do_says_how_to_go_on():
+    from nsa_flex.titan.trainer import _EndOfRun
+
+    trainer = SimpleNamespace(halted_at=None, steps_run=0, step=50,
+                              job_config=SimpleNamespace(training=SimpleNamespace(steps=50)))
+    end = lambda: logging.LogRecord("torchtitan", logging.INFO, __file__, 0, "Training completed", None, None)
+    r = end()
+    assert _EndOfRun(trainer).filter(r) and r.getMessage() == (
+        "Nothing to train: the run is at step 50 of --training.steps 50; raise --training.steps "
+        "(e.g. --training.steps 100) to train further")
+    trainer.steps_run = 50  # a run that trained keeps torchtitan's line
+    r = end()
+    assert _EndOfRun(trainer).filter(r) and r.getMessage() == "Training completed"
+
+
+def test_only_rank_zero_logs_and_cpu_runs_drop_nccl_notes(monkeypatch):
+    from nsa_flex.titan import console
+
+    record = lambda level, msg: logging.LogRecord("root", level, __file__, 0, msg, None, None)
+    f = console.ConsoleFilter(color=False)
+    monkeypatch.setenv("RANK", "1")  # a torchrun worker other than rank 0: its errors only
+    assert not f.filter(record(logging.INFO, "step: 1/2  loss: 6.2"))
+    assert not f.filter(record(logging.WARNING, "Warmup steps (5) exceed total steps (2)."))
+    assert f.filter(record(logging.ERROR, "rank 1 failed"))
+    monkeypatch.setenv("RANK", "0")
+    assert f.filter(record(logging.INFO, "step: 1/2  loss: 6.2"))
+    nccl = "ENV[TORCH_NCCL_ASYNC_ERROR_HANDLING] = 1 will be overridden to 3 based on job config"
+    assert f.filter(record(logging.WARNING, nccl)) == torch.cuda.is_available()

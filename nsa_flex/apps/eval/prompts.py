@@ -1,20 +1,20 @@
 """Needle prompts and their scoring: the training passkey document cut before the answer, multi-key
-haystacks (synthetic or FineWeb filler), exact and per-digit scores. Used by `nsa_flex.eval.needle`.
+haystacks (synthetic or FineWeb filler), exact and per-digit scores. Used by `nsa_flex.apps.eval.needle`.
 """
 
 import os
 import random
 import re
 
+from nsa_flex.data.errors import DatasetError
+from nsa_flex.data.passkey import (MULTI_NEEDLE, MULTI_QUESTION, MULTIKEY_NAMES, PasskeyCorpus, cue_free,  # noqa: F401
+                                   cue_id, multikey_document, synthetic_filler)
+
+from .cli import EvalError
+from .docs import PYSOURCE, read_texts
+
 KINDS = ("passkey", "multikey")
-NAMES = ("Alice", "Bob", "Carol", "David", "Emma", "Frank", "Grace", "Henry", "Irene", "Jack",
-         "Karen", "Louis", "Maria", "Nora", "Oscar", "Peter")
-MULTI_NEEDLE = " The pass key of {name} is: {key}. Remember it. The pass key of {name} is: {key}. "
-MULTI_QUESTION = "\nWhat is the pass key of {name}? The pass key of {name} is:"  # + " {key}."
-
-
-class EvalError(ValueError):
-    """A bad argument or input, named in the message."""
+NAMES = MULTIKEY_NAMES  # the prompts are the training documents (nsa_flex.data.passkey), cut before the answer
 
 
 # ---------------------------------------------------------------------- arguments
@@ -46,7 +46,6 @@ def kinds_list(text: str) -> list[str]:
 
 # ---------------------------------------------------------------------- filler
 FILLERS = ("auto", "synthetic", "fineweb", "pysource")
-PYSOURCE = "pysource"  # --docs / filler name: the validation split of the pysource corpus, not a file
 
 
 class Filler:
@@ -78,8 +77,6 @@ class Filler:
 
     def tokens(self, n: int, trial: int) -> list[int]:
         if self.kind == "synthetic":  # the training documents' kind of filler, one passage per trial
-            from nsa_flex.data.passkey import synthetic_filler
-
             got = self._cache.get(trial, [])
             if len(got) < n:
                 got = self._cache[trial] = synthetic_filler(self.tok, n, f"eval:{trial}")
@@ -87,14 +84,10 @@ class Filler:
         got = self._cache.get(trial, [])
         if len(got) < n:
             if self._texts is None:
-                from .docs import read_texts
-
                 self._texts = read_texts(PYSOURCE if self.kind == "pysource" else self.path, "text",
                                          "--filler pysource" if self.kind == "pysource" else "--fineweb")
             i = (trial * 37) % len(self._texts)
             start = i
-            from nsa_flex.data.passkey import cue_free, cue_id
-
             got, cue = [], cue_id(self.tok)
             while len(got) < n:  # without the cue token, as the documents' builders use it
                 got += cue_free(self.tok.encode(self._texts[i] + "\n\n"), cue)
@@ -110,9 +103,6 @@ def make_prompt(tok, kind: str, length: int, depth: int, trial: int, filler: Fil
                 n_keys: int = 4, seed: int = 0) -> dict:
     """One prompt of ``length`` (= the training document of seq_len ``length``, cut before the
     answer): {"tokens", "expected", "answer_tokens"}."""
-    from nsa_flex.data.errors import DatasetError
-    from nsa_flex.data.passkey import PasskeyCorpus, multikey_document
-
     rng = random.Random(f"needle:{seed}:{kind}:{length}:{depth}:{trial}")
     if kind == "passkey":
         key = rng.randint(10000, 99999)

@@ -23,7 +23,7 @@ Prompts (generated offline, deterministic in --seed):
   the pysource corpus's validation packages (``auto`` for a model trained on pysource). Depth d% puts the needle after d% of the filler.
 
 Model: flavor, [nsa] section and tokenizer from the TOML config (plus --override flags), weights from
-the checkpoint (nsa_flex.generate's loaders). Greedy answer: prefill + token-by-token decode with the
+the checkpoint (nsa_flex.apps.generate's loaders). Greedy answer: prefill + token-by-token decode with the
 NSA per-branch caches (nsa_flex.inference) when every layer's mask builders have a decode rule
 (nsa, full_causal, sliding_only, local_selection, no_compressed); otherwise (random_selection, custom
 builders) a full forward per new token. Attention backend per length (--backend auto): the dense
@@ -48,6 +48,10 @@ import time
 
 import torch
 
+from nsa_flex.apps.generate import build_model, load_checkpoint, load_job_config
+from nsa_flex.inference.decode import branch_modes
+from nsa_flex.inference.model import generate
+
 from .args import DEFAULT_CONFIG, DEFAULT_FINEWEB, ROOT, parse_args  # noqa: F401 (re-exported)
 from .prompts import (KINDS, MULTI_NEEDLE, MULTI_QUESTION, NAMES, EvalError, Filler, digit_score,
                       int_list, kinds_list, make_prompt, score)
@@ -62,8 +66,6 @@ __all__ = ["KINDS", "MULTI_NEEDLE", "MULTI_QUESTION", "NAMES", "EvalError", "Fil
 # ---------------------------------------------------------------------- model
 def load(args):
     """(model, tokenizer, description) from --config / --checkpoint (or random weights)."""
-    from nsa_flex.generate import build_model, load_checkpoint, load_job_config
-
     if not os.path.isfile(args.config):
         raise EvalError(f"--config {args.config!r}: no such file")
     if args.checkpoint is None and not args.random_init:
@@ -80,10 +82,7 @@ def load(args):
             model.init_weights()
         where = "random weights"
     else:
-        try:
-            where = load_checkpoint(model, args.checkpoint)
-        except (FileNotFoundError, KeyError) as e:
-            raise EvalError(f"--checkpoint {args.checkpoint!r}: {e}") from e
+        where = load_checkpoint(model, args.checkpoint)  # a bad one: a UserError naming --checkpoint
     model.eval()
     a = model.model_args
     return model, tok, f"{a.masks} ({job_config.model.flavor}, {job_config.model.tokenizer}), {where}"
@@ -94,8 +93,6 @@ def attention_layers(model):
 
 
 def decode_mode(model, requested: str) -> str:
-    from nsa_flex.inference.decode import branch_modes
-
     if requested == "full":
         return "full"
     try:
@@ -167,8 +164,6 @@ DECODE_BACKEND = "auto"  # --decode-backend: the NSA cache decode step, auto | t
 def generate_batch(model, prompts, max_new, mode, eos_id, device) -> list[list[int]]:
     if mode == "full":
         return greedy_full(model, prompts, max_new, eos_id, device)
-    from nsa_flex.inference.model import generate
-
     return generate(model, prompts, max_new, greedy=True, eos_id=eos_id, device=device,
                     decode_backend=DECODE_BACKEND)["tokens"]
 

@@ -16,6 +16,9 @@ import math
 import os
 import sys
 
+from nsa_flex.errors import UserError, user_error
+
+PROG = "python -m nsa_flex.plot"
 LOSS = "loss_metrics/global_avg_loss"
 VAL_LOSS = "validation_metrics/loss"
 TPS = "throughput(tps)"
@@ -25,7 +28,7 @@ SEL_DIST = "nsa/sel_dist_mean"
 RETRIEVAL_KINDS = ("passkey", "multikey")
 
 
-class PlotError(Exception):
+class PlotError(UserError):
     """A user error (no metrics file, nothing to plot, no matplotlib): printed as one line."""
 
 
@@ -80,6 +83,16 @@ def _label(path: str) -> str:
     return os.path.basename(os.path.dirname(p)) if p.endswith(".jsonl") else os.path.basename(p)
 
 
+GRID_COLS = 6  # a row of 1, 2 or 3 panels spans the figure's width
+
+
+def row_sizes(n: int) -> list[int]:
+    """Panels per row for ``n`` panels: at most 3 a row, the rows as even as can be, so that no
+    grid cell is left empty (4 -> [2, 2], 5 -> [3, 2])."""
+    rows = -(-n // 3)
+    return [n // rows + (1 if i < n % rows else 0) for i in range(rows)]
+
+
 def plot(paths: list[str], out: str | None = None):
     """Draw the runs ``paths`` (dump folders or .jsonl files); save to ``out`` when given. Returns
     the matplotlib Figure (one titled axis per panel)."""
@@ -110,24 +123,25 @@ def plot(paths: list[str], out: str | None = None):
         keys = [(f"retrieval/{k}_{metric}", k) for k in RETRIEVAL_KINDS if has(f"retrieval/{k}_{metric}")]
         if keys:
             panels.append((title, ylabel, keys))
-    cols = 2 if len(panels) > 1 else 1
-    rows = -(-len(panels) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(6.4 * cols, 3.6 * rows), squeeze=False)
-    for ax, (title, ylabel, keys) in zip(axes.flat, panels):
+    rows = row_sizes(len(panels))
+    fig = plt.figure(figsize=(5.2 * max(rows), 3.6 * len(rows)))
+    grid = fig.add_gridspec(len(rows), GRID_COLS)
+    cells = [grid[r, i * GRID_COLS // k:(i + 1) * GRID_COLS // k] for r, k in enumerate(rows) for i in range(k)]
+    for cell, (title, ylabel, keys) in zip(cells, panels):
+        ax = fig.add_subplot(cell)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)
+        drawn = [key for key, _ in keys if has(key)]
         for name, run in runs:
             for key, what in keys:
                 xs, ys = _series(run, key)
-                if xs:
-                    label = " ".join(x for x in (name if len(runs) > 1 or not what else "", what) if x)
-                    ax.plot(xs, ys, marker="." if len(xs) < 30 else None, label=label or name)
-        if ax.get_legend_handles_labels()[0]:
+                if xs:  # the run's name among several runs, the series' name among several series
+                    label = " ".join(x for x in (name if len(runs) > 1 else "", what if len(drawn) > 1 else "") if x)
+                    ax.plot(xs, ys, marker="." if len(xs) < 30 else None, label=label or "_nolegend_")
+        if any(not l.startswith("_") for l in ax.get_legend_handles_labels()[1]):
             ax.legend(fontsize="small")
         ax.grid(alpha=0.3)
-    for ax in axes.flat[len(panels):]:
-        ax.remove()
     fig.tight_layout()
     if out:
         fig.savefig(out, dpi=100)
@@ -135,15 +149,14 @@ def plot(paths: list[str], out: str | None = None):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m nsa_flex.plot", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", metavar="RUN", help="a run's dump folder (or its metrics.jsonl)")
     p.add_argument("-o", "--out", default="metrics.png", help="PNG to write (default: metrics.png)")
     a = p.parse_args(argv)
     try:
         fig = plot(a.runs, a.out)
     except PlotError as e:
-        print(f"nsa_flex.plot: error: {e}", file=sys.stderr)
-        return 2
+        return user_error(str(e), prog=PROG)
     titles = [ax.get_title() for ax in fig.axes]
     print(f"wrote {a.out}: {', '.join(titles)} for {len(a.runs)} run(s)")
     return 0

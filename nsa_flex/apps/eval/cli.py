@@ -5,11 +5,15 @@ task's parser adds only its own options."""
 import argparse
 import os
 
-from .prompts import EvalError
+from nsa_flex.errors import UserError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 DEFAULT_CONFIG = os.path.join(ROOT, "titan_configs", "debug_nsa.toml")
 DEFAULT_DOCS = os.path.join(os.path.dirname(ROOT), "shared", "data", "fineweb_edu_sample_150.parquet")
+
+
+class EvalError(UserError, ValueError):
+    """A bad argument or input of an evaluation, named in the message."""
 
 
 def task_parser(doc: str, quick_help: str, prog: str | None = None) -> argparse.ArgumentParser:

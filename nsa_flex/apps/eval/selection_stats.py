@@ -38,9 +38,13 @@ import time
 import numpy as np
 import torch
 
+from nsa_flex.telemetry import GATE_MEAN, N_BINS, bin_labels, distance_bins
+
 from .cli import add_docs_args, add_run_args, resolve_common, task_parser
 from .docs import read_texts, token_sequences
+from .needle import load, pick_backend, set_backend
 from .prompts import EvalError, int_list
+from .report import plot_selection
 
 STATS = ("picks", "adjacent_share", "tile_union", "tile_density", "tile_common")
 
@@ -94,8 +98,6 @@ def set_stats(idx: torch.Tensor, keep: torch.Tensor, n_blocks: int, tile: int) -
 def selection_stats(idx, l_sel: int, n_init: int, n_local: int, tile: int = 64) -> dict:
     """All statistics of one layer's picks idx [H, T, n] (int, -1 = none): STATS, STATS_free,
     dist/<bin> (shares of picks per distance bin) and "blocks" (picks per absolute block index)."""
-    from nsa_flex.telemetry import N_BINS, bin_labels, distance_bins
-
     idx = torch.as_tensor(np.asarray(idx)).long()
     H, T, n = idx.shape
     n_blocks = max(-(-T // l_sel), int(idx.max()) + 1)
@@ -174,8 +176,6 @@ def fit_trace(idx: torch.Tensor, label: str, Hkv: int, T: int, n: int) -> tuple[
 def record(model, tokens: torch.Tensor) -> tuple[dict[int, torch.Tensor], dict[int, list[float]]]:
     """One forward of tokens [1, T]: ({layer: picks [Hkv, T, n_sel] (int64, CPU)}, {layer: gate
     means per branch (cmp, sel, win)}) of every layer."""
-    from nsa_flex.telemetry import GATE_MEAN
-
     picks: dict[int, list] = {}
     atts = [blk.attention for blk in model.layers.values()]
     saved = []
@@ -202,8 +202,6 @@ def record(model, tokens: torch.Tensor) -> tuple[dict[int, torch.Tensor], dict[i
 
 # ---------------------------------------------------------------------- CLI
 def evaluate(args) -> dict:
-    from .needle import load, pick_backend, set_backend
-
     os.makedirs(args.out, exist_ok=True)
     lengths = sorted(int_list(args.lengths, "--lengths", lo=2))
     if args.tile < 1:
@@ -248,8 +246,6 @@ def evaluate(args) -> dict:
             w = csv.DictWriter(f, fieldnames=list(rows[0]))
             w.writeheader()
             w.writerows(rows)
-    from .report import plot_selection
-
     plot_selection(stats_rows, block_rows, os.path.join(args.out, "selection.png"), args.tag)
     meta["seconds"] = round(time.perf_counter() - t0, 2)
     with open(os.path.join(args.out, "selection_meta.json"), "w") as f:

@@ -4,9 +4,13 @@ column of strings; a .txt file is one document) and the sequences built from the
 import json
 import os
 
-from .prompts import PYSOURCE, EvalError
+from nsa_flex.data.errors import DatasetError
+from nsa_flex.data.pysource import pysource_texts
+
+from .cli import EvalError
 
 FORMATS = (".parquet", ".jsonl", ".json", ".txt")
+PYSOURCE = "pysource"  # --docs / filler name: the validation split of the pysource corpus, not a file
 
 
 def read_texts(path: str, column: str = "text", flag: str = "--docs") -> list[str]:
@@ -14,9 +18,6 @@ def read_texts(path: str, column: str = "text", flag: str = "--docs") -> list[st
     its whole text); ``pysource``: the documents of the pysource corpus's validation split (packages
     never trained on). Errors name ``flag``, the path and what is wrong."""
     if path == PYSOURCE:
-        from nsa_flex.data.errors import DatasetError
-        from nsa_flex.data.pysource import pysource_texts
-
         try:
             return pysource_texts("validation")
         except DatasetError as e:

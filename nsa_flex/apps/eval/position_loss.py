@@ -33,7 +33,9 @@ import torch.nn.functional as F
 
 from .cli import add_docs_args, add_run_args, resolve_common, task_parser
 from .docs import read_texts, token_sequences
+from .needle import load, pick_backend, set_backend
 from .prompts import EvalError
+from .report import plot_position_loss
 
 FIELDS = ("bucket_lo", "bucket_hi", "pos_mid", "n_tokens", "n_docs", "loss", "loss_sem")
 CE_CHUNK = 2048  # positions per cross-entropy chunk: [B, 2048, vocab] fp32 at a time
@@ -97,8 +99,6 @@ def read_rows(path: str) -> list[dict]:
 
 
 def evaluate(args) -> dict:
-    from .needle import load, pick_backend, set_backend
-
     os.makedirs(args.out, exist_ok=True)
     for flag, v, lo in (("--max-docs", args.max_docs, 1), ("--batch-size", args.batch_size, 1)):
         if v < lo:
@@ -135,8 +135,6 @@ def evaluate(args) -> dict:
             "seconds": round(time.perf_counter() - t0, 2)}
     with open(os.path.join(args.out, "position_loss_meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
-    from .report import plot_position_loss
-
     png = os.path.join(args.out, "position_loss.png")
     plotted = plot_position_loss({args.tag or "run": rows}, png)
     print(f"# wrote {path}{', position_loss.png' if plotted else ''} (mean loss {meta['mean_loss']:.4f}, "

@@ -26,10 +26,22 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torchtitan.config import ConfigManager
 
+from nsa_flex.errors import UserError, user_error
 from nsa_flex.inference.model import generate
 from nsa_flex.titan.args import nsa_flex_args
 from nsa_flex.titan.model import NSATransformer
 from nsa_flex.titan.tokenizer import build_tokenizer
+
+
+PROG = "python -m nsa_flex.generate"
+
+
+class CheckpointNotFound(UserError, FileNotFoundError):
+    """--checkpoint names no DCP checkpoint (nor a folder of step-N ones)."""
+
+
+class CheckpointKeysError(UserError, KeyError):
+    """The checkpoint lacks the model's keys (another model, or not a training checkpoint)."""
 
 
 def resolve_checkpoint(path: str) -> str:
@@ -42,13 +54,19 @@ def resolve_checkpoint(path: str) -> str:
             if m and os.path.isfile(os.path.join(path, name, ".metadata")):
                 steps.append((int(m.group(1)), name))
     if not steps:
-        raise FileNotFoundError(f"{path!r} is neither a DCP checkpoint folder (no .metadata) nor a "
-                                "folder of step-N checkpoints")
+        raise CheckpointNotFound(f"--checkpoint {path!r}: neither a DCP checkpoint folder (no .metadata) "
+                                 "nor a folder of step-N checkpoints")
     return os.path.join(path, max(steps)[1])
 
 
 def load_job_config(config_file: str, overrides: list[str] | None = None):
-    return ConfigManager().parse_args(["--job.config_file", config_file, *(overrides or [])])
+    """The run's JobConfig from its TOML and extra flags; a missing or unparsable one is a UserError."""
+    if not os.path.isfile(config_file):
+        raise UserError(f"--config {config_file!r}: no such file")
+    try:
+        return ConfigManager().parse_args(["--job.config_file", config_file, *(overrides or [])])
+    except (ValueError, TypeError) as e:  # a TOML syntax error, an unknown field, a bad value
+        raise UserError(f"--config {config_file!r}: {e}") from None
 
 
 def build_model(job_config, device="cpu", dtype=torch.float32):
@@ -72,8 +90,8 @@ def load_checkpoint(model: torch.nn.Module, checkpoint: str) -> str:
     sd = model.state_dict()
     missing = [k for k in sd if k not in keys]
     if missing and not all(f"model.{k}" in keys for k in sd):
-        raise KeyError(f"checkpoint {path!r} lacks model keys {missing[:5]}... (has e.g. "
-                       f"{sorted(keys)[:5]})")
+        raise CheckpointKeysError(f"--checkpoint {path!r} lacks model keys {missing[:5]}... (has e.g. "
+                                  f"{sorted(keys)[:5]})")
     with warnings.catch_warnings():  # one process, no process group: what DCP warns about is the intent
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         dcp.load({"model": sd} if missing else sd, checkpoint_id=path)
@@ -82,7 +100,7 @@ def load_checkpoint(model: torch.nn.Module, checkpoint: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True, help="torchtitan TOML config of the run")
     p.add_argument("--checkpoint", required=True, help="DCP step folder (or folder of step-N)")
     p.add_argument("--prompt", required=True, action="append",
@@ -103,10 +121,18 @@ def main(argv: list[str] | None = None) -> dict:
     a = p.parse_args(argv)
     if a.cuda_graphs and torch.device(a.device).type != "cuda":
         p.error(f"--cuda-graphs needs a CUDA --device, got {a.device}")
+    try:
+        return run(a)
+    except UserError as e:
+        sys.exit(user_error(str(e), prog=PROG))
 
+
+def run(a: argparse.Namespace) -> dict:
+    """Load the run's model and checkpoint, generate from each prompt and print the texts."""
     job_config = load_job_config(a.config, a.override)
+    path = resolve_checkpoint(a.checkpoint)  # a wrong path is said before the model is built
     model, tok = build_model(job_config, a.device, getattr(torch, a.dtype))
-    path = load_checkpoint(model, a.checkpoint)
+    load_checkpoint(model, path)
     model.eval()
     prompts = [tok.encode(t, add_bos=not a.no_bos and tok.bos_id is not None) for t in a.prompt]
     t0 = time.perf_counter()  # warm-up (first-call allocations, kernel selection): timed on its own

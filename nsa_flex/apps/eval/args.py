@@ -1,4 +1,4 @@
-"""Command line of ``python -m nsa_flex.eval`` (:mod:`nsa_flex.eval.needle`), parsed without
+"""Command line of ``python -m nsa_flex.eval`` (:mod:`nsa_flex.apps.eval.needle`), parsed without
 importing torch: a missing ``--out`` or a bad option fails at once."""
 
 import os
