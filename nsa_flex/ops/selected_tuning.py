@@ -15,7 +15,7 @@ What it sets, for the op's three passes (see `selected_triton`'s docstring for t
   * launch options (num_warps, num_stages) per kernel: `QC_LAUNCH` by q block rows for the
     query-centric kernels in 16-bit, 8 warps for the dK/dV pass and for fp32; `fwd_launch`,
     `dq_launch`, `dkv_launch` override them (tuning sweeps: experiments/tune_selected.py).
-The defaults were chosen on the H100 (the measurements are in experiments/NOTES.md).
+The defaults were chosen on the H100 (measured by experiments/tune_selected.py; the log of those runs is kept with the experiments).
 """
 
 import dataclasses

@@ -45,7 +45,7 @@ import time
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.tools.logging import logger
 
-from nsa_flex.errors import UserError
+from nsa_flex.errors import DiskSpaceError, UserError, space_error
 from nsa_flex.titan.runlock import existing_folder
 
 from . import run_record
@@ -58,10 +58,6 @@ CHECKSUMS = "checksums.json"  # in each step folder: {"sha256": {relative path: 
 
 class CheckpointError(UserError, RuntimeError):
     """No usable checkpoint to resume from (each damaged folder named, with why)."""
-
-
-class DiskSpaceError(UserError, OSError):
-    """The checkpoint folder's disk is (or would be) full."""
 
 
 class ConfigChangeError(UserError, ValueError):
@@ -177,8 +173,6 @@ def _sha256(path: str) -> str:
 
 def _data_files(path: str) -> list[str]:
     """The files of a step folder, relative, but the records written beside the checkpoint."""
-    from . import run_record
-
     out = []
     for root, _, files in os.walk(path):
         for f in files:
@@ -351,23 +345,6 @@ def _model_finite(manager) -> bool:
                           .sum().isfinite())
 
 
-def _space_error(e: BaseException | None, depth: int = 0) -> BaseException | None:
-    """The full-disk error that ``e`` is or wraps (ENOSPC, torch's "unexpected pos" of a short
-    write; within DCP's ``CheckpointException``, a ``BaseException`` holding each rank's error, or
-    a cause), else None."""
-    if e is None or depth > 8:
-        return None
-    if (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or (
-            isinstance(e, RuntimeError) and "unexpected pos" in str(e)):
-        return e
-    failures = getattr(e, "failures", None)
-    for f in (failures.values() if isinstance(failures, dict) else ()):
-        found = _space_error(f[0] if isinstance(f, tuple) else f, depth + 1)
-        if found is not None:
-            return found
-    return _space_error(e.__cause__ or e.__context__, depth + 1)
-
-
 def save_checked(manager, original, curr_step: int, last_step: bool = False) -> None:
     """``CheckpointManager.save`` with the finite check, the disk-full message, the config record
     and the exact ``keep_latest_k`` (see the module docstring)."""
@@ -379,7 +356,7 @@ def save_checked(manager, original, curr_step: int, last_step: bool = False) -> 
     try:
         original(manager, curr_step, last_step)
     except BaseException as e:  # DCP's CheckpointException is not an Exception
-        full = _space_error(e)
+        full = space_error(e)
         if full is None:
             raise
         if _rank0():

@@ -10,7 +10,7 @@ load, :func:`open_records`): a run that did not resume never appends to an earli
 (they are moved to ``metrics.1.jsonl``, the first free number, with a warning); a last line cut
 short (a kill or a full disk mid-write) is dropped, with a warning, before anything is appended.
 Each record is one write; a write that fails (a full disk) is undone, so no partial line stays,
-and the run stops with one :class:`nsa_flex.titan.checkpoint.DiskSpaceError`.
+and the run stops with one :class:`nsa_flex.errors.DiskSpaceError`.
 
 NSA telemetry (``[nsa] telemetry_every = N > 0``; see :mod:`nsa_flex.telemetry` for the design and
 the quantities): when the trainer hands the model to the processor (``model_parts``), recording is
@@ -42,6 +42,7 @@ from torchtitan.components.metrics import BaseLogger, MetricsProcessor, TensorBo
 from torchtitan.tools.logging import logger as log
 
 from nsa_flex import telemetry as tm
+from nsa_flex.errors import DiskSpaceError, space_error
 from nsa_flex.layer import NSAAttention
 
 from .ops import OpsMonitor
@@ -170,9 +171,7 @@ class JsonlLogger(BaseLogger):
                 done += self._f.write(data[done:])
         except OSError as e:
             self._f.truncate(start)  # no partial record stays behind
-            from .checkpoint import DiskSpaceError, _space_error
-
-            if _space_error(e) is None:
+            if space_error(e) is None:
                 raise
             raise DiskSpaceError(f"metrics file {self.path}: the disk is full while writing the record of step "
                                  f"{rec.get('step')} ({e.strerror}); the records so far are intact: free space "

@@ -51,7 +51,7 @@ from torchtitan.train import Trainer
 from nsa_flex.errors import UserError
 
 from . import checkpoint, console, cpu
-from .ops import NonFiniteError, OpsMonitor
+from .ops import NONFINITE_DIR, NonFiniteError, OpsMonitor
 from .runlock import check_writable, lock_run
 
 TORCHTITAN_VERSION = "0.2.2"  # the Trainer methods overridden here and every patch target this version
@@ -292,8 +292,6 @@ class NSATrainer(Trainer):
         """After a non-finite ``step``: move the checkpoint of ``step - 1`` (it produced the non-finite
         loss) to ``<checkpoint folder>/nonfinite/`` (rank 0 moves, every rank answers the same);
         (the newest checkpoint left or None, where the set-aside one went or None)."""
-        from .ops import NONFINITE_DIR
-
         ck = self.job_config.checkpoint
         folder = os.path.join(self.job_config.job.dump_folder, ck.folder)
         steps = sorted(int(n[5:]) for n in (os.listdir(folder) if ck.enable and os.path.isdir(folder) else [])
