@@ -9,11 +9,17 @@ worth by default, 2 positions at G = 8; kv block = l'). Its settings are one fro
 with the inputs (`SelectedTuning`, `selected_tuning.py`):
   * forward and dQ are query-centric: one program per (q block, batch, KV head) holds the G heads of
     its P positions (G heads as next_power_of_2(G) rows) and walks the block's q-major lists
-    (partial, then full blocks: the union of the P positions' selections), loading each selected
-    K/V block once for all its rows. The forward's q blocks may hold more positions than the dQ
-    pass's (`SelectedTuning.fwd_rows`); then the dQ pass is hybrid (`SelectedTuning.dq_hybrid`):
-    each of the forward's blocks runs as one wide tile or as its narrow blocks, whichever walks
-    fewer steps;
+    (partial and full blocks: the union of the P positions' selections), loading each selected
+    K/V block once for all its rows. The forward walks the two lists as one, in increasing block
+    order: a row adds its own blocks in the order of its own selection and a block it does not
+    see is an exact no-op (p = 0, its running max and sum unchanged), so a position's output and
+    lse are bit-identical whatever the later positions of its q block pick or hold (a later
+    position dropping a block turns it from full to partial for the q block, which under
+    partial-then-full changed the order: tests/ops/test_selected_prefix.py). The dQ pass walks
+    partial, then full (its rounding still depends on the q block's other positions). The
+    forward's q blocks may hold more positions than the dQ pass's (`SelectedTuning.fwd_rows`);
+    then the dQ pass is hybrid (`SelectedTuning.dq_hybrid`): each of the forward's blocks runs as
+    one wide tile or as its narrow blocks, whichever walks fewer steps;
   * dK/dV is KV-block-centric: one program per (kv block, batch, KV head), the KV heads
     interleaved, walks the inverse of the per-position selection (for each kv block, the
     positions that selected it: CSR, built from `sel` in the backward) and gathers `dkv_rows`
