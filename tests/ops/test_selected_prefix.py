@@ -1,7 +1,7 @@
 """The selected op's output at position t does not depend on anything after t, bit for bit, at the
 paper's group (G = 16), where the forward's 64-row q blocks hold four positions and walk the union
 of their picks: changing the later positions' q, k, v and selections leaves out and lse of every
-position <= t bit-identical (prefill and decode of one sequence agree).
+position <= t bit-identical (a position's output is fixed by what is at or before it).
 
 What made it depend on them (issue 43): a q block lists a kv block as partial (masked) or full
 (every position of the block sees all its keys), and the forward walked the partial list, then

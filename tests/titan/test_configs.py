@@ -1,4 +1,4 @@
-"""The shipped TOML configs: settings every long-context config, and every GPU config, must carry."""
+"""The shipped TOML configs: settings every long-context config and every GPU config must carry."""
 
 import tomllib
 from dataclasses import asdict
