@@ -9,11 +9,17 @@ worth by default, 2 positions at G = 8; kv block = l'). Its settings are one fro
 with the inputs (`SelectedTuning`, `selected_tuning.py`):
   * forward and dQ are query-centric: one program per (q block, batch, KV head) holds the G heads of
     its P positions (G heads as next_power_of_2(G) rows) and walks the block's q-major lists
-    (partial, then full blocks: the union of the P positions' selections), loading each selected
-    K/V block once for all its rows. The forward's q blocks may hold more positions than the dQ
-    pass's (`SelectedTuning.fwd_rows`); then the dQ pass is hybrid (`SelectedTuning.dq_hybrid`):
-    each of the forward's blocks runs as one wide tile or as its narrow blocks, whichever walks
-    fewer steps;
+    (partial and full blocks: the union of the P positions' selections), loading each selected
+    K/V block once for all its rows. The forward walks the two lists as one, in increasing block
+    order: a row adds its own blocks in the order of its own selection and a block it does not
+    see is an exact no-op (p = 0, its running max and sum unchanged), so a position's output and
+    lse are bit-identical whatever the later positions of its q block pick or hold (a later
+    position dropping a block turns it from full to partial for the q block, which under
+    partial-then-full changed the order: tests/ops/test_selected_prefix.py). The dQ pass walks
+    partial, then full (its rounding still depends on the q block's other positions). The
+    forward's q blocks may hold more positions than the dQ pass's (`SelectedTuning.fwd_rows`);
+    then the dQ pass is hybrid (`SelectedTuning.dq_hybrid`): each of the forward's blocks runs as
+    one wide tile or as its narrow blocks, whichever walks fewer steps;
   * dK/dV is KV-block-centric: one program per (kv block, batch, KV head), the KV heads
     interleaved, walks the inverse of the per-position selection (for each kv block, the
     positions that selected it: CSR, built from `sel` in the backward) and gathers `dkv_rows`
@@ -189,18 +195,33 @@ def _grad_rows(DO, LSE, DELTA, qrow, row_ok, DV: tl.constexpr, DVP: tl.constexpr
 
 # ---------------------------------------------------------------------- forward
 @triton.jit
+def _merged_next(KVI, FKVI, base, ip, jf, n_part, n_full):
+    """The next kv block of a q block's partial (KVI) and full (FKVI) lists, both increasing,
+    walked as one increasing list from positions ip, jf: (j, whether it is partial, ip, jf
+    after it). A q block never lists a block in both."""
+    bp = tl.load(KVI + base + ip, mask=ip < n_part, other=2147483647)
+    bf = tl.load(FKVI + base + jf, mask=jf < n_full, other=2147483647)
+    partial = bp < bf
+    step = partial.to(tl.int32)
+    return tl.minimum(bp, bf), partial, ip + step, jf + 1 - step
+
+
+@triton.jit
 def _fwd_step(acc, m_i, l_i, q1, q2, K, V, koff, voff, j, t, lo, hi, sel, row_ok, T, qk_scale,
-              MASKED: tl.constexpr, BLOCK: tl.constexpr, DK: tl.constexpr, DK1: tl.constexpr,
+              partial, BLOCK: tl.constexpr, DK: tl.constexpr, DK1: tl.constexpr,
               DK2: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr):
+    """One kv block j of the online softmax (`partial`: masked per row). For a row that does not
+    see the block every step is exact: s = -inf, so m_i stays, alpha = 1, p = 0, acc and l_i
+    unchanged bit for bit."""
     kk, k_ok = _keys(j, T, BLOCK)
     k1, k2, v = _kv_block(K, V, koff, voff, kk, k_ok, DK, DK1, DK2, DV, DVP)
     s = _dot2(q1, q2, k1, k2, DK2, PREC) * qk_scale
-    if MASKED:
+    if partial:
         s = tl.where(_visible(kk, t, lo, hi, sel, j, row_ok), s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.math.exp2(s - m_use[:, None])
-    alpha = tl.math.exp2(m_i - m_use)
+    alpha = tl.where(m_new == m_i, 1.0, tl.math.exp2(m_i - m_use))  # exactly 1 where m stays
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
     return acc, m_new, l_i
@@ -223,15 +244,16 @@ def _sel_fwd_kernel(Q, K, V, SEL, LO, HI, KVN, KVI, FKVN, FKVI, O, LSE,
     acc = tl.zeros([BM, DVP], tl.float32)
     lst = bh * NQB + tile
     n_part = tl.load(KVN + lst)
-    for i in range(n_part):
-        j = tl.load(KVI + lst * W + i)
-        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q1, q2, K, V, koff, voff, j, t, lo, hi, sel,
-                                  row_ok, T, QK_SCALE, True, BLOCK, DK, DK1, DK2, DV, DVP, PREC)
     n_full = tl.load(FKVN + lst)
-    for i in range(n_full):
-        j = tl.load(FKVI + lst * W + i)
+    # the partial and full lists as one walk in increasing block order: each row then adds its
+    # own blocks in the order of its own selection, whichever of the two lists the q block's
+    # other positions put them in (partial-then-full made the order depend on them)
+    ip = 0
+    jf = 0
+    for _ in range(n_part + n_full):
+        j, partial, ip, jf = _merged_next(KVI, FKVI, lst * W, ip, jf, n_part, n_full)
         acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q1, q2, K, V, koff, voff, j, t, lo, hi, sel,
-                                  row_ok, T, QK_SCALE, False, BLOCK, DK, DK1, DK2, DV, DVP, PREC)
+                                  row_ok, T, QK_SCALE, partial, BLOCK, DK, DK1, DK2, DV, DVP, PREC)
     seen = l_i > 0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
     dv = tl.arange(0, DVP)
