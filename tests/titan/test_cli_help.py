@@ -83,21 +83,22 @@ def test_argument_errors_without_torch():
 
 
 def test_busy_dump_folder_refused_without_torch(tmp_path):
-    import json
-    import socket
-
-    from nsa_flex.titan.runlock import LOCK_NAME
+    from nsa_flex.titan.runlock import lock_dump_folder
 
     held = tmp_path / "run"
-    held.mkdir()  # held by a live process on this host: this test's
-    (held / LOCK_NAME).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": 0}))
-    toml = tmp_path / "run.toml"
-    toml.write_text(f'[job]\ndump_folder = "{held}"\n')
-    for argv in (["--job.dump_folder", str(held)], ["--job.config_file", str(toml)]):
-        r = _in_fresh_python(PROBE.format(argv=argv))
-        assert r.stdout.rstrip().endswith("exit 2\ntorch imported: False"), (argv, r.stdout, r.stderr)
-        assert r.stderr.startswith(f"nsa-train: error: dump folder {held} is in use by another run (pid {os.getpid()}")
-        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    held.mkdir()
+    lock = lock_dump_folder(str(held))  # held by a live process on this host: this test's (a kernel lock)
+    try:
+        toml = tmp_path / "run.toml"
+        toml.write_text(f'[job]\ndump_folder = "{held}"\n')
+        for argv in (["--job.dump_folder", str(held)], ["--job.config_file", str(toml)]):
+            r = _in_fresh_python(PROBE.format(argv=argv))
+            assert r.stdout.rstrip().endswith("exit 2\ntorch imported: False"), (argv, r.stdout, r.stderr)
+            assert r.stderr.startswith(f"nsa-train: error: dump folder {held} is in use by another run "
+                                       f"(pid {os.getpid()}")
+            assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    finally:
+        lock.release()
 
 
 def test_negative_values_pass_the_flag_check():
