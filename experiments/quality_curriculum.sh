@@ -10,7 +10,7 @@
 #           OUT/seed1/nsa/, OUT/progress.txt, OUT/ALL_DONE at the end
 #     DATA  folder with tiktoken_cache/ (used even where TIKTOKEN_CACHE_DIR is set: the device
 #           machines set one without gpt2)
-# Knobs: GPUS (4), SEGMENT (seconds for training + evaluations, 1440: a variant still training then
+# Knobs: GPUS (4), SEGMENT (seconds for training + evaluations, 3000: a variant still training then
 # halts with a checkpoint and skips its evaluations), and those of quality_runs.sh (TRAIN_ARGS,
 # LENGTHS, DEPTHS, TRIALS, POS_DOCS, SEL_LENGTHS, ...; defaults below).
 # Then: python experiments/quality_report.py OUT --notes experiments/quality_reading.md
@@ -21,7 +21,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 GPUS=${GPUS:-4}
 mkdir -p "$OUT"
 echo $$ > "$OUT/driver.pid"
-export TOML=${TOML:-titan_configs/quality_curriculum.toml} SEGMENT=${SEGMENT:-1440} HALT_GRACE=${HALT_GRACE:-120}
+export TOML=${TOML:-titan_configs/quality_curriculum.toml} SEGMENT=${SEGMENT:-3000} HALT_GRACE=${HALT_GRACE:-120}
 export LENGTHS=${LENGTHS:-2048,4096,8192,16384,32768,65536} DEPTHS=${DEPTHS:-0,25,50,75,100}
 export TRIALS=${TRIALS:-20} POS_DOCS=${POS_DOCS:-8} SEL_LENGTHS=${SEL_LENGTHS:-16384}
 # bf16 evaluations, as trained: in fp32 full attention's SDPA takes its math kernel, O(T^2) memory
