@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 41's curriculum runs on one machine with four GPUs, as one background job that outlives a
+# The curriculum's runs on one machine with four GPUs, as one background job that outlives a
 # device call (each call only waits and collects): titan_configs/quality_curriculum.toml (short
 # phase at 2048 on passkey documents, then 16384 on pysource + retrieval documents), then the
 # evaluations of experiments/quality_runs.sh (position loss, selection statistics, needle), per GPU:
@@ -25,7 +25,6 @@ export TOML=${TOML:-titan_configs/quality_curriculum.toml} SEGMENT=${SEGMENT:-30
 export LENGTHS=${LENGTHS:-2048,4096,8192,16384,32768,65536} DEPTHS=${DEPTHS:-0,25,50,75,100}
 export TRIALS=${TRIALS:-20} POS_DOCS=${POS_DOCS:-8} SEL_LENGTHS=${SEL_LENGTHS:-16384}
 # bf16 evaluations, as trained: in fp32 full attention's SDPA takes its math kernel, O(T^2) memory
-# (run 1: out of memory at 32k on an H200)
 export EVAL_ARGS=${EVAL_ARGS:---dtype bfloat16}
 RUNS=${RUNS_DIR:-/tmp/nsa_curriculum_runs}
 export TIKTOKEN_CACHE_DIR=$(cd "$DATA" && pwd)/tiktoken_cache

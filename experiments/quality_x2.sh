@@ -12,12 +12,8 @@
 # Knobs: those of quality_runs.sh (TRAIN_ARGS, POS_DOCS, LENGTHS, DEPTHS, TRIALS, EVAL_ARGS, ...) and of
 # trained_selection_gpu.sh (LAYOUTS, TESTS, TEST_K, TITAN); PERF=0 skips the measurement, PERF_FIRST=1
 # runs it on GPU 1 before the two variants there (while NSA trains on GPU 0).
-# PRE_ARGS: a first training phase per variant (its trainer flags, e.g. short sequences), trained
-# without evaluations into OUT/pre and RUNS_DIR/pre; the main run then starts from its final
-# weights (--checkpoint.initial_load_path; its own optimizer and schedule). Short-then-long:
-#   PRE_ARGS="--training.seq_len=1024 --validation.seq_len=1024 --training.local_batch_size=32
-#   --validation.local_batch_size=32 --training.steps=4578" TRAIN_ARGS="--training.steps=1526
-#   --training.passkey_mix=0.3" bash experiments/quality_x2.sh OUT DATA   (150M + 50M tokens)
+# Short-then-long training: a TOML with a [curriculum] short phase (TOML=titan_configs/quality_curriculum.toml;
+# nsa_flex/titan/curriculum.py) runs both phases inside each variant's training stage.
 set -uo pipefail
 OUT=${1:?usage: quality_x2.sh OUT DATA}
 DATA=${2:?usage: quality_x2.sh OUT DATA}
@@ -27,20 +23,11 @@ echo $$ > "$OUT/driver.pid"   # a collecting call checks that the job still runs
 export SEGMENT=${SEGMENT:-36000}
 progress() { echo "[$(date -u +%FT%TZ)] $*" | tee -a "$OUT/progress.txt"; }
 RUNS=${RUNS_DIR:-/tmp/nsa_quality_runs}
-variant() {  # VARIANT GPU: quality_runs.sh until DONE, three tries at most (after PRE_ARGS' phase)
-  local i init=""
-  if [ -n "${PRE_ARGS:-}" ]; then
-    for i in 1 2 3; do
-      [ -f "$OUT/pre/$1/DONE" ] && break
-      CUDA_VISIBLE_DEVICES=$2 EVALS=0 TRAIN_ARGS="$PRE_ARGS" RUNS_DIR="$RUNS/pre" \
-        bash "$HERE/quality_runs.sh" "$1" "$OUT/pre" "$DATA" 2>&1 | sed -u "s/^/[$1 pre] /"
-    done
-    if [ ! -f "$OUT/pre/$1/DONE" ]; then progress "$1: first phase NOT done after 3 tries"; return; fi
-    init="--checkpoint.initial_load_path=$(ls -d "$RUNS/pre/$1"/checkpoint/step-* | sort -t- -k2 -n | tail -1)"
-  fi
+variant() {  # VARIANT GPU: quality_runs.sh until DONE, three tries at most
+  local i
   for i in 1 2 3; do
     [ -f "$OUT/$1/DONE" ] && break
-    CUDA_VISIBLE_DEVICES=$2 TRAIN_ARGS="${TRAIN_ARGS:-} $init" RUNS_DIR="$RUNS" \
+    CUDA_VISIBLE_DEVICES=$2 RUNS_DIR="$RUNS" \
       bash "$HERE/quality_runs.sh" "$1" "$OUT" "$DATA" 2>&1 | sed -u "s/^/[$1] /"
   done
   progress "$1: $([ -f "$OUT/$1/DONE" ] && echo done || echo "NOT done after 3 tries")"

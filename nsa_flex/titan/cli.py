@@ -39,7 +39,7 @@ import sys
 
 from nsa_flex.errors import UserError, user_error
 
-from .curriculum import drive, phase_args, wants_driver
+from .curriculum import drive, wants_driver
 from .flags import check_config_file, check_flags, check_flavor, dump_folder
 from .runlock import RunLockError, lock_dump_folder
 from .usage import usage
@@ -120,10 +120,10 @@ def main(argv: list[str] | None = None) -> None:
     setup_env()
     if "--preflight" in args:
         from .preflight import main as preflight
-        from .train import bool_flags
+        from .train import phase_flags
 
         try:
-            args = bool_flags(phase_args(bool_flags([a for a in args if a != "--preflight"])))
+            args = phase_flags([a for a in args if a != "--preflight"])
         except UserError as e:
             sys.exit(user_error(str(e)))
         sys.exit(preflight(args, full=full))

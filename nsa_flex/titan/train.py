@@ -103,6 +103,12 @@ def unknown_flag(args: list[str]) -> str | None:
     return None
 
 
+def phase_flags(args: list[str]) -> list[str]:
+    """``args`` as torchtitan's parser takes them, with a ``--curriculum.phase``'s settings added
+    (booleans as flags before the phase's config is read, and again for the phase's items)."""
+    return bool_flags(curriculum.phase_args(bool_flags(args)))
+
+
 def check_run(job_config) -> None:
     """Before torchtitan starts (every error a :class:`UserError`): the flavor exists, the numbers are in range
     (:func:`nsa_flex.titan.preflight.range_problems`), the folders are writable, and rank 0 holds
@@ -142,7 +148,7 @@ def run(args: list[str], prog: str = "nsa-train") -> int:
         problem = unknown_flag(args)
         if problem:
             return user_error(problem, prog=prog)
-        args = bool_flags(curriculum.phase_args(bool_flags(args)))
+        args = phase_flags(args)
         problem = unknown_flag(args)  # a [curriculum] short item's field
         if problem:
             return user_error(problem, prog=prog)
