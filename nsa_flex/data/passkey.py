@@ -2,8 +2,8 @@
 
 Document i (seeded by the corpus seed, the split and i) is exactly ``length`` tokens: [BOS] intro,
 filler text with a needle "The pass key is: 12345. Remember it. The pass key is: 12345." at a random
-depth in a filler passage of random sentences that repeats (``synthetic_filler``, new in every
-document), then "What is the pass key? The pass key is: 12345." and EOS (the answer " 12345." with its
+depth in a filler passage that repeats (``synthetic_filler``: random sentences, or random pseudo-words
+with ``filler="words"``; new in every document), then "What is the pass key? The pass key is: 12345." and EOS (the answer " 12345." with its
 leading space, tokenized as in the needle); so every training sample is one document, for any sequence
 length and tokenizer. ``questions`` = q > 1 asks the question q times: q - 1 extra question + answer
 pairs replace filler at random points after the needle (more retrieval targets per document; the
@@ -45,11 +45,51 @@ def _sentence(rng: random.Random) -> str:
     return f"{rng.choice(_NAMES)} {rng.choice(_VERBS)} the {rng.choice(_ADJS)} {rng.choice(_NOUNS)}. "
 
 
-def synthetic_filler(tokenizer, n: int, seed: str) -> list[int]:
-    """At least ``n`` filler tokens for ``seed``: a passage of 3..100 random sentences (log-uniform),
-    repeated, tokenized at once. Deterministic in (seed, tokenizer)."""
-    rng = random.Random(f"filler:{seed}")
-    unit = "".join(_sentence(rng) for _ in range(int(math.exp(rng.uniform(math.log(3), math.log(100))))))
+# Pseudo-words of 1..3 random syllables (70 syllables: ~350k words): a passage of them is nearly
+# incompressible except by copying (a BPE tokenizer splits them into arbitrary pieces), so every
+# repeated token rewards the induction circuit; the sentences' small vocabulary is mostly
+# predictable from the grammar and the word lists, which leaves little for copying to win.
+_CONSONANTS, _VOWELS = "bdfgklmnprstvz", "aeiou"
+
+
+def _pseudo_word(rng: random.Random) -> str:
+    return "".join(rng.choice(_CONSONANTS) + rng.choice(_VOWELS) for _ in range(rng.randint(1, 3)))
+
+
+def _words_passage(rng: random.Random) -> str:
+    """10..300 pseudo-words (log-uniform), a full stop after every 4..12."""
+    n = int(math.exp(rng.uniform(math.log(10), math.log(300))))
+    out, left = [], rng.randint(4, 12)
+    for _ in range(n):
+        out.append(_pseudo_word(rng))
+        left -= 1
+        if left == 0:
+            out[-1] += "."
+            left = rng.randint(4, 12)
+    return " ".join(out).rstrip(".") + ". "
+
+
+# [training] passkey_filler: the kind of passage the generated documents repeat
+SYNTHETIC_FILLERS = ("sentences", "words")
+
+
+def check_filler(kind) -> str:
+    """``[training] passkey_filler``: one of SYNTHETIC_FILLERS, else DatasetError."""
+    if kind not in SYNTHETIC_FILLERS:
+        raise DatasetError(f"training.passkey_filler={kind!r}: must be one of {', '.join(SYNTHETIC_FILLERS)}")
+    return kind
+
+
+def synthetic_filler(tokenizer, n: int, seed: str, kind: str = "sentences") -> list[int]:
+    """At least ``n`` filler tokens for ``seed``: a passage repeated, tokenized at once.
+    ``kind`` "sentences": 3..100 random sentences (log-uniform) of a small vocabulary; "words":
+    10..300 random pseudo-words. Deterministic in (seed, kind, tokenizer)."""
+    check_filler(kind)
+    rng = random.Random(f"filler:{seed}" if kind == "sentences" else f"filler:{kind}:{seed}")
+    if kind == "words":
+        unit = _words_passage(rng)
+    else:
+        unit = "".join(_sentence(rng) for _ in range(int(math.exp(rng.uniform(math.log(3), math.log(100))))))
     reps, got = 1, tokenizer.encode(unit)
     while len(got) < n:
         reps *= 2
@@ -103,8 +143,9 @@ class PasskeyCorpus:
     """Deterministic passkey documents of exactly ``length`` tokens (``length = seq_len + 1``)."""
 
     def __init__(self, tokenizer, length: int, seed: int = 0, split: str = "train",
-                 questions: int = 1):
+                 questions: int = 1, filler: str = "sentences"):
         check_questions(questions)
+        self.filler = check_filler(filler)
         self.tok = tokenizer
         self.length = length
         self.seed = seed
@@ -135,7 +176,7 @@ class PasskeyCorpus:
         key = rng.randint(10000, 99999)
         depth = rng.random()
         extra = [rng.random() for _ in range(self.questions - 1)]
-        filler = synthetic_filler(self.tok, self.length, f"{self.split}:{self.seed}:{index}")
+        filler = synthetic_filler(self.tok, self.length, f"{self.split}:{self.seed}:{index}", self.filler)
         toks, answer_start = self.build(key, depth, filler, extra_questions=extra)
         return toks, answer_start, key
 

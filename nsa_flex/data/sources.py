@@ -78,6 +78,7 @@ def build_source(
     split: str = "train",
     passkey_questions: int = 1,
     skip_bad: bool = False,
+    passkey_filler: str = "sentences",
 ):
     """The document source of dataset ``name`` (see the module docstring); validates name and path."""
     name = name.lower()
@@ -87,7 +88,7 @@ def build_source(
         if path:
             raise DatasetError("dataset 'passkey' is generated: leave dataset_path unset")
         return PasskeySource(PasskeyCorpus(tokenizer, seq_len + 1, seed=seed, split=split,
-                                           questions=passkey_questions))
+                                           questions=passkey_questions, filler=passkey_filler))
     if name == "pysource":
         return pysource_source(tokenizer, split, seed, path, skip_bad)
     if name == "local" and not path:

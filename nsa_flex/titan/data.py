@@ -16,7 +16,7 @@ from torchtitan.tools.logging import logger
 
 from nsa_flex.data.errors import DatasetError
 from nsa_flex.data.packing import PackedTokenDataset
-from nsa_flex.data.passkey import PasskeyCorpus, check_questions
+from nsa_flex.data.passkey import PasskeyCorpus, check_filler, check_questions
 from nsa_flex.data.pysource import pysource_retrieval
 from nsa_flex.data.sources import DATASET_CHOICES, build_source
 
@@ -44,6 +44,7 @@ def _build(section, job_config, dp_world_size, dp_rank, tokenizer, infinite, spl
             f"training.passkey_mix={mix} mixes passkey documents into a text dataset (fineweb_edu, local); "
             "dataset 'passkey' is all passkey already: set passkey_mix = 0 or pick a text dataset")
     seed = getattr(training, "dataset_seed", 0)
+    filler = check_filler(getattr(training, "passkey_filler", "sentences"))
     source = build_source(
         section.dataset,
         section.dataset_path,
@@ -55,6 +56,7 @@ def _build(section, job_config, dp_world_size, dp_rank, tokenizer, infinite, spl
         split=split,
         passkey_questions=questions,
         skip_bad=bool(getattr(training, "skip_bad_records", False)),
+        passkey_filler=filler,
     )
     passkey = None
     if mix > 0 and section.dataset.lower() == "pysource":
@@ -63,7 +65,8 @@ def _build(section, job_config, dp_world_size, dp_rank, tokenizer, infinite, spl
         logger.info(f"Dataset pysource: {100 * mix:g}% of the sequences are retrieval documents (passkey "
                     f"and {passkey.n_keys}-key needles, half each, in source-code filler)")
     elif mix > 0:
-        passkey = PasskeyCorpus(tokenizer, section.seq_len + 1, seed=seed, split=split, questions=questions)
+        passkey = PasskeyCorpus(tokenizer, section.seq_len + 1, seed=seed, split=split, questions=questions,
+                                filler=filler)
         logger.info(f"Dataset {section.dataset}: {100 * mix:g}% of the sequences are passkey documents")
     ds = PackedTokenDataset(source, section.seq_len, dp_rank, dp_world_size, infinite=infinite,
                             restart_each_iter=split == "validation", passkey=passkey, passkey_mix=mix)

@@ -94,6 +94,11 @@ class Training:
     answer pairs replace filler at random points after the needle (more retrieval targets per
     document, at shorter distances too; passkey, passkey_mix and pysource documents alike);
     validation and evaluation documents ask once"""
+    passkey_filler: str = "sentences"
+    """the passage that generated passkey documents repeat as filler: sentences (random sentences of
+    a small vocabulary) | words (random pseudo-words: predictable only by copying, the strongest
+    signal for the induction circuit that retrieval uses); training, validation and retrieval
+    metrics alike"""
 
 
 @dataclass

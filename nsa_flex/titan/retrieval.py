@@ -40,7 +40,8 @@ def probe_corpus(job_config, tokenizer):
     if dataset == "pysource":
         return pysource_retrieval(tokenizer, seq_len + 1, "validation", seed, training.dataset_path)
     if dataset == "passkey" or passkey_mix_of(training) > 0:
-        return PasskeyCorpus(tokenizer, seq_len + 1, seed=seed, split="validation")
+        return PasskeyCorpus(tokenizer, seq_len + 1, seed=seed, split="validation",
+                             filler=getattr(training, "passkey_filler", "sentences"))
     return None
 
 

@@ -116,6 +116,34 @@ def test_synthetic_filler_is_a_repeated_passage_per_document():
     assert len({d[200:300] for d in docs}) == 5  # each document its own passage
 
 
+def test_words_filler_is_periodic_and_only_copying_predicts_it():
+    """``filler="words"``: a repeated passage of random pseudo-words, per document; unlike the
+    sentences, almost no word recurs inside one passage (each repeat is predictable only by
+    copying), and nothing holds the cue ":"."""
+    tok = ByteTokenizer()
+    periods = set()
+    for i in range(30):
+        f = synthetic_filler(tok, 6000, f"train:0:{i}", "words")
+        assert f == synthetic_filler(tok, 6000, f"train:0:{i}", "words") != synthetic_filler(tok, 6000, f"train:0:{i}")
+        text = tok.decode(f)
+        assert ":" not in text and ".." not in text
+        period = next(p for p in range(20, len(text)) if text[p:p + 100] == text[:100])
+        assert text[:len(text) - period] == text[period:]
+        words = text[:period].replace(".", "").split()
+        assert len(set(words)) >= 0.8 * len(words)  # sentences repeat their 22-word lists instead
+        periods.add(period)
+    assert len(periods) > 20 and min(periods) < 200 and max(periods) > 1000
+    corpus = PasskeyCorpus(tok, 1025, questions=4, filler="words")
+    docs = [tok.decode(corpus.document(i)[0]) for i in range(3)]
+    assert all("The grass" not in d and d.count("The pass key is:") == 2 + 4 for d in docs)
+
+
+@pytest.mark.parametrize("bad", ["Words", "", None, "fineweb"])
+def test_unknown_passkey_filler_names_the_field(bad):
+    with pytest.raises(DatasetError, match=r"training.passkey_filler=.*must be one of sentences, words"):
+        PasskeyCorpus(ByteTokenizer(), 513, filler=bad)
+
+
 @pytest.mark.parametrize("bad", [0, 17, 2.0, True, "4"])
 def test_passkey_questions_out_of_range_errors(bad):
     with pytest.raises(DatasetError, match=r"training.passkey_questions=.*must be an integer in \[1, 16\]"):

@@ -10,6 +10,7 @@ from torchtitan.config import ConfigManager
 from nsa_flex.data.errors import DatasetError
 from nsa_flex.data.packing import PackedTokenDataset
 from nsa_flex.data.passkey import PasskeyCorpus
+from nsa_flex.titan import retrieval
 from nsa_flex.titan.data import build_dataloader
 from nsa_flex.titan.tokenizer import ByteTokenizer
 
@@ -143,3 +144,22 @@ def test_trainer_loader_mixes_fineweb_and_passkey(monkeypatch):
     n_pk = sum("What is the pass key? The pass key is" in t for t in texts)
     ds = PackedTokenDataset(None, 256, passkey=PasskeyCorpus(TOK, 257), passkey_mix=0.5)
     assert n_pk == sum(ds.is_passkey(k) for k in range(8)) and 0 < n_pk < 8
+
+
+def test_passkey_filler_reaches_training_and_validation_documents():
+    """``[training] passkey_filler = "words"``: the passkey dataset's documents, a text dataset's mixed-in
+    documents and the validation's retrieval documents all repeat pseudo-words, not sentences; a bad
+    value is one error naming the field."""
+    def texts(*args):
+        job = _job("--training.seq_len", "512", "--training.local_batch_size", "4", *args)
+        batch, _ = next(iter(build_dataloader(1, 0, TOK, job)))
+        return [TOK.decode(row.tolist()) for row in batch["input"]], job
+
+    sentences, _ = texts()
+    words, job = texts("--training.passkey_filler", "words", "--training.passkey_questions", "4")
+    assert all("The pass key is:" in t for t in sentences + words)
+    assert sum(" is " in t.split("The pass key")[0] for t in sentences) >= 3  # "The sky is blue. "
+    assert not any(w in t for t in words for w in ("The sky", "The grass", "The river", " walked to "))
+    assert retrieval.probe_corpus(job, TOK).filler == "words"
+    with pytest.raises(DatasetError, match="training.passkey_filler='prose': must be one of sentences, words"):
+        texts("--training.passkey_filler", "prose")

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The retrieval gate (issue 41 point 4): the curriculum's short phase alone
+# (titan_configs/quality_curriculum.toml, [curriculum] short: 125M at 2048 x 16 on generated passkey
+# documents), one variant per GPU, side by side, then the passkey evaluation of each final checkpoint
+# at the training length. One background job that outlives a device call: start it with setsid,
+# then poll OUT/progress.txt (and `python experiments/curriculum_status.py $RUNS`) in later calls.
+#   bash experiments/retrieval_gate.sh OUT DATA
+#     OUT   OUT/<name>/{train.log, metrics.jsonl, needle/, needle.log}, OUT/progress.txt, OUT/ALL_DONE
+#     DATA  folder with tiktoken_cache/ (used even where TIKTOKEN_CACHE_DIR is set: the device
+#           machines set one without gpt2)
+# PLAN: one entry per GPU, "MASKS NAME FILLER [EXTRA TRAIN FLAGS]" separated by ";" (FILLER: the
+# documents' [training] passkey_filler, sentences | words). Default: NSA and full attention on each
+# filler: "nsa nsa_words words; full_causal full_words words; nsa nsa_sentences sentences;
+# full_causal full_sentences sentences". Other knobs: TRAIN_S (seconds of training before the halt,
+# 900: SIGTERM makes the trainer save a checkpoint and exit 4; the evaluation then reads that
+# checkpoint), TOML, RUNS (/tmp/nsa_gate_runs), DEPTHS (0,25,50,75,100), TRIALS (20).
+set -uo pipefail
+OUT=${1:?usage: retrieval_gate.sh OUT DATA}
+DATA=${2:?usage: retrieval_gate.sh OUT DATA}
+TOML=${TOML:-titan_configs/quality_curriculum.toml}
+RUNS=${RUNS:-/tmp/nsa_gate_runs}
+TRAIN_S=${TRAIN_S:-900}
+PLAN=${PLAN:-nsa nsa_words words; full_causal full_words words; nsa nsa_sentences sentences; full_causal full_sentences sentences}
+DEPTHS=${DEPTHS:-0,25,50,75,100}
+TRIALS=${TRIALS:-20}
+PY=${PYTHON:-python}
+mkdir -p "$OUT" "$RUNS"
+OUT=$(cd "$OUT" && pwd)
+export TIKTOKEN_CACHE_DIR=$(cd "$DATA" && pwd)/tiktoken_cache PYTHONUNBUFFERED=1
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+START=$(date +%s)
+progress() { echo "[$(date -u +%FT%TZ) +$(( $(date +%s) - START ))s] $*" | tee -a "$OUT/progress.txt"; }
+SEQ=$($PY -c "import sys, tomllib; c = tomllib.load(open(sys.argv[1], 'rb'))
+print(next(i.split('=')[1] for i in c['curriculum']['short'] if i.startswith('training.seq_len=')))" "$TOML") \
+  || { echo "retrieval_gate.sh: $TOML has no training.seq_len in [curriculum] short" >&2; exit 2; }
+
+variant() {  # GPU MASKS NAME FILLER [EXTRA_TRAIN_ARGS...]
+  local gpu=$1 masks=$2 name=$3 filler=$4; shift 4
+  local d=$OUT/$name dump=$RUNS/$name
+  mkdir -p "$d"
+  local t=$(( TRAIN_S - ($(date +%s) - START) ))
+  if [ "$t" -lt 60 ]; then progress "$name: no time left to train"; return; fi
+  progress "$name: training (masks $masks, filler $filler $*) for at most ${t}s"
+  CUDA_VISIBLE_DEVICES=$gpu timeout -s TERM -k 150 "$t" $PY -m nsa_flex.titan.cli --job.config_file "$TOML" \
+    --job.dump_folder "$dump" --nsa.masks "$masks" --training.passkey_filler "$filler" --curriculum.phase short "$@" > "$d/train.log" 2>&1
+  local rc=$?
+  cp "$dump/short/metrics.jsonl" "$d/" 2>/dev/null
+  local ck
+  ck=$(ls -d "$dump"/short/checkpoint/step-* 2>/dev/null | sort -t- -k2 -n | tail -1)
+  progress "$name: training rc=$rc (0 done, 4 halted at the time limit), checkpoint ${ck:+$(basename "$ck")}"
+  if [ -z "$ck" ]; then grep -E "Error|error:" "$d/train.log" | tail -3; return; fi
+  CUDA_VISIBLE_DEVICES=$gpu $PY -m nsa_flex.eval --config "$TOML" --override="--nsa.masks=$masks" \
+    --checkpoint "$ck" --lengths "$SEQ" --depths "$DEPTHS" --trials "$TRIALS" --kinds passkey \
+    --filler "$([ "$filler" = words ] && echo words || echo synthetic)" --dtype bfloat16 --tag "$name" --out "$d/needle" > "$d/needle.log" 2>&1
+  progress "$name: needle rc=$? $(grep -E "length +[0-9]+:" "$d/needle.log" | tail -1)"
+}
+
+IFS=';' read -ra plan <<< "$PLAN"
+pids=()
+for i in "${!plan[@]}"; do
+  # shellcheck disable=SC2086
+  variant "$i" ${plan[$i]} &
+  pids+=($!)
+done
+wait "${pids[@]}"
+date -u +%FT%TZ > "$OUT/ALL_DONE"
+progress "all done"
