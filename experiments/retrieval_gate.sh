@@ -8,10 +8,9 @@
 #     OUT   OUT/<name>/{train.log, metrics.jsonl, needle/, needle.log}, OUT/progress.txt, OUT/ALL_DONE
 #     DATA  folder with tiktoken_cache/ (used even where TIKTOKEN_CACHE_DIR is set: the device
 #           machines set one without gpt2)
-# PLAN: one entry per GPU, "MASKS NAME FILLER [EXTRA TRAIN FLAGS]" separated by ";" (FILLER: the
-# documents' [training] passkey_filler, sentences | words). Default: NSA and full attention on each
-# filler: "nsa nsa_words words; full_causal full_words words; nsa nsa_sentences sentences;
-# full_causal full_sentences sentences". Other knobs: TRAIN_S (seconds of training before the halt,
+# PLAN: one entry per GPU, "MASKS NAME [EXTRA TRAIN FLAGS]" separated by ";". Default: "nsa nsa;
+# full_causal full_causal; nsa nsa_seed1 --debug.seed=1; sliding_only sliding_only". The documents'
+# filler is the TOML's (training.passkey_filler in [curriculum] short; the evaluation's follows). Other knobs: TRAIN_S (seconds of training before the halt,
 # 900: SIGTERM makes the trainer save a checkpoint and exit 4; the evaluation then reads that
 # checkpoint), TOML, RUNS (/tmp/nsa_gate_runs), DEPTHS (0,25,50,75,100), TRIALS (20).
 set -uo pipefail
@@ -20,7 +19,7 @@ DATA=${2:?usage: retrieval_gate.sh OUT DATA}
 TOML=${TOML:-titan_configs/quality_curriculum.toml}
 RUNS=${RUNS:-/tmp/nsa_gate_runs}
 TRAIN_S=${TRAIN_S:-900}
-PLAN=${PLAN:-nsa nsa_words words; full_causal full_words words; nsa nsa_sentences sentences; full_causal full_sentences sentences}
+PLAN=${PLAN:-nsa nsa; full_causal full_causal; nsa nsa_seed1 --debug.seed=1; sliding_only sliding_only}
 DEPTHS=${DEPTHS:-0,25,50,75,100}
 TRIALS=${TRIALS:-20}
 PY=${PYTHON:-python}
@@ -30,19 +29,22 @@ export TIKTOKEN_CACHE_DIR=$(cd "$DATA" && pwd)/tiktoken_cache PYTHONUNBUFFERED=1
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 START=$(date +%s)
 progress() { echo "[$(date -u +%FT%TZ) +$(( $(date +%s) - START ))s] $*" | tee -a "$OUT/progress.txt"; }
-SEQ=$($PY -c "import sys, tomllib; c = tomllib.load(open(sys.argv[1], 'rb'))
-print(next(i.split('=')[1] for i in c['curriculum']['short'] if i.startswith('training.seq_len=')))" "$TOML") \
+# the short phase's sequence length and filler ([curriculum] short items, else the TOML's [training])
+read -r SEQ FILLER < <($PY -c "import sys, tomllib; c = tomllib.load(open(sys.argv[1], 'rb'))
+items = dict(i.split('=', 1) for i in c['curriculum']['short'] if '=' in i)
+filler = items.get('training.passkey_filler', c['training'].get('passkey_filler', 'sentences'))
+print(items['training.seq_len'], 'words' if filler == 'words' else 'synthetic')" "$TOML") \
   || { echo "retrieval_gate.sh: $TOML has no training.seq_len in [curriculum] short" >&2; exit 2; }
 
-variant() {  # GPU MASKS NAME FILLER [EXTRA_TRAIN_ARGS...]
-  local gpu=$1 masks=$2 name=$3 filler=$4; shift 4
+variant() {  # GPU MASKS NAME [EXTRA_TRAIN_ARGS...]
+  local gpu=$1 masks=$2 name=$3; shift 3
   local d=$OUT/$name dump=$RUNS/$name
   mkdir -p "$d"
   local t=$(( TRAIN_S - ($(date +%s) - START) ))
   if [ "$t" -lt 60 ]; then progress "$name: no time left to train"; return; fi
-  progress "$name: training (masks $masks, filler $filler $*) for at most ${t}s"
+  progress "$name: training (masks $masks $*) for at most ${t}s"
   CUDA_VISIBLE_DEVICES=$gpu timeout -s TERM -k 150 "$t" $PY -m nsa_flex.titan.cli --job.config_file "$TOML" \
-    --job.dump_folder "$dump" --nsa.masks "$masks" --training.passkey_filler "$filler" --curriculum.phase short "$@" > "$d/train.log" 2>&1
+    --job.dump_folder "$dump" --nsa.masks "$masks" --curriculum.phase short "$@" > "$d/train.log" 2>&1
   local rc=$?
   cp "$dump/short/metrics.jsonl" "$d/" 2>/dev/null
   local ck
@@ -51,7 +53,7 @@ variant() {  # GPU MASKS NAME FILLER [EXTRA_TRAIN_ARGS...]
   if [ -z "$ck" ]; then grep -E "Error|error:" "$d/train.log" | tail -3; return; fi
   CUDA_VISIBLE_DEVICES=$gpu $PY -m nsa_flex.eval --config "$TOML" --override="--nsa.masks=$masks" \
     --checkpoint "$ck" --lengths "$SEQ" --depths "$DEPTHS" --trials "$TRIALS" --kinds passkey \
-    --filler "$([ "$filler" = words ] && echo words || echo synthetic)" --dtype bfloat16 --tag "$name" --out "$d/needle" > "$d/needle.log" 2>&1
+    --filler "$FILLER" --dtype bfloat16 --tag "$name" --out "$d/needle" > "$d/needle.log" 2>&1
   progress "$name: needle rc=$? $(grep -E "length +[0-9]+:" "$d/needle.log" | tail -1)"
 }
 

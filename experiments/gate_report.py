@@ -1,0 +1,97 @@
+"""Curves of the retrieval gate (experiments/retrieval_gate.sh): per variant, the validation's
+teacher-forced passkey answer loss and exact answers by step and by tokens, as one CSV and one PNG.
+
+    python experiments/gate_report.py OUT [--tokens-per-step 32768] [--out DIR]
+
+OUT: the gate's output folder (OUT/<variant>/metrics.jsonl, or, for a run cut before the copy,
+the console log OUT/<variant>/train.log: its "validate step: N  retrieval: passkey loss X exact Y%"
+lines). Writes DIR/gate.csv (variant, step, tokens, answer_loss, exact, val_loss) and DIR/gate.png,
+and prints the first step where each variant reached 50% and 95% exact.
+"""
+
+import argparse
+import csv
+import json
+import os
+import re
+
+_VAL = re.compile(r"validate step:\s*(\d+)\s+loss:\s*([\d.]+)")
+_RET = re.compile(r"validate step:\s*(\d+)\s+retrieval: passkey loss ([\d.]+) exact (\d+)%")
+
+
+def read_variant(folder: str) -> list[dict]:
+    """Validation rows {step, answer_loss, exact, val_loss} of one variant, by step."""
+    rows: dict[int, dict] = {}
+    path = os.path.join(folder, "metrics.jsonl")
+    if os.path.isfile(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    r = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if "retrieval/passkey_answer_loss" in r:
+                    row = rows.setdefault(r["step"], {"step": r["step"]})
+                    row["answer_loss"] = r["retrieval/passkey_answer_loss"]
+                    row["exact"] = r["retrieval/passkey_exact"]
+                if "validation_metrics/loss" in r:
+                    rows.setdefault(r["step"], {"step": r["step"]})["val_loss"] = r["validation_metrics/loss"]
+    else:
+        with open(os.path.join(folder, "train.log")) as f:
+            for line in f:
+                if m := _RET.search(line):
+                    row = rows.setdefault(int(m.group(1)), {"step": int(m.group(1))})
+                    row["answer_loss"], row["exact"] = float(m.group(2)), int(m.group(3)) / 100
+                elif m := _VAL.search(line):
+                    rows.setdefault(int(m.group(1)), {"step": int(m.group(1))})["val_loss"] = float(m.group(2))
+    return [rows[s] for s in sorted(rows) if "answer_loss" in rows[s]]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("run", help="the gate's OUT folder")
+    p.add_argument("--tokens-per-step", type=int, default=2048 * 16)
+    p.add_argument("--out", help="where gate.csv and gate.png go (default: the run folder)")
+    a = p.parse_args(argv)
+    out = a.out or a.run
+    os.makedirs(out, exist_ok=True)
+    names = sorted(n for n in os.listdir(a.run) if os.path.isfile(os.path.join(a.run, n, "train.log"))
+                   or os.path.isfile(os.path.join(a.run, n, "metrics.jsonl")))
+    curves = {n: read_variant(os.path.join(a.run, n)) for n in names}
+    with open(os.path.join(out, "gate.csv"), "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["variant", "step", "tokens", "answer_loss", "exact", "val_loss"])
+        for n, rows in curves.items():
+            for r in rows:
+                w.writerow([n, r["step"], r["step"] * a.tokens_per_step, f"{r['answer_loss']:.4f}",
+                            f"{r['exact']:.4f}", f"{r['val_loss']:.4f}" if "val_loss" in r else ""])
+    for n, rows in curves.items():
+        first = {t: next((r["step"] for r in rows if r["exact"] >= t), None) for t in (0.5, 0.95)}
+        last = rows[-1] if rows else {}
+        print(f"{n:24s} last step {last.get('step')}: answer loss {last.get('answer_loss', float('nan')):.3f} "
+              f"exact {100 * last.get('exact', 0):.0f}% | 50% at step {first[0.5]}, 95% at step {first[0.95]}")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for n, rows in curves.items():
+        tok = [r["step"] * a.tokens_per_step / 1e6 for r in rows]
+        ax1.plot(tok, [r["answer_loss"] for r in rows], label=n)
+        ax2.plot(tok, [100 * r["exact"] for r in rows], label=n)
+    ax1.set(xlabel="training tokens (M)", ylabel="nats per answer token", title="passkey answer loss (teacher-forced)")
+    ax2.set(xlabel="training tokens (M)", ylabel="% exact", title="passkey exact answers (64 held-out documents)",
+            ylim=(-2, 102))
+    ax2.axhline(95, color="gray", ls=":", lw=1)
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "gate.png"), dpi=110)
+    print(f"wrote {out}/gate.csv and gate.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
