@@ -228,6 +228,10 @@ def attend_causal_sdpa(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec,
     return out, None
 
 
+# flex's q and kv block size for a mask that is not per group (one BlockMask for every head)
+FLEX_BLOCK = 128
+
+
 def attend_flex(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, scale: float | None = None
                 ) -> tuple[Tensor, Tensor]:
     """Any mask on FlexAttention (see the module docstring)."""
@@ -248,7 +252,7 @@ def attend_flex(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, scale: float | 
         if lse is not None:
             lse = lse.view(B, Hkv, T, G).transpose(2, 3).reshape(B, Hq, T)
         return out, lse
-    bm = spec.block_mask(B, T, S, device=q.device, block_size=128)
+    bm = spec.block_mask(B, T, S, device=q.device, block_size=FLEX_BLOCK)
     if expand_kv_heads(T, S, G, q.device):
         # few keys for many queries (the compressed branch, S ~ T/d): one K/V copy per query
         # head instead of GQA. flex's dK/dV pass runs one program per (kv tile, kv head) that
@@ -347,6 +351,20 @@ class BranchPlan:
         if k.shape[2] == 0:
             return empty_attention(q, v)
         return EXECUTORS[self.docs_executor if docs else self.executor](self, q, k, v, spec, scale)
+
+    def prebuild(self, spec: MaskSpec, B: int, T: int, S: int, device, docs: bool) -> MaskSpec:
+        """`spec` with the BlockMask that `attend` will read built now (`MaskSpec.with_block_mask`,
+        the geometry `attend_flex` asks for: S keys, or the mask's kv_len), where this plan runs
+        flex on `device` in a step with / without documents and the mask is one BlockMask for
+        every head (not per group, not split into parts); else `spec` unchanged (the executor
+        builds what it needs, as without a prebuild). For the masks every layer of a step shares
+        (`nsa_flex.layer.step_masks`)."""
+        flex = (resolve_backend(self.backend, device) == "flex"
+                and (self.docs_executor if docs else self.executor) == "flex")
+        if not flex or spec.per_group or spec.parts is not None or S == 0:
+            return spec
+        S = S if spec.kv_len is None else min(S, spec.kv_len)
+        return spec.with_block_mask(B, T, S, device, FLEX_BLOCK)
 
 
 def plan_branch(cfg, builder: str, tuning: SelectedTuning = DEFAULT_TUNING) -> BranchPlan:
