@@ -100,3 +100,18 @@ def test_masks_for_another_length_refused():
         m(x, masks=m.step_masks(B, T // 2, x.device))
     with pytest.raises(ValueError, match="doc_ids passed beside masks"):
         m(x, DOCS, masks=m.step_masks(B, T, x.device, DOCS))
+
+
+def test_fsdp_input_cast_keeps_outputs():
+    """fully_shard's mixed precision casts a block's floating-point arguments, dataclasses
+    included (torch.distributed.utils._apply_to_tensors): the StepMasks it rebuilds (cos / sin in
+    bf16, BlockMasks as they were) give the same output, bit for bit."""
+    from torch.distributed.utils import _apply_to_tensors
+
+    m = make_layer(backend="flex", cmp_kernel="flex", dtype=torch.bfloat16).eval()
+    x = torch.randn(B, T, BASE["dim"], dtype=torch.bfloat16)
+    masks = m.step_masks(B, T, x.device, DOCS)
+    cast = _apply_to_tensors(lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t, masks)
+    assert cast.cos.dtype == torch.bfloat16 and cast.specs["win"].built is masks.specs["win"].built
+    with torch.no_grad():
+        assert torch.equal(m(x, masks=cast), m(x, DOCS))
