@@ -229,6 +229,7 @@ class NSAAttention(nn.Module):
 
         def mask(b):  # the branch's mask: the step's shared one, else the layer's own
             return masks.specs[b] if b in masks.specs else self.builders[b](ctx)
+
         docs = doc_ids is not None
         out, specs = {}, {}  # branch -> output; branch -> (MaskSpec, kv length), for telemetry
 

@@ -4,8 +4,9 @@ Same module layout as torchtitan's llama3 ``Transformer`` (``tok_embeddings``, `
 blocks with ``attention`` / ``attention_norm`` / ``feed_forward`` / ``ffn_norm``, ``norm``, ``output``),
 so torchtitan's ``apply_ac`` / ``apply_compile`` / ``apply_fsdp`` work on it unchanged. RoPE is applied
 inside ``NSAAttention`` (positions 0..T-1). What every layer shares (RoPE's cos / sin, the
-documents, the compressed and window masks: ``nsa_flex.layer.StepMasks``) is built once a forward,
-outside the compiled blocks, and passed to each block; each layer builds its own selection.
+documents, the compressed and window masks: ``nsa_flex.layer.StepMasks``) is built outside the
+compiled blocks, once a forward (without documents once while the shape stays), and passed to each
+block; each layer builds its own selection.
 """
 
 from typing import Callable
@@ -73,18 +74,25 @@ class NSATransformer(ModelProtocol):
         # every layer has this config: the step's shared masks are built with its builders and plans
         self.nsa_config = model_args.nsa_config()
         self.mask_builders, self.mask_plans = branch_runners(self.nsa_config)
+        # the last step's masks without documents, a function of (B, T, device) alone: reused
+        # while the shape stays (every training step), rebuilt when it changes
+        self.fixed_masks: tuple[tuple, StepMasks] | None = None
 
     def step_masks(self, tokens: torch.Tensor) -> StepMasks:
         """What every layer shares this step (``nsa_flex.layer.StepMasks``), from the model's input:
         token ids [B, T] (documents split at the EOS id when ``doc_masking``), or the hidden states
         of a stage without the embedding (no documents). Built outside the compiled blocks: once,
-        not once a layer."""
-        doc_ids = None
+        not once a layer; without documents once while the shape stays (`fixed_masks`)."""
+        B, T = tokens.shape[:2]
         if self.model_args.doc_masking and self.tok_embeddings is not None:
             doc_ids = doc_ids_from_tokens(tokens, self.model_args.eos_id)
-        B, T = tokens.shape[:2]
-        return step_masks(self.nsa_config, self.mask_builders, self.mask_plans, B, T, tokens.device,
-                          doc_ids)
+            return step_masks(self.nsa_config, self.mask_builders, self.mask_plans, B, T,
+                              tokens.device, doc_ids)
+        key = (B, T, tokens.device)
+        if self.fixed_masks is None or self.fixed_masks[0] != key:
+            self.fixed_masks = key, step_masks(self.nsa_config, self.mask_builders,
+                                               self.mask_plans, B, T, tokens.device)
+        return self.fixed_masks[1]
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """Initialize parameters (and buffers) in place; called after ``to_empty`` under no_grad."""

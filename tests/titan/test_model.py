@@ -250,3 +250,15 @@ def test_cudagraphs_only_on_inductor_one_process():
     with pytest.raises(CompileConfigError, match="cudagraphs needs backend inductor"):
         compile_options(job("--compile.enable", "--compile.cudagraphs", "--compile.backend", "aot_eager").compile, 1)
     assert "triton.cudagraphs" not in compile_options(job("--compile.enable").compile, 1)
+
+
+def test_step_masks_without_documents_built_once_per_shape():
+    """Without documents the step's masks are a function of the shape: the model builds them for
+    the first step and reuses them (the same object) while (B, T) stays; with documents every step."""
+    m = build(args_for("--training.seq_len", "64"))
+    x = torch.randint(0, 256, (2, 64))
+    first = m.step_masks(x)
+    assert m.step_masks(x.flip(1)) is first
+    assert m.step_masks(x[:, :32]) is not first and m.step_masks(x[:1]) is not first
+    d = build(args_for("--training.seq_len", "64", "--nsa.doc_masking", "True"))
+    assert d.step_masks(x) is not d.step_masks(x)
