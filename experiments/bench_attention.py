@@ -98,6 +98,7 @@ CMP_KERNEL = "auto"  # --cmp-kernel: the layer's executor of the compressed bran
 SEL_TUNING = DEFAULT_TUNING  # --sel-rows, --sel-dq-atomic: the selected op's tuning
 TRACE_RAW = None  # --selection-trace: (int64 [1, Hkv, T', n] trained picks, label) as loaded
 TRACE = None  # those picks fitted to the running (config, T), replacing the random ones
+SHARED_MASKS = False  # --shared-masks: the layer items get a StepMasks built once, outside the timing
 
 log = Clock()
 CSV_PATH = None
@@ -342,7 +343,15 @@ def build_items(cname, T, dev, dtype, compile_=True):
         if TRACE is not None:  # the layer scores as usual (timed), then attends the trained picks
             trained = TRACE[0].to(ddev)
             lay.select_topn = lambda *a, **k: torch.where(select_topn(*a, **k) >= -1, trained, -1)
-        f = comp(lay)
+        return layer_call(comp(lay), lay, xr)
+
+    def layer_call(f, lay, xr):
+        """The timed call of a layer item: f(x), or with --shared-masks f(x, masks) on masks
+        built once beforehand (what each layer of a model gets: the step's one build is spread
+        over its layers and not timed here)."""
+        if SHARED_MASKS:
+            masks = lay.step_masks(B, T, ddev)
+            return lambda: f(xr(), masks=masks)
         return lambda: f(xr())
 
     def full_layer():
@@ -352,9 +361,7 @@ def build_items(cname, T, dev, dtype, compile_=True):
                            sel_tuning=SEL_TUNING)
         lay = lay.to(dev, dtype)
         lay.init_weights(0.02)
-        xr = xs()
-        f = comp(lay)
-        return lambda: f(xr())
+        return layer_call(comp(lay), lay, xs())
 
     items = [("projections", train, projections), ("compression", train, compression),
              ("score_topn", False, score_topn), ("mask_build", False, mask_build),
@@ -402,6 +409,8 @@ def run_config(cname, T, dev, dtype, rows, stages, baselines, compile_=True, onl
         label = TRACE[1]
     meta = dict(config=cname, T=T, device=torch.cuda.get_device_name() if dev == "cuda" else "cpu",
                 sel_kernel=SEL_KERNEL, cmp_kernel=CMP_KERNEL, selection=label)
+    if SHARED_MASKS:
+        meta["masks"] = "shared"
     log(f"config {cname} T={T} on {meta['device']}")
     for name, has_bwd, make in build_items(cname, T, dev, dtype, compile_):
         if (only is not None and name not in only) or (name in STAGES and not stages) or (
@@ -590,6 +599,10 @@ def main(argv=None):
     ap.add_argument("--inductor", action="append", default=[], metavar="NAME=VALUE",
                     help="set torch._inductor.config.NAME to the Python literal VALUE for the run "
                          "(repeatable), e.g. epilogue_fusion=False: what a fusion choice costs")
+    ap.add_argument("--shared-masks", action="store_true",
+                    help="the layer items (nsa_layer, full_layer) take the step's shared masks "
+                         "(nsa_flex.layer.StepMasks) built once before timing, as each layer of a "
+                         "model does; rows get masks=shared")
     ap.add_argument("--out", default="experiments/results/bench")
     ap.add_argument("--merge", default="",
                     help="comma list of bench.csv files from earlier runs: rows merged (a later "
@@ -601,7 +614,8 @@ def main(argv=None):
     inductor = inductor_config(args.inductor, ap)
     only = set(_names(args.only, ITEMS, "--only", ap))
     modes = _names(args.modes, MODES, "--modes", ap)
-    global CMP_KERNEL, LOCK, SEL_KERNEL, SEL_TUNING, TRACE_RAW
+    global CMP_KERNEL, LOCK, SEL_KERNEL, SEL_TUNING, TRACE_RAW, SHARED_MASKS
+    SHARED_MASKS = args.shared_masks
     LOCK = TimingLock(args.timing_lock)
     SEL_KERNEL = args.sel_kernel
     CMP_KERNEL = args.cmp_kernel

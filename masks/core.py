@@ -17,7 +17,7 @@ mask_mod over a dense [Q, KV] grid:
 `r` of the packed layout is token `r // q_pack` (one row per head of a GQA group).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -103,6 +103,9 @@ class MaskSpec:
     kv_len: int | None = None
     # the mask as a per-position block selection (`Selection`), None for any other mask
     selection: Selection | None = None
+    # a BlockMask built ahead (`with_block_mask`: a mask every layer of a step shares is built once,
+    # outside the layers' compiled graphs); `block_mask` returns it for the same geometry
+    built: BlockMask | None = None
 
     @property
     def per_group(self) -> bool:
@@ -119,6 +122,18 @@ class MaskSpec:
         return m.expand(B, self.heads, Q_LEN, KV_LEN)
 
     # ------------------------------------------------------------------ block mask
+    def with_block_mask(self, B: int, Q_LEN: int, KV_LEN: int, device=None,
+                        block_size: int | tuple[int, int] = 128) -> "MaskSpec":
+        """This mask with its BlockMask (`block_mask` of the same arguments) built now."""
+        return replace(self, built=self.block_mask(B, Q_LEN, KV_LEN, device, block_size))
+
+    def built_for(self, B: int, rows: int, KV_LEN: int, block_size: tuple[int, int]) -> bool:
+        """Whether the BlockMask built ahead has this geometry (rows: packed query rows); shapes
+        and ints only, no tensor values read."""
+        bm = self.built
+        return (tuple(bm.seq_lengths) == (rows, KV_LEN) and tuple(bm.BLOCK_SIZE) == block_size
+                and bm.kv_num_blocks.shape[0] in (1, B))
+
     def block_flags(self, B: int, Q_LEN: int, KV_LEN: int, block_size: tuple[int, int],
                     q_pack: int = 1, device=None) -> tuple[Tensor, Tensor]:
         """(any, full) block flags [B', H', NQB, NKB] of the (packed) layout."""
@@ -147,6 +162,8 @@ class MaskSpec:
         Head dim of the result: 1 for head-agnostic masks, `heads` for per-group masks (in the
         packed layout those are the query heads, as FlexAttention requires)."""
         bs = (block_size, block_size) if isinstance(block_size, int) else tuple(block_size)
+        if self.built is not None and self.built_for(B, Q_LEN * q_pack, KV_LEN, bs):
+            return self.built
         mod = self.mask_mod
         if self.interval is None and self.kv_blocks is None and self.bands is None:
             return create_block_mask(packed_mask_mod(mod, q_pack), B, self.heads, Q_LEN * q_pack,

@@ -40,6 +40,9 @@ class MaskContext:
     topn: Callable[[], Tensor] | None = None  # scorer -> [B, n_kv_heads, T, n_sel]
     # varies the random_selection draw: an int, or a tensor broadcastable to [B, H, T, Ns]
     step: Tensor | int = 0
+    # doc_start(doc_ids) [B, T] where the caller has it already (computed once for a model's
+    # layers: nsa_flex.layer.StepMasks); None: computed here from doc_ids
+    starts: Tensor | None = None
 
     def with_docs(self, spec: MaskSpec, kv_stride: int = 1, kv_span: int = 1) -> MaskSpec:
         if self.doc_ids is None:
@@ -49,7 +52,7 @@ class MaskContext:
     def doc_start(self) -> Tensor:
         if self.doc_ids is None:
             return torch.zeros(1, self.seq_len, dtype=torch.long, device=self.device)
-        return doc_start(self.doc_ids.long())
+        return doc_start(self.doc_ids.long()) if self.starts is None else self.starts
 
 
 @dataclass(frozen=True)

@@ -33,11 +33,13 @@ scorer then computes it itself; None from SDPA, which every caller of a token br
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import flex_attention
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from masks import MaskSpec, builder_info, causal
 
@@ -158,22 +160,49 @@ def attend_compressed_sdpa(q: Tensor, k: Tensor, v: Tensor, l: int, d: int,
     blocks 0..m, so the d positions of group m become d query rows at causal index m: q ->
     [B, Hq*d, M, Dk] (head h*d + r; GQA onto the Hkv key heads keeps head h's group), M =
     num_cmp(T) groups (the last one padded), key i at index i. Positions before l - 1 see nothing
-    (0, lse -inf). torch.compile fuses the packing into its neighbours and keeps the packed q and
-    output for cuDNN's backward; `attend_compressed_lean` (cmp_kernel cudnn_lean) keeps neither."""
+    (0, lse -inf). torch.compile fuses the packing into its neighbours; the backward keeps cuDNN's
+    packed output and rebuilds the packed q from q (`repack_in_backward`; the layer keeps q anyway),
+    `attend_compressed_lean` (cmp_kernel cudnn_lean) keeps neither packed copy."""
     B, Hq, T, Dk, Hkv, S, G, scale = _dims(q, k, scale)
     o, M = l - 1, num_cmp(T, l, d)
     if M == 0 or S < M:
         raise ValueError(f"attend_compressed_sdpa: {S} compressed keys for T={T}, l={l}, d={d} "
                          f"(expected num_cmp(T) = {M}, at least 1)")
-    qp = F.pad(q[:, :, o:], (0, 0, 0, M * d - (T - o)))
-    qp = qp.view(B, Hq, M, d, Dk).transpose(2, 3).reshape(B, Hq * d, M, Dk)
-    out, lse = _causal_sdpa_lse(qp, k[:, :, :M], v[:, :, :M], scale)
+
+    def packed(q, k, v):  # the packed q [B, Hq*d, M, Dk] and its causal attention (packed)
+        qp = F.pad(q[:, :, o:], (0, 0, 0, M * d - (T - o)))
+        qp = qp.view(B, Hq, M, d, Dk).transpose(2, 3).reshape(B, Hq * d, M, Dk)
+        return _causal_sdpa_lse(qp, k[:, :, :M], v[:, :, :M], scale)
+
+    out, lse = repack_in_backward(packed, q, k, v)
 
     def unpack(x, fill):  # [B, Hq*d, M, E] -> [B, Hq, T, E], rows before l - 1: fill
         x = x.view(B, Hq, d, M, -1).transpose(2, 3).reshape(B, Hq, M * d, -1)[:, :, : T - o]
         return F.pad(x, (0, 0, o, 0), value=fill)
 
     return unpack(out, 0.0), unpack(lse.unsqueeze(-1), float("-inf")).squeeze(-1)
+
+
+# the packing's ops (slice, pad, views, the reshape's copy): what `repack_in_backward` recomputes
+PACK_OPS = frozenset({torch.ops.aten.slice.Tensor, torch.ops.aten.constant_pad_nd.default,
+                      torch.ops.aten.view.default, torch.ops.aten.transpose.int,
+                      torch.ops.aten.permute.default, torch.ops.aten.expand.default,
+                      torch.ops.aten.clone.default, torch.ops.aten._unsafe_view.default})
+
+
+def _pack_policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.PREFER_RECOMPUTE if op in PACK_OPS else CheckpointPolicy.MUST_SAVE
+
+
+def repack_in_backward(fn, q: Tensor, *rest: Tensor):
+    """fn(q, *rest) whose backward rebuilds what `PACK_OPS` made from its inputs (a packed copy of
+    q: one copy kernel) instead of keeping it, and keeps every other op's output (the attention's
+    output and lse): selective activation checkpointing. The same ops on the same inputs: outputs
+    and gradients are bit for bit those of fn. Without grad: fn itself."""
+    if not (torch.is_grad_enabled() and q.requires_grad):
+        return fn(q, *rest)
+    return checkpoint(fn, q, *rest, use_reentrant=False, preserve_rng_state=False,
+                      context_fn=partial(create_selective_checkpoint_contexts, _pack_policy))
 
 
 def merge_parts(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
@@ -228,6 +257,10 @@ def attend_causal_sdpa(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec,
     return out, None
 
 
+# flex's q and kv block size for a mask that is not per group (one BlockMask for every head)
+FLEX_BLOCK = 128
+
+
 def attend_flex(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, scale: float | None = None
                 ) -> tuple[Tensor, Tensor]:
     """Any mask on FlexAttention (see the module docstring)."""
@@ -248,7 +281,7 @@ def attend_flex(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, scale: float | 
         if lse is not None:
             lse = lse.view(B, Hkv, T, G).transpose(2, 3).reshape(B, Hq, T)
         return out, lse
-    bm = spec.block_mask(B, T, S, device=q.device, block_size=128)
+    bm = spec.block_mask(B, T, S, device=q.device, block_size=FLEX_BLOCK)
     if expand_kv_heads(T, S, G, q.device):
         # few keys for many queries (the compressed branch, S ~ T/d): one K/V copy per query
         # head instead of GQA. flex's dK/dV pass runs one program per (kv tile, kv head) that
@@ -347,6 +380,20 @@ class BranchPlan:
         if k.shape[2] == 0:
             return empty_attention(q, v)
         return EXECUTORS[self.docs_executor if docs else self.executor](self, q, k, v, spec, scale)
+
+    def prebuild(self, spec: MaskSpec, B: int, T: int, S: int, device, docs: bool) -> MaskSpec:
+        """`spec` with the BlockMask that `attend` will read built now (`MaskSpec.with_block_mask`,
+        the geometry `attend_flex` asks for: S keys, or the mask's kv_len), where this plan runs
+        flex on `device` in a step with / without documents and the mask is one BlockMask for
+        every head (not per group, not split into parts); else `spec` unchanged (the executor
+        builds what it needs, as without a prebuild). For the masks every layer of a step shares
+        (`nsa_flex.layer.step_masks`)."""
+        flex = (resolve_backend(self.backend, device) == "flex"
+                and (self.docs_executor if docs else self.executor) == "flex")
+        if not flex or spec.per_group or spec.parts is not None or S == 0:
+            return spec
+        S = S if spec.kv_len is None else min(S, spec.kv_len)
+        return spec.with_block_mask(B, T, S, device, FLEX_BLOCK)
 
 
 def plan_branch(cfg, builder: str, tuning: SelectedTuning = DEFAULT_TUNING) -> BranchPlan:

@@ -3,15 +3,21 @@
 x -> projections (shared q; own k/v per branch) -> RoPE -> compress -> score -> masks
   -> three attention calls (compressed, selected, window) -> per-head sigmoid gate -> out
 The projections are methods (`project_q`, `project_kv`) so decode projects one token the same way.
+What does not depend on the layer (RoPE's cos / sin, the documents, the compressed and window
+masks) is a `StepMasks`: a model builds it once a forward for all its layers (`step_masks`), a
+layer called alone builds its own.
 """
+
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from masks import MaskContext, builder_info, doc_start
+from masks import MaskContext, MaskSpec, builder_info, doc_start
 
-from .attention import mix_branches, plan_branch
+from .attention import BranchPlan, mix_branches, plan_branch
 from .compression import PHI
 from .config import RECOMPUTED, NSAConfig
 from .kernel_options import install_flex_patches
@@ -60,6 +66,55 @@ def branch_builders(cfg: NSAConfig) -> dict[str, str]:
     return {b: out[b] for b in BRANCHES if b in out}
 
 
+def branch_runners(cfg: NSAConfig, sel_tuning: SelectedTuning = DEFAULT_TUNING
+                   ) -> tuple[dict[str, Callable], dict[str, BranchPlan]]:
+    """The mask builder function and the executor plan of every branch that runs
+    (`branch_builders`): what a layer holds, and what a model builds its `StepMasks` with."""
+    run = branch_builders(cfg)
+    return ({b: builder_info(n).fn for b, n in run.items()},
+            {b: plan_branch(cfg, n, sel_tuning) for b, n in run.items()})
+
+
+def shares_mask(branch: str, builder: str) -> bool:
+    """Whether a branch's mask is the same in every layer of a step: not the selection (its
+    top-n reads the layer's own scores), and a builder that reads neither the scores nor the
+    step's random draw (`masks.builder_info`): its mask is a function of the config, the shape
+    and the documents alone."""
+    info = builder_info(builder)
+    return branch != "sel" and not (info.scores or info.step)
+
+
+@dataclass(frozen=True)
+class StepMasks:
+    """What the NSA layers of one forward share (`step_masks`). cos, sin: RoPE's [T, d_qk] in
+    fp32 (`apply_rope` casts them to q's dtype, the cast a layer's own did); doc_ids [B, T] and
+    starts (each position's document start, `masks.doc_start`), None without documents; specs:
+    branch -> mask of the branches `shares_mask` names, with the BlockMask their flex call reads
+    built (`BranchPlan.prebuild`). Bit-identical to a layer's own: the same ops, run once."""
+    cos: Tensor
+    sin: Tensor
+    doc_ids: Tensor | None
+    starts: Tensor | None
+    specs: dict[str, MaskSpec]
+
+
+def step_masks(cfg: NSAConfig, builders: dict[str, Callable], plans: dict[str, BranchPlan],
+               B: int, T: int, device, doc_ids: Tensor | None = None) -> StepMasks:
+    """The `StepMasks` of a step of B sequences of T tokens (doc_ids [B, T] or None), for layers
+    of config `cfg` whose branches run `builders` and `plans` (`branch_runners`)."""
+    cos, sin = rope_cos_sin(torch.arange(T, device=device), cfg.d_qk, cfg.rope_theta)
+    starts = None if doc_ids is None else doc_start(doc_ids.long())
+    ctx = MaskContext(cfg, B, T, device, doc_ids=doc_ids, starts=starts)
+    names, specs = branch_builders(cfg), {}
+    for b, build in builders.items():
+        if shares_mask(b, names[b]):
+            spec = build(ctx)
+            S = cfg.num_cmp(T) if b == "cmp" else T
+            specs[b] = spec if spec is None else plans[b].prebuild(spec, B, T, S, device,
+                                                                  doc_ids is not None)
+    return StepMasks(cos, sin, doc_ids, starts, specs)
+
+
 class NSAAttention(nn.Module):
     """The NSA layer. Each branch's executor is chosen here, once (`plans`: branch ->
     `nsa_flex.attention.BranchPlan`); sel_tuning: the selected op's settings (benchmarks and
@@ -81,9 +136,7 @@ class NSAAttention(nn.Module):
         self.gate = nn.Linear(dim, 3 * H, bias=True)  # paper Eq. 5: g = sigmoid(MLP(x))
         self.wo = nn.Linear(H * dv, dim, bias=False)
         self.branch_names = cfg.branch_masks()
-        run = branch_builders(cfg)
-        self.builders = {b: builder_info(n).fn for b, n in run.items()}
-        self.plans = {b: plan_branch(cfg, n, sel_tuning) for b, n in run.items()}
+        self.builders, self.plans = branch_runners(cfg, sel_tuning)
         self.draws = builder_info(self.branch_names["sel"]).step  # the selection reads ctx.step
         # the top-n selection (Eq. 8-11, nsa_flex.selection): an instance attribute, so a probe
         # can wrap it for one layer (experiments/retrieval_probe.py records and overrides picks)
@@ -143,31 +196,47 @@ class NSAAttention(nn.Module):
         return run(x, q)
 
     # ------------------------------------------------------------------ forward
-    def forward(self, x: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+    def step_masks(self, B: int, T: int, device, doc_ids: Tensor | None = None) -> StepMasks:
+        """This layer's `StepMasks` for a step (`step_masks` with its own builders and plans)."""
+        return step_masks(self.cfg, self.builders, self.plans, B, T, device, doc_ids)
+
+    def forward(self, x: Tensor, doc_ids: Tensor | None = None,
+                masks: StepMasks | None = None) -> Tensor:
         """x [B, T, dim] -> [B, T, dim]; doc_ids [B, T] (optional): document ids, non-decreasing
-        along T (packed documents attend only within themselves)."""
+        along T (packed documents attend only within themselves). masks: what the layers of a
+        forward share, built once by the model (`step_masks`, holding the step's doc_ids: pass
+        one or the other); None: the layer builds its own."""
         check_inputs(x, doc_ids, self.cfg.dim)
         cfg, names = self.cfg, self.branch_names
         B, T, _ = x.shape
-        cos, sin = rope_cos_sin(torch.arange(T, device=x.device), cfg.d_qk, cfg.rope_theta, x.dtype)
+        if masks is None:
+            masks = self.step_masks(B, T, x.device, doc_ids)
+        elif doc_ids is not None or masks.cos.shape[0] != T:
+            raise ValueError(f"NSAAttention: masks for T={masks.cos.shape[0]} with x of T={T}, or "
+                             "doc_ids passed beside masks (they hold the step's doc_ids)")
+        doc_ids, cos, sin = masks.doc_ids, masks.cos, masks.sin
         q = self.project_q(x, cos, sin)
         k_cmp = lse_cmp = None  # set by the compressed branch below, read by the scorer
 
         def topn():  # selection scorer (Eq. 8-10) and top-n, when the selection builder asks
             kc = self.phi_k(self.project_kv(x, "cmp", cos, sin)[0]) if k_cmp is None else k_cmp
             lse = None if lse_cmp is None else lse_cmp.detach()
-            starts = None if doc_ids is None else doc_start(doc_ids.long())
-            return self.select_topn(q.detach(), kc.detach(), lse, cfg, starts)  # no gradient
+            return self.select_topn(q.detach(), kc.detach(), lse, cfg, masks.starts)  # no grad
 
         step = random_draw_step(x, cfg.seed) if self.draws else 0
-        ctx = MaskContext(cfg, B, T, x.device, doc_ids=doc_ids, topn=topn, step=step)
+        ctx = MaskContext(cfg, B, T, x.device, doc_ids=doc_ids, topn=topn, step=step,
+                          starts=masks.starts)
+
+        def mask(b):  # the branch's mask: the step's shared one, else the layer's own
+            return masks.specs[b] if b in masks.specs else self.builders[b](ctx)
+
         docs = doc_ids is not None
         out, specs = {}, {}  # branch -> output; branch -> (MaskSpec, kv length), for telemetry
 
         # compressed branch (§3.3.1): phi over blocks of l keys / values, attend; its lse feeds
         # the scorer. A scoring selection runs it for the compressed keys when the branch is off.
         if "cmp" in self.builders:
-            spec = self.builders["cmp"](ctx)
+            spec = mask("cmp")
             o, lse_cmp, k_cmp = self.branch("cmp", spec, x, q, cos, sin, docs)
             if names["cmp"] != "none":
                 out["cmp"], specs["cmp"] = o, (spec, k_cmp.shape[2])
@@ -175,7 +244,7 @@ class NSAAttention(nn.Module):
         # selected (§3.3.2) and sliding-window (§3.3.3) branches
         for b in ("sel", "win"):
             if b in self.builders:
-                specs[b] = (self.builders[b](ctx), T)
+                specs[b] = (mask(b), T)
                 out[b], _, _ = self.branch(b, specs[b][0], x, q, cos, sin, docs)
 
         # gate (Eq. 5): per head, per branch sigmoid, mixing the branch outputs

@@ -3,7 +3,10 @@
 Same module layout as torchtitan's llama3 ``Transformer`` (``tok_embeddings``, ``layers`` ModuleDict of
 blocks with ``attention`` / ``attention_norm`` / ``feed_forward`` / ``ffn_norm``, ``norm``, ``output``),
 so torchtitan's ``apply_ac`` / ``apply_compile`` / ``apply_fsdp`` work on it unchanged. RoPE is applied
-inside ``NSAAttention`` (positions 0..T-1); NSA's masks are rebuilt inside each layer every step.
+inside ``NSAAttention`` (positions 0..T-1). What every layer shares (RoPE's cos / sin, the
+documents, the compressed and window masks: ``nsa_flex.layer.StepMasks``) is built outside the
+compiled blocks, once a forward (without documents once while the shape stays), and passed to each
+block; each layer builds its own selection.
 """
 
 from typing import Callable
@@ -16,7 +19,7 @@ from torchtitan.models.utils import trunc_normal_
 from torchtitan.protocols.model import ModelProtocol
 
 from nsa_flex.data.documents import doc_ids_from_tokens
-from nsa_flex.layer import NSAAttention
+from nsa_flex.layer import NSAAttention, StepMasks, branch_runners, step_masks
 
 from .args import NSAModelArgs
 
@@ -39,13 +42,14 @@ class NSATransformerBlock(nn.Module):
         else:
             self.weight_init_std = 0.02 / (2 * model_args.n_layers) ** 0.5
 
-    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None,
+    def forward(self, x: torch.Tensor, masks: StepMasks | None = None,
                 attend: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-        """x + attention(attention_norm(x)), then + feed_forward(ffn_norm(.)). attend: the
-        attention call on the normed input, in place of ``self.attention(., doc_ids)`` (prefill
-        and decode pass one that reads and fills the layer's cache)."""
+        """x + attention(attention_norm(x)), then + feed_forward(ffn_norm(.)). masks: the step's
+        shared masks (``NSATransformer.step_masks``); attend: the attention call on the normed
+        input, in place of ``self.attention(., masks=masks)`` (prefill and decode pass one that
+        reads and fills the layer's cache)."""
         y = self.attention_norm(x)
-        h = x + (self.attention(y, doc_ids) if attend is None else attend(y))
+        h = x + (self.attention(y, masks=masks) if attend is None else attend(y))
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self) -> None:
@@ -67,6 +71,28 @@ class NSATransformer(ModelProtocol):
         )
         self.norm = nn.RMSNorm(model_args.dim, eps=model_args.norm_eps)
         self.output = nn.Linear(model_args.dim, model_args.vocab_size, bias=False)
+        # every layer has this config: the step's shared masks are built with its builders and plans
+        self.nsa_config = model_args.nsa_config()
+        self.mask_builders, self.mask_plans = branch_runners(self.nsa_config)
+        # the last step's masks without documents, a function of (B, T, device) alone: reused
+        # while the shape stays (every training step), rebuilt when it changes
+        self.fixed_masks: tuple[tuple, StepMasks] | None = None
+
+    def step_masks(self, tokens: torch.Tensor) -> StepMasks:
+        """What every layer shares this step (``nsa_flex.layer.StepMasks``), from the model's input:
+        token ids [B, T] (documents split at the EOS id when ``doc_masking``), or the hidden states
+        of a stage without the embedding (no documents). Built outside the compiled blocks: once,
+        not once a layer; without documents once while the shape stays (`fixed_masks`)."""
+        B, T = tokens.shape[:2]
+        if self.model_args.doc_masking and self.tok_embeddings is not None:
+            doc_ids = doc_ids_from_tokens(tokens, self.model_args.eos_id)
+            return step_masks(self.nsa_config, self.mask_builders, self.mask_plans, B, T,
+                              tokens.device, doc_ids)
+        key = (B, T, tokens.device)
+        if self.fixed_masks is None or self.fixed_masks[0] != key:
+            self.fixed_masks = key, step_masks(self.nsa_config, self.mask_builders,
+                                               self.mask_plans, B, T, tokens.device)
+        return self.fixed_masks[1]
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """Initialize parameters (and buffers) in place; called after ``to_empty`` under no_grad."""
@@ -90,11 +116,9 @@ class NSATransformer(ModelProtocol):
     def forward(self, tokens: torch.Tensor, attention_masks=None, positions=None) -> torch.Tensor:
         if positions is not None:
             raise NotImplementedError("nsa_flex uses positions 0..T-1 (no position ids)")
-        doc_ids = None
-        if self.model_args.doc_masking and self.tok_embeddings is not None:
-            doc_ids = doc_ids_from_tokens(tokens, self.model_args.eos_id)
+        masks = self.step_masks(tokens)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
-            h = layer(h, doc_ids)
+            h = layer(h, masks)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h

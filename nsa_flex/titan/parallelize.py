@@ -7,11 +7,14 @@ memory_budget, with llama3's op save list, which already saves flex_attention), 
 ``apply_compile`` does (fullgraph=True), with ``[compile] combo_kernels`` passed to inductor
 (:func:`compile_blocks`). Tensor / context / pipeline parallelism are not supported.
 
-Masks: NSA rebuilds its masks inside every block from that step's activations; they are traced as
-computation by torch.compile, never captured as constants. CUDA graphs (which would freeze them) are
-refused, not switched off behind the user's back: compile backend "cudagraphs" and inductor's
-``triton.cudagraphs`` (``TORCHINDUCTOR_CUDAGRAPHS=1``, off by default; llama3's ``apply_compile``
-passes no ``mode``) are a :class:`CompileConfigError`.
+Masks: what every layer shares (``nsa_flex.layer.StepMasks``: RoPE, documents, the compressed and
+window masks) is built once a step outside the blocks and is an input of each compiled block; the
+selection is computed inside each block from its activations. A block's graph has no host sync and
+no data-dependent shape (fullgraph=True fails on either), so a CUDA graph replay of it recomputes
+everything from its inputs. CUDA graphs come from one place, ``[compile] cudagraphs`` (inductor's,
+per block, one GPU; off by default); the compile backend "cudagraphs" and inductor's global
+``triton.cudagraphs`` (``TORCHINDUCTOR_CUDAGRAPHS=1``; llama3's ``apply_compile`` passes no
+``mode``) are a :class:`CompileConfigError` naming it.
 """
 
 import torch
@@ -27,32 +30,49 @@ from nsa_flex.errors import UserError
 
 
 class CompileConfigError(UserError, ValueError):
-    """A compile setting that would capture NSA's per-step masks."""
+    """A compile setting nsa_flex does not run: CUDA graphs other than ``[compile] cudagraphs``."""
 
 
 def check_no_cudagraphs(backend: str) -> None:
-    """CUDA graphs are neither the compile backend nor on in inductor; else :class:`CompileConfigError`."""
+    """CUDA graphs are neither the compile backend nor on in inductor globally (they come from
+    ``[compile] cudagraphs`` alone); else :class:`CompileConfigError`."""
     if "cudagraph" in backend:
-        raise CompileConfigError(f"compile.backend={backend!r}: CUDA graphs would capture NSA's per-step masks; "
-                                 "use inductor")
+        raise CompileConfigError(f"compile.backend={backend!r}: CUDA graphs for the blocks come from inductor "
+                                 "with [compile] cudagraphs = true (--compile.cudagraphs); use inductor")
     import torch._inductor.config as inductor_config
 
     if inductor_config.triton.cudagraphs:
-        raise CompileConfigError("inductor's triton.cudagraphs is on (TORCHINDUCTOR_CUDAGRAPHS=1?): CUDA graphs "
-                                 "would capture NSA's per-step masks; unset it")
+        raise CompileConfigError("inductor's triton.cudagraphs is on (TORCHINDUCTOR_CUDAGRAPHS=1?): it would put "
+                                 "every compiled function in CUDA graphs; unset it, and set [compile] cudagraphs "
+                                 "= true for the blocks")
 
 
-def compile_blocks(model: nn.Module, compile_cfg) -> None:
+def compile_options(compile_cfg, world_size: int) -> dict | None:
+    """Inductor's options for the blocks from [compile]: combo_kernels, and triton.cudagraphs where
+    ``cudagraphs`` is on (one process only: FSDP gathers the parameters into new memory every step,
+    which a graph replay cannot follow); None for another backend (cudagraphs then refused)."""
+    if compile_cfg.cudagraphs and (compile_cfg.backend != "inductor" or world_size > 1):
+        raise CompileConfigError(f"[compile] cudagraphs needs backend inductor and one process (got backend "
+                                 f"{compile_cfg.backend!r}, {world_size} processes)")
+    if compile_cfg.backend != "inductor":
+        return None
+    options = {"combo_kernels": compile_cfg.combo_kernels}
+    if compile_cfg.cudagraphs:
+        options["triton.cudagraphs"] = True
+    return options
+
+
+def compile_blocks(model: nn.Module, compile_cfg, world_size: int = 1) -> None:
     """torch.compile each transformer block with fullgraph=True (llama3's ``apply_compile``), and
-    for the inductor backend with ``combo_kernels`` from [compile]: the NSA layer's many small
-    kernels are launched in fewer, larger launches, which matters where the host's launch rate
-    bounds a step (short sequences)."""
-    options = {"combo_kernels": compile_cfg.combo_kernels} if compile_cfg.backend == "inductor" else None
+    for the inductor backend with the options of [compile] (`compile_options`): combo kernels (the
+    NSA layer's many small kernels in fewer, larger launches) and CUDA graphs, both for where the
+    host's launch rate bounds a step (short sequences)."""
+    options = compile_options(compile_cfg, world_size)
     for layer_id, block in model.layers.named_children():
         model.layers.register_module(layer_id, torch.compile(block, backend=compile_cfg.backend,
                                                              fullgraph=True, options=options))
     logger.info("Compiling each TransformerBlock with torch.compile (%s)",
-                f"combo_kernels={compile_cfg.combo_kernels}" if options else compile_cfg.backend)
+                ", ".join(f"{k}={v}" for k, v in options.items()) if options else compile_cfg.backend)
 
 
 def cpu_data_parallel_problem(parallelism, world_size: int, cuda: bool) -> str | None:
@@ -87,7 +107,7 @@ def parallelize_nsa(model: nn.Module, parallel_dims: ParallelDims, job_config) -
 
     if model_compile_enabled:
         check_no_cudagraphs(compile_cfg.backend)
-        compile_blocks(model, compile_cfg)  # per block, fullgraph=True
+        compile_blocks(model, compile_cfg, parallel_dims.world_size)  # per block, fullgraph=True
 
     if parallel_dims.fsdp_enabled:
         names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]

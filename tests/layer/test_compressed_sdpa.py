@@ -178,3 +178,58 @@ def test_op_compiles_with_dynamic_shapes():
         S = num_cmp(T, l, d)
         q, k, v = torch.randn(1, 4, T, 8), torch.randn(1, 2, S, 8), torch.randn(1, 2, S, 8)
         torch.testing.assert_close(f(q, k, v), attend_compressed_lean(q, k, v, l, d)[0])
+
+
+def _saved_by_compiled_forward(fn, *args):
+    """Element counts of what the compiled forward (inductor's min-cut partition) keeps for the
+    backward (counts: on the CPU the math in cuDNN's place keeps its operands reshaped)."""
+    import functools
+
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    saved = []
+
+    def fw(gm, _):
+        for n in next(iter(gm.graph.find_nodes(op="output"))).args[0]:
+            v = n.meta.get("val") if isinstance(n, torch.fx.Node) else None
+            if isinstance(v, torch.Tensor):
+                saved.append(v.numel())
+        return gm
+
+    backend = aot_autograd(fw_compiler=fw, bw_compiler=lambda gm, _: gm, partition_fn=functools.partial(
+        min_cut_rematerialization_partition, compiler="inductor"))
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    return out, saved
+
+
+def test_packed_q_rebuilt_in_backward_not_kept(monkeypatch):
+    """The traced route keeps cuDNN's packed output and lse but not the packed q (rebuilt from q in
+    the backward, `repack_in_backward`): compiled, no kept tensor has the packed q's size; eager
+    and compiled, output and gradients equal bit for bit those of the route keeping it."""
+    import nsa_flex.attention as attention
+
+    T, l, d, Hkv, G = 45, 8, 4, 2, 3
+    S = num_cmp(T, l, d)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(*s, generator=g) for s in ((1, Hkv * G, T, 8), (1, Hkv, S, 8), (1, Hkv, S, 4)))
+    packed_q = Hkv * G * d * S * 8  # elements; the packed output has d_v 4: another count
+
+    def run(q, k, v):
+        out, lse = attend_compressed_sdpa(q, k, v, l, d)
+        return out, lse, torch.autograd.grad(out.square().sum(), (q, k, v), create_graph=False)
+
+    def fwd(q, k, v):
+        return attend_compressed_sdpa(q, k, v, l, d)
+
+    leaves = lambda: [t.clone().requires_grad_(True) for t in (q, k, v)]  # noqa: E731
+    repacked = run(*leaves())
+    _, saved = _saved_by_compiled_forward(fwd, *leaves())
+    assert packed_q not in saved, saved
+    monkeypatch.setattr(attention, "repack_in_backward", lambda fn, *a: fn(*a))
+    kept = run(*leaves())
+    _, saved_kept = _saved_by_compiled_forward(fwd, *leaves())
+    assert packed_q in saved_kept  # the check sees the packed q where it is kept
+    for a, b in zip(repacked[:2] + repacked[2], kept[:2] + kept[2]):
+        assert torch.equal(a, b)

@@ -61,8 +61,10 @@ def test_custom_builder_in_a_toml_run(tmp_path):
     assert r.returncode == 0, out[-3000:]
     assert "masks: cmp=compressed_causal sel=topn win=half_window (preset nsa, modules my_masks)" in out
     calls = (tmp_path / "half_window_calls.txt").read_text().split()
-    # the registration's causality check (T=19, twice), then every layer's step at the run's seq_len
-    assert calls.count("256") >= 2 * 2 and set(calls) == {"19", "256"}, calls
+    # the registration's causality check (T=19, twice), then at the run's seq_len: a window mask
+    # is the same in every layer and, without documents, every step (the model builds it once,
+    # nsa_flex.layer.StepMasks)
+    assert calls.count("256") >= 1 and set(calls) == {"19", "256"}, calls
 
 
 def test_custom_builder_preflight_sees_the_module(tmp_path):

@@ -192,6 +192,8 @@ def test_compile_per_block_fullgraph():
 
 @pytest.mark.parametrize("cli,options", [((), {"combo_kernels": True}),
                                          (("--compile.no_combo_kernels",), {"combo_kernels": False}),
+                                         (("--compile.cudagraphs",),
+                                          {"combo_kernels": True, "triton.cudagraphs": True}),
                                          (("--compile.backend", "aot_eager"), None)])
 def test_compile_options_from_config(monkeypatch, cli, options):
     """Every block is compiled with fullgraph=True and, on inductor, [compile] combo_kernels (on by
@@ -202,3 +204,61 @@ def test_compile_options_from_config(monkeypatch, cli, options):
     parallelize_nsa(build(a), _parallel_dims(), job("--compile.enable", *cli))
     backend = "aot_eager" if "aot_eager" in cli else "inductor"
     assert seen == [dict(backend=backend, fullgraph=True, options=options)] * a.n_layers
+
+
+@pytest.mark.parametrize("cli", [(), ("--nsa.doc_masking", "True"), ("--nsa.masks", "full_causal")])
+def test_shared_step_masks_equal_per_layer_masks(cli):
+    """The model builds the masks every layer shares once a forward (StepMasks); loss and every
+    gradient equal, bit for bit, those of the same blocks each building its own masks."""
+    a = args_for("--training.seq_len", "64", *cli)
+    x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(3))
+    x[:, 20] = a.eos_id
+    m = build(a)
+    loss, grads = _loss_and_grads(m, x)
+
+    def own_masks(tokens):  # the model's forward, each layer building its own masks
+        doc_ids = doc_ids_from_tokens(tokens, a.eos_id) if a.doc_masking else None
+        h = m.tok_embeddings(tokens)
+        for blk in m.layers.values():
+            h = blk(h, attend=lambda y, blk=blk: blk.attention(y, doc_ids))
+        return m.output(m.norm(h))
+
+    class Own(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = m
+
+        def forward(self, tokens):
+            return own_masks(tokens)
+
+    ref_loss, ref_grads = _loss_and_grads(Own(), x)
+    assert torch.equal(loss, ref_loss)
+    assert grads.keys() == {k.removeprefix("m."): None for k in ref_grads}.keys()
+    for k, g in grads.items():
+        assert torch.equal(g, ref_grads["m." + k]), k
+
+
+def test_cudagraphs_only_on_inductor_one_process():
+    """[compile] cudagraphs is inductor's, for one process (FSDP's gathered parameters move every
+    step): another backend or several processes are refused by name."""
+    from nsa_flex.titan.parallelize import CompileConfigError, compile_options
+
+    cfg = job("--compile.enable", "--compile.cudagraphs")
+    assert compile_options(cfg.compile, 1)["triton.cudagraphs"] is True
+    with pytest.raises(CompileConfigError, match="cudagraphs needs backend inductor and one process"):
+        compile_options(cfg.compile, 2)
+    with pytest.raises(CompileConfigError, match="cudagraphs needs backend inductor"):
+        compile_options(job("--compile.enable", "--compile.cudagraphs", "--compile.backend", "aot_eager").compile, 1)
+    assert "triton.cudagraphs" not in compile_options(job("--compile.enable").compile, 1)
+
+
+def test_step_masks_without_documents_built_once_per_shape():
+    """Without documents the step's masks are a function of the shape: the model builds them for
+    the first step and reuses them (the same object) while (B, T) stays; with documents every step."""
+    m = build(args_for("--training.seq_len", "64"))
+    x = torch.randint(0, 256, (2, 64))
+    first = m.step_masks(x)
+    assert m.step_masks(x.flip(1)) is first
+    assert m.step_masks(x[:, :32]) is not first and m.step_masks(x[:1]) is not first
+    d = build(args_for("--training.seq_len", "64", "--nsa.doc_masking", "True"))
+    assert d.step_masks(x) is not d.step_masks(x)
