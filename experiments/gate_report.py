@@ -11,9 +11,10 @@ and prints the first step where each variant reached 50% and 95% exact.
 
 import argparse
 import csv
-import json
 import os
 import re
+
+from nsa_flex.apps.plot import read_metrics
 
 _VAL = re.compile(r"validate step:\s*(\d+)\s+loss:\s*([\d.]+)")
 _RET = re.compile(r"validate step:\s*(\d+)\s+retrieval: passkey loss ([\d.]+) exact (\d+)%")
@@ -23,19 +24,13 @@ def read_variant(folder: str) -> list[dict]:
     """Validation rows {step, answer_loss, exact, val_loss} of one variant, by step."""
     rows: dict[int, dict] = {}
     path = os.path.join(folder, "metrics.jsonl")
-    if os.path.isfile(path):
-        with open(path) as f:
-            for line in f:
-                try:
-                    r = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if "retrieval/passkey_answer_loss" in r:
-                    row = rows.setdefault(r["step"], {"step": r["step"]})
-                    row["answer_loss"] = r["retrieval/passkey_answer_loss"]
-                    row["exact"] = r["retrieval/passkey_exact"]
+    if os.path.isfile(path):  # merged per step, resumes and cut lines handled as the plot does
+        for step, r in read_metrics(path).items():
+            if "retrieval/passkey_answer_loss" in r:
+                rows[step] = {"step": step, "answer_loss": r["retrieval/passkey_answer_loss"],
+                              "exact": r["retrieval/passkey_exact"]}
                 if "validation_metrics/loss" in r:
-                    rows.setdefault(r["step"], {"step": r["step"]})["val_loss"] = r["validation_metrics/loss"]
+                    rows[step]["val_loss"] = r["validation_metrics/loss"]
     else:
         with open(os.path.join(folder, "train.log")) as f:
             for line in f:
