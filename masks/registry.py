@@ -6,6 +6,11 @@ Contract of a branch mask builder (register your own with `register_mask_builder
 
 `ctx` holds the layer's config and this step's inputs (sequence length, document ids and, for
 selection builders, `ctx.topn()`, the scorer's top-n block indices [B, n_kv_heads, T, n_sel]).
+With context parallelism the queries are a shard (`ctx.q_offset`, `ctx.q_len`) of the whole
+sequence (`ctx.seq_len`, `ctx.doc_ids`): masks take positions, `ctx.topn()` has the shard's rows;
+the layer sets the returned mask's query offset (`masks.core.at_offset`); a selection builder
+passes `ctx.q_offset` to `selection` and `ctx.rows(...)` keeps the shard's rows of a whole-sequence
+tensor.
 A builder is called every step, so it may depend on the data. It must be strictly causal and,
 for the selection branch, give every head of a GQA group the same mask (heads = n_kv_heads).
 `kind` says which branch accepts it: "compressed" (kv index = compressed block), "selection"
@@ -40,6 +45,16 @@ class MaskContext:
     topn: Callable[[], Tensor] | None = None  # scorer -> [B, n_kv_heads, T, n_sel]
     # varies the random_selection draw: an int, or a tensor broadcastable to [B, H, T, Ns]
     step: Tensor | int = 0
+    # the queries are positions q_offset .. q_offset + q_len - 1 of the seq_len (context
+    # parallelism: one shard); q_len None: all of them
+    q_offset: int = 0
+    q_len: int | None = None
+
+    def rows(self, x: Tensor, dim: int = 2) -> Tensor:
+        """The query shard's rows of a whole-sequence tensor (positions along `dim`)."""
+        if self.q_len is None or self.q_len == self.seq_len:
+            return x
+        return x.narrow(dim, self.q_offset, self.q_len)
 
     def with_docs(self, spec: MaskSpec, kv_stride: int = 1, kv_span: int = 1) -> MaskSpec:
         if self.doc_ids is None:
@@ -283,24 +298,25 @@ def selection_parts(ctx, idx: Tensor) -> MaskSpec:
     blocks (static bands with ordinary q blocks and GQA, `forced_parts`) and the rest. Why split:
     packed with the rest, block 0 makes one dK/dV program walk every query (two thirds of the
     branch's backward at 64k)."""
-    c = ctx.cfg
-    whole = ctx.with_docs(selection(idx, c.l_sel))
+    c, o = ctx.cfg, ctx.q_offset
+    whole = ctx.with_docs(selection(idx, c.l_sel, o))
     starts = None if ctx.doc_ids is None else ctx.doc_start()
     forced = forced_parts(c.l_sel, c.n_init, c.n_local, starts)
     if not forced:
         return whole
-    rest = selection(drop_forced(idx, c.l_sel, c.n_init, c.n_local, starts), c.l_sel)
+    rows = None if starts is None else ctx.rows(starts, dim=1)
+    rest = selection(drop_forced(idx, c.l_sel, c.n_init, c.n_local, rows, o), c.l_sel, o)
     return dataclasses.replace(whole, parts=tuple(ctx.with_docs(p) for p in (*forced, rest)))
 
 
 def _random(ctx):
     idx = random_topn(ctx.cfg, ctx.batch, ctx.seq_len, ctx.doc_start(), ctx.step, ctx.device)
-    return selection_parts(ctx, idx)
+    return selection_parts(ctx, ctx.rows(idx))
 
 
 def _local(ctx):
     idx = local_topn(ctx.cfg, ctx.batch, ctx.seq_len, ctx.doc_start(), ctx.device)
-    return selection_parts(ctx, idx)
+    return selection_parts(ctx, ctx.rows(idx))
 
 
 _register_builtin("none", "token", _none, decode=("cmp", "sel", "win"))

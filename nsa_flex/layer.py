@@ -9,11 +9,12 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from masks import MaskContext, builder_info, doc_start
+from masks import MaskContext, at_offset, builder_info, doc_start
 
 from .attention import mix_branches, plan_branch
 from .compression import PHI
 from .config import RECOMPUTED, NSAConfig
+from .context_parallel import NO_SHARD, SeqShard, gather_seq, gather_seq_nograd
 from .kernel_options import install_flex_patches
 from .ops import DEFAULT_TUNING, SelectedTuning
 from .rope import apply_rope, rope_cos_sin
@@ -22,10 +23,10 @@ from .selection import select_topn
 from .telemetry import STATS_SIZE, layer_stats
 
 
-def check_inputs(x: Tensor, doc_ids: Tensor | None, dim: int) -> None:
-    """One ValueError for a bad layer input: x [B, T, dim] with B, T >= 1; doc_ids [B, T] of
-    integers, non-decreasing along T (checked in eager mode only: a value check would sync and
-    break a compiled graph)."""
+def check_inputs(x: Tensor, doc_ids: Tensor | None, dim: int, shards: int = 1) -> None:
+    """One ValueError for a bad layer input: x [B, T, dim] with B, T >= 1; doc_ids [B, T * shards]
+    (the whole sequence's when x is one of `shards` shards) of integers, non-decreasing along T
+    (checked in eager mode only: a value check would sync and break a compiled graph)."""
     if x.dim() != 3 or x.shape[-1] != dim:
         raise ValueError(f"NSAAttention: x must be [batch, seq_len, dim={dim}], got shape {tuple(x.shape)}")
     if x.shape[0] == 0 or x.shape[1] == 0:
@@ -33,9 +34,11 @@ def check_inputs(x: Tensor, doc_ids: Tensor | None, dim: int) -> None:
                          "batch and seq_len must be >= 1")
     if doc_ids is None:
         return
-    if tuple(doc_ids.shape) != tuple(x.shape[:2]) or doc_ids.is_floating_point() or doc_ids.is_complex():
+    want = (x.shape[0], x.shape[1] * shards)
+    if tuple(doc_ids.shape) != want or doc_ids.is_floating_point() or doc_ids.is_complex():
+        whole = " (the whole sequence's: x is one of the shards)" if shards > 1 else ""
         raise ValueError(f"NSAAttention: doc_ids must be integers of shape [batch, seq_len] = "
-                         f"{tuple(x.shape[:2])}, got {doc_ids.dtype} {tuple(doc_ids.shape)}")
+                         f"{want}{whole}, got {doc_ids.dtype} {tuple(doc_ids.shape)}")
     if not torch.compiler.is_compiling() and doc_ids.shape[1] > 1:
         down = doc_ids[:, 1:] < doc_ids[:, :-1]
         if bool(down.any()):
@@ -125,13 +128,22 @@ class NSAAttention(nn.Module):
         v = self.wv[branch](x).view(B, T, Hkv, -1).transpose(1, 2)
         return apply_rope(k, cos, sin), v
 
-    def branch(self, b: str, spec, x: Tensor, q: Tensor, cos: Tensor, sin: Tensor, docs: bool):
+    def whole_kv(self, x: Tensor, branch: str, cos: Tensor, sin: Tensor,
+                 shard: SeqShard) -> tuple[Tensor, Tensor]:
+        """The branch's k, v over the whole sequence: this shard's projections, all-gathered
+        along the sequence (`nsa_flex.context_parallel.gather_seq`; no shard: as they are).
+        Compression runs after the gather: a compressed block straddles shards."""
+        k, v = self.project_kv(x, branch, cos, sin)
+        return gather_seq(k, shard, 2), gather_seq(v, shard, 2)
+
+    def branch(self, b: str, spec, x: Tensor, q: Tensor, cos: Tensor, sin: Tensor, docs: bool,
+               shard: SeqShard = NO_SHARD):
         """One branch's attention: its own keys and values (compressed by phi for "cmp"), then
         its planned executor (`self.plans[b]`; docs: the step has documents) -> (out, lse, k). A
         branch named by `cfg.recompute` runs under activation checkpointing: its backward
-        rebuilds k, v and out from x and q (kept anyway)."""
+        rebuilds k, v and out from x and q (kept anyway; with a shard it gathers them again)."""
         def run(x, q):
-            k, v = self.project_kv(x, b, cos, sin)
+            k, v = self.whole_kv(x, b, cos, sin, shard)
             if b == "cmp":
                 k, v = self.phi_k(k), self.phi_v(v)
             o, lse = self.plans[b].attend(q, k, v, spec, docs)
@@ -143,43 +155,55 @@ class NSAAttention(nn.Module):
         return run(x, q)
 
     # ------------------------------------------------------------------ forward
-    def forward(self, x: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, doc_ids: Tensor | None = None,
+                shard: SeqShard = NO_SHARD) -> Tensor:
         """x [B, T, dim] -> [B, T, dim]; doc_ids [B, T] (optional): document ids, non-decreasing
-        along T (packed documents attend only within themselves)."""
-        check_inputs(x, doc_ids, self.cfg.dim)
+        along T (packed documents attend only within themselves). shard (context parallelism,
+        `nsa_flex.context_parallel`): x holds positions shard.offset(T) .. + T - 1 of a sequence
+        of T * shard.size tokens, doc_ids are that whole sequence's [B, T * shard.size]."""
+        check_inputs(x, doc_ids, self.cfg.dim, shard.size)
         cfg, names = self.cfg, self.branch_names
-        B, T, _ = x.shape
-        cos, sin = rope_cos_sin(torch.arange(T, device=x.device), cfg.d_qk, cfg.rope_theta, x.dtype)
+        B, Tq, _ = x.shape
+        T, o = Tq * shard.size, shard.offset(Tq)  # the whole sequence; this shard's first position
+        cos, sin = rope_cos_sin(torch.arange(o, o + Tq, device=x.device), cfg.d_qk,
+                                cfg.rope_theta, x.dtype)
         q = self.project_q(x, cos, sin)
         k_cmp = lse_cmp = None  # set by the compressed branch below, read by the scorer
 
         def topn():  # selection scorer (Eq. 8-10) and top-n, when the selection builder asks
-            kc = self.phi_k(self.project_kv(x, "cmp", cos, sin)[0]) if k_cmp is None else k_cmp
+            if k_cmp is None:
+                kc = gather_seq_nograd(self.project_kv(x, "cmp", cos, sin)[0].detach(), shard, 2)
+                kc = self.phi_k(kc)
+            else:
+                kc = k_cmp
             lse = None if lse_cmp is None else lse_cmp.detach()
             starts = None if doc_ids is None else doc_start(doc_ids.long())
-            return self.select_topn(q.detach(), kc.detach(), lse, cfg, starts)  # no gradient
+            return self.select_topn(q.detach(), kc.detach(), lse, cfg, starts,  # no gradient
+                                    q_offset=o, seq_len=T)
 
-        step = random_draw_step(x, cfg.seed) if self.draws else 0
-        ctx = MaskContext(cfg, B, T, x.device, doc_ids=doc_ids, topn=topn, step=step)
+        # the draw hashes each token's input: the whole sequence's steps, as one process draws
+        step = gather_seq_nograd(random_draw_step(x, cfg.seed), shard, 2) if self.draws else 0
+        ctx = MaskContext(cfg, B, T, x.device, doc_ids=doc_ids, topn=topn, step=step,
+                          q_offset=o, q_len=Tq)
         docs = doc_ids is not None
         out, specs = {}, {}  # branch -> output; branch -> (MaskSpec, kv length), for telemetry
 
         # compressed branch (§3.3.1): phi over blocks of l keys / values, attend; its lse feeds
         # the scorer. A scoring selection runs it for the compressed keys when the branch is off.
         if "cmp" in self.builders:
-            spec = self.builders["cmp"](ctx)
-            o, lse_cmp, k_cmp = self.branch("cmp", spec, x, q, cos, sin, docs)
+            spec = at_offset(self.builders["cmp"](ctx), o)
+            oc, lse_cmp, k_cmp = self.branch("cmp", spec, x, q, cos, sin, docs, shard)
             if names["cmp"] != "none":
-                out["cmp"], specs["cmp"] = o, (spec, k_cmp.shape[2])
+                out["cmp"], specs["cmp"] = oc, (spec, k_cmp.shape[2])
 
         # selected (§3.3.2) and sliding-window (§3.3.3) branches
         for b in ("sel", "win"):
             if b in self.builders:
-                specs[b] = (self.builders[b](ctx), T)
-                out[b], _, _ = self.branch(b, specs[b][0], x, q, cos, sin, docs)
+                specs[b] = (at_offset(self.builders[b](ctx), o), T)
+                out[b], _, _ = self.branch(b, specs[b][0], x, q, cos, sin, docs, shard)
 
         # gate (Eq. 5): per head, per branch sigmoid, mixing the branch outputs
-        g = torch.sigmoid(self.gate(x)).view(B, T, -1, 3)  # [B, T, H, 3]
+        g = torch.sigmoid(self.gate(x)).view(B, Tq, -1, 3)  # [B, T, H, 3]
         on = [i for i, b in enumerate(BRANCHES) if b in out]
         o = mix_branches(g if len(on) == 3 else g[..., on], [out[BRANCHES[i]] for i in on],
                          cfg.backend)  # [B, T, H * d_v]
@@ -187,5 +211,5 @@ class NSAAttention(nn.Module):
             with torch.no_grad():
                 enabled = tuple(b in out for b in BRANCHES)
                 self.telemetry_stats.copy_(layer_stats(g.permute(0, 2, 1, 3), enabled, specs,
-                                                       cfg.l_sel, T))
+                                                       cfg.l_sel, Tq, o))
         return self.wo(o)

@@ -118,11 +118,12 @@ def selection_distance_counts(rows: Tensor, q_pos: Tensor, l_sel: int) -> Tensor
 
 
 def layer_stats(g: Tensor, enabled: tuple[bool, bool, bool], specs: dict, l_sel: int,
-                T: int) -> Tensor:
+                T: int, q_offset: int = 0) -> Tensor:
     """One layer's telemetry vector [STATS_SIZE] (float32).
 
     g: the sigmoid gates [B, H, T, 3] (branch order BRANCHES); enabled: which branches feed the
-    output; specs: branch -> (MaskSpec, kv_len) of the enabled branches."""
+    output; specs: branch -> (MaskSpec, kv_len) of the enabled branches; q_offset: position of
+    row 0 (a sequence shard: this shard's statistics)."""
     g = g.detach().float()
     B = g.shape[0]
     dev = g.device
@@ -131,7 +132,7 @@ def layer_stats(g: Tensor, enabled: tuple[bool, bool, bool], specs: dict, l_sel:
     on = torch.tensor([float(e) for e in enabled], device=dev)
     ge = g * on
     share = (ge / ge.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)).mean((0, 1, 2))
-    q_pos = torch.tensor(query_positions(T), device=dev, dtype=torch.long)
+    q_pos = torch.tensor(query_positions(T), device=dev, dtype=torch.long) + q_offset
     reads = []
     dist = torch.zeros(N_BINS + 3, device=dev)
     for name in BRANCHES:
