@@ -193,6 +193,15 @@ def check_causal(name: str, kind: str, fn, T: int = 19, seed: int = 0) -> None:
 def _first_leak_flex(spec, cfg, B, T, S, key_end):
     """First (query, key) that flex's BlockMask of `spec` lets through after its key's time."""
     G = cfg.group_size if spec.per_group else 1
+    q_tok = torch.arange(T * G) // G + spec.q_offset
+    return _first_leak(flex_allowed(spec, cfg, B, T, S), q_tok, key_end)
+
+
+def flex_allowed(spec, cfg, B, T, S) -> Tensor:
+    """What flex's BlockMask of `spec` lets each of T query rows (packed: T * G rows for a
+    per-group mask) see of S keys, bool [B|1, H|1, rows, S]: listed blocks & mask_mod, full
+    blocks whole."""
+    G = cfg.group_size if spec.per_group else 1
     # the packed layout: q blocks of whole positions (lcm(G, 16) rows), kv blocks of the mask's
     # block length (flex's tiles are checked by the layer, the lists and mask_mod here)
     bs = (math.lcm(G, 16), spec.kv_block or 16) if spec.per_group else (16, 16)
@@ -214,7 +223,7 @@ def _first_leak_flex(spec, cfg, B, T, S, key_end):
         allowed = allowed | expand(BlockMask.from_kv_blocks(
             bm.full_kv_num_blocks, bm.full_kv_indices, BLOCK_SIZE=bm.BLOCK_SIZE,
             seq_lengths=bm.seq_lengths).to_dense())
-    return _first_leak(allowed, torch.arange(rows) // G, key_end)
+    return allowed
 
 
 def import_builder_modules(names) -> None:
