@@ -94,6 +94,9 @@ class NSAAttention(nn.Module):
         # telemetry (nsa_flex/telemetry.py): set before the first (compiled) call; when on, every
         # forward writes its gate / mask statistics into this buffer (no state dict, no grad)
         self.telemetry = False
+        # context parallelism (nsa_flex.context_parallel): this rank's shard of the sequence, set
+        # with the model's (`nsa_flex.titan.model.set_seq_shard`); a forward's own argument wins
+        self.shard = NO_SHARD
         self.register_buffer("telemetry_stats", torch.zeros(STATS_SIZE), persistent=False)
 
     # ------------------------------------------------------------------ init
@@ -156,11 +159,12 @@ class NSAAttention(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: Tensor, doc_ids: Tensor | None = None,
-                shard: SeqShard = NO_SHARD) -> Tensor:
+                shard: SeqShard | None = None) -> Tensor:
         """x [B, T, dim] -> [B, T, dim]; doc_ids [B, T] (optional): document ids, non-decreasing
         along T (packed documents attend only within themselves). shard (context parallelism,
         `nsa_flex.context_parallel`): x holds positions shard.offset(T) .. + T - 1 of a sequence
         of T * shard.size tokens, doc_ids are that whole sequence's [B, T * shard.size]."""
+        shard = self.shard if shard is None else shard
         check_inputs(x, doc_ids, self.cfg.dim, shard.size)
         cfg, names = self.cfg, self.branch_names
         B, Tq, _ = x.shape

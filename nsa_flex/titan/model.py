@@ -15,6 +15,7 @@ from torchtitan.models.llama3.model.model import FeedForward
 from torchtitan.models.utils import trunc_normal_
 from torchtitan.protocols.model import ModelProtocol
 
+from nsa_flex.context_parallel import NO_SHARD, SeqShard, gather_seq_nograd
 from nsa_flex.data.documents import doc_ids_from_tokens
 from nsa_flex.layer import NSAAttention
 
@@ -67,6 +68,7 @@ class NSATransformer(ModelProtocol):
         )
         self.norm = nn.RMSNorm(model_args.dim, eps=model_args.norm_eps)
         self.output = nn.Linear(model_args.dim, model_args.vocab_size, bias=False)
+        self.seq_shard = NO_SHARD  # context parallelism: `set_seq_shard`
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """Initialize parameters (and buffers) in place; called after ``to_empty`` under no_grad."""
@@ -88,13 +90,26 @@ class NSATransformer(ModelProtocol):
         raise TypeError("nsa_flex builds its attention masks inside NSAAttention")
 
     def forward(self, tokens: torch.Tensor, attention_masks=None, positions=None) -> torch.Tensor:
+        """tokens [B, T] -> logits [B, T, vocab]. With a sequence shard (`set_seq_shard`) tokens
+        are this rank's contiguous shard; document ids come from the whole sequence's tokens
+        (all-gathered: a document may start on an earlier rank)."""
         if positions is not None:
-            raise NotImplementedError("nsa_flex uses positions 0..T-1 (no position ids)")
+            raise NotImplementedError("nsa_flex uses positions 0..T-1 (no position ids); under "
+                                      "context parallelism its trainer shards inputs itself")
         doc_ids = None
         if self.model_args.doc_masking and self.tok_embeddings is not None:
-            doc_ids = doc_ids_from_tokens(tokens, self.model_args.eos_id)
+            whole = gather_seq_nograd(tokens, self.seq_shard, 1)
+            doc_ids = doc_ids_from_tokens(whole, self.model_args.eos_id)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, doc_ids)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
+
+
+def set_seq_shard(model: NSATransformer, shard: SeqShard) -> None:
+    """Context parallelism: every layer of `model` reads positions shard.offset(T) .. + T - 1 of
+    a sequence of T * shard.size tokens (`nsa_flex.context_parallel`)."""
+    model.seq_shard = shard
+    for block in model.layers.values():
+        block.attention.shard = shard
