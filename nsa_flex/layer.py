@@ -168,8 +168,8 @@ class NSAAttention(nn.Module):
         check_inputs(x, doc_ids, self.cfg.dim, shard.size)
         cfg, names = self.cfg, self.branch_names
         B, Tq, _ = x.shape
-        T, o = Tq * shard.size, shard.offset(Tq)  # the whole sequence; this shard's first position
-        cos, sin = rope_cos_sin(torch.arange(o, o + Tq, device=x.device), cfg.d_qk,
+        T, q0 = Tq * shard.size, shard.offset(Tq)  # the whole sequence; this shard's first position
+        cos, sin = rope_cos_sin(torch.arange(q0, q0 + Tq, device=x.device), cfg.d_qk,
                                 cfg.rope_theta, x.dtype)
         q = self.project_q(x, cos, sin)
         k_cmp = lse_cmp = None  # set by the compressed branch below, read by the scorer
@@ -183,19 +183,19 @@ class NSAAttention(nn.Module):
             lse = None if lse_cmp is None else lse_cmp.detach()
             starts = None if doc_ids is None else doc_start(doc_ids.long())
             return self.select_topn(q.detach(), kc.detach(), lse, cfg, starts,  # no gradient
-                                    q_offset=o, seq_len=T)
+                                    q_offset=q0, seq_len=T)
 
         # the draw hashes each token's input: the whole sequence's steps, as one process draws
         step = gather_seq_nograd(random_draw_step(x, cfg.seed), shard, 2) if self.draws else 0
         ctx = MaskContext(cfg, B, T, x.device, doc_ids=doc_ids, topn=topn, step=step,
-                          q_offset=o, q_len=Tq)
+                          q_offset=q0, q_len=Tq)
         docs = doc_ids is not None
         out, specs = {}, {}  # branch -> output; branch -> (MaskSpec, kv length), for telemetry
 
         # compressed branch (§3.3.1): phi over blocks of l keys / values, attend; its lse feeds
         # the scorer. A scoring selection runs it for the compressed keys when the branch is off.
         if "cmp" in self.builders:
-            spec = at_offset(self.builders["cmp"](ctx), o)
+            spec = at_offset(self.builders["cmp"](ctx), q0)
             oc, lse_cmp, k_cmp = self.branch("cmp", spec, x, q, cos, sin, docs, shard)
             if names["cmp"] != "none":
                 out["cmp"], specs["cmp"] = oc, (spec, k_cmp.shape[2])
@@ -203,7 +203,7 @@ class NSAAttention(nn.Module):
         # selected (§3.3.2) and sliding-window (§3.3.3) branches
         for b in ("sel", "win"):
             if b in self.builders:
-                specs[b] = (at_offset(self.builders[b](ctx), o), T)
+                specs[b] = (at_offset(self.builders[b](ctx), q0), T)
                 out[b], _, _ = self.branch(b, specs[b][0], x, q, cos, sin, docs, shard)
 
         # gate (Eq. 5): per head, per branch sigmoid, mixing the branch outputs
@@ -215,5 +215,5 @@ class NSAAttention(nn.Module):
             with torch.no_grad():
                 enabled = tuple(b in out for b in BRANCHES)
                 self.telemetry_stats.copy_(layer_stats(g.permute(0, 2, 1, 3), enabled, specs,
-                                                       cfg.l_sel, Tq, o))
+                                                       cfg.l_sel, Tq, q0))
         return self.wo(o)
