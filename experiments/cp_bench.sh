@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Issue 42: context parallelism on a 2-GPU machine, torchtitan 125M (titan_configs/nsa_125m_cp.toml:
+# bf16, compile, full activation checkpointing, local batch 1, the local FineWeb sample): tokens/s
+# per GPU and peak memory of
+#   nsa_cp1_SEQ   NSA on one GPU (32k, 64k: the two runs side by side, one per GPU),
+#   nsa_cp2_SEQ   NSA, one sequence over both GPUs, 32k .. 512k (a length that fails ends the
+#                 climb: the longest that fits is the last ok row),
+#   full_cp2_SEQ  full attention (masks full_causal) over both GPUs through the same all-gather
+#                 path (torchtitan's ring attention is not wired to this model: docs/context_parallel.md).
+# Each run: STEPS steps logged every step, the first WARMUP (compile) left out; a run that fails
+# (OOM, timeout) is recorded as such and the sweep goes on. Rows go to OUT/cp.csv and the plot to
+# OUT/cp.png after every run (experiments/cp_report.py), so a cut-off sweep keeps its table.
+# Usage (device machine, repo root; carry .whl with the torchtitan wheels and .data with
+# tiktoken_cache and fineweb_sample_2800.parquet):
+#   pip install -q --no-deps .whl/*.whl && bash experiments/cp_bench.sh OUT [BUDGET_S]
+# then copy OUT/cp.csv and OUT/cp.png to experiments/results/perf/.
+set -uo pipefail
+OUT=${1:?out dir}; BUDGET=${2:-450}
+STEPS=${STEPS:-12}; WARMUP=${WARMUP:-4}; CAP=${CAP:-150}
+mkdir -p "$OUT"
+export TIKTOKEN_CACHE_DIR=$PWD/.data/tiktoken_cache PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+CFG=titan_configs/nsa_125m_cp.toml
+rope() { python -c "from nsa_flex.rope import min_rope_base; print(f'{min_rope_base($1) * 1.05:.4g}')"; }
+
+# run NAME GPUS CP SEQ [flags...]: one torchrun of CFG; its log OUT/NAME.log, exit code OUT/NAME.rc
+run() {
+  local name=$1 gpus=$2 cp=$3 seq=$4; shift 4
+  local n=$(( $(tr -cd , <<<"$gpus" | wc -c) + 1 )) left=$((BUDGET - SECONDS)) cap=$CAP
+  [ "$left" -lt 40 ] && { echo "skipped (budget)" > "$OUT/$name.rc"; echo "== skip $name (budget)"; return 1; }
+  [ "$cap" -gt "$left" ] && cap=$left
+  local dump; dump=$(mktemp -d /tmp/cp_bench.XXXXXX)
+  echo "== $name (gpus $gpus, cap ${cap}s, t=${SECONDS}s)"
+  CUDA_VISIBLE_DEVICES=$gpus timeout "$cap" torchrun --nproc_per_node="$n" \
+    --master_port=$((29500 + RANDOM % 1000)) -m nsa_flex.titan.train --job.config_file $CFG \
+    --training.seq_len "$seq" --parallelism.context_parallel_degree "$cp" \
+    --training.dataset_path .data/fineweb_sample_2800.parquet --nsa.rope_theta "$(rope "$seq")" \
+    --training.steps "$STEPS" --metrics.log_freq 1 --lr_scheduler.warmup_steps 2 \
+    --checkpoint.no-enable --metrics.no-enable_tensorboard --job.dump_folder "$dump" "$@" \
+    > "$OUT/$name.log" 2>&1
+  local rc=$?; echo "$rc" > "$OUT/$name.rc"; rm -rf "$dump"
+  echo "   rc=$rc t=${SECONDS}s"; grep -a "step:" "$OUT/$name.log" | tail -1 | cut -c1-200
+  return $rc
+}
+report() { python experiments/cp_report.py "$OUT" --warmup "$WARMUP"; }
+
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+# (a) one GPU each, side by side: the scaling baseline where one GPU fits the length
+run nsa_cp1_32768 0 1 32768 & run nsa_cp1_65536 1 1 65536; wait; report
+# (b) NSA over 2 GPUs, climbing until a length fails
+for seq in 32768 65536 131072 262144 524288; do
+  run nsa_cp2_$seq 0,1 2 $seq; rc=$?; report
+  [ $rc -ne 0 ] && break
+done
+# (c) full attention over 2 GPUs (the same all-gather path)
+for seq in 65536 131072; do run full_cp2_$seq 0,1 2 $seq --nsa.masks full_causal; report; done
+echo "done t=${SECONDS}s"
