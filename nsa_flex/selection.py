@@ -31,12 +31,13 @@ from .rules import cmp_visible, forced_and_valid, map_to_selection_blocks, pick_
 SCORER_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def use_triton_scorer(cfg, q: Tensor, lse: Tensor | None, q_offset: int = 0) -> bool:
+def use_triton_scorer(cfg, q: Tensor, lse: Tensor | None, shard: bool = False) -> bool:
     """Whether `block_scores` runs the fused Triton kernel (cfg.scorer: auto | torch | triton).
-    The kernels take query rows as positions: not for a sequence shard (q_offset > 0)."""
-    if cfg.scorer == "torch" or (q_offset and cfg.scorer == "auto"):
+    The kernels take query rows as positions of a sequence that long: not for a sequence shard
+    (context parallelism)."""
+    if cfg.scorer == "torch" or (shard and cfg.scorer == "auto"):
         return False
-    if q_offset:
+    if shard:
         raise RuntimeError("NSAConfig.scorer='triton' cannot score a sequence shard (context "
                            "parallelism): use scorer='auto' or 'torch'")
     if cfg.scorer == "auto":  # the kernel accumulates in fp32: not for fp64 inputs
@@ -67,7 +68,7 @@ def block_scores(q: Tensor, k_cmp: Tensor, lse: Tensor | None, cfg, doc_starts: 
     C = t1 - t0
     if Nc == 0:
         return q.new_zeros(B, Hkv, C, ns, dtype=torch.float32)
-    if use_triton_scorer(cfg, q, lse, q_offset):
+    if use_triton_scorer(cfg, q, lse, q_offset > 0 or (seq_len or T) != T):
         return group_slc_scores(q, k_cmp.to(q.dtype), lse, doc_starts, t0, t1, cfg.l, cfg.d,
                                 cfg.l_sel)
     # q.K_cmp in the inputs' dtype (bf16 tensor cores on GPU), fp32 from there on
@@ -102,7 +103,7 @@ def select_topn(q: Tensor, k_cmp: Tensor, lse: Tensor | None, cfg, doc_starts: T
     starts = doc_starts if doc_starts is not None else torch.zeros(1, S, dtype=torch.long,
                                                                    device=q.device)
     chunk = chunk or cfg.score_chunk
-    fused = use_triton_scorer(cfg, q, lse, q_offset) and Nc > 0
+    fused = use_triton_scorer(cfg, q, lse, q_offset > 0 or S != T) and Nc > 0
     if fused:
         # the fused kernel keeps only [B, Hkv, chunk, Ns] fp32: as few chunks as SCORE_BUFFER_MAX
         # allows (each chunk is a scorer and a top-n launch), at most MAX_CHUNKS

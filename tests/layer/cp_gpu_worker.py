@@ -1,6 +1,6 @@
 """torchrun worker of tests/layer/test_context_parallel_gpu.py: one NSA layer (the 125M shape),
 bf16, flex backend, B = 1, T tokens with documents crossing the shard boundary; every rank runs the
-one-GPU reference itself, then its shard; relative errors (norm of the difference over the norm of
+one-GPU reference itself (with the shard's executors: flex, the torch scorer), then its shard; relative errors (norm of the difference over the norm of
 the reference) of the output, input gradient and the rank-summed parameter gradients must stay
 under TOL. Prints "cp_gpu_worker: ok" on rank 0."""
 
@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from nsa_flex import NSAAttention, NSAConfig  # noqa: E402
 from nsa_flex.context_parallel import SeqShard, split_seq  # noqa: E402
 
-TOL = 2e-2  # bf16: a different executor order (flex for the shard, our ops for one GPU)
+TOL = 2e-2  # bf16: other tile orders and reductions (the K/V gradients are reduce-scattered)
 
 
 def rel(a, b) -> float:
@@ -34,8 +34,11 @@ def main():
     dist.init_process_group("nccl")
     N = dist.get_world_size()
     shard = SeqShard(dist.group.WORLD, dist.get_rank(), N)
+    # the executors a shard runs (flex, the torch scorer) for the one-GPU reference too: the
+    # comparison is of the sharding, not of our ops against flex (in bf16 a near-tie in the
+    # scorer picks another block)
     cfg = NSAConfig(dim=768, n_heads=16, n_kv_heads=2, d_qk=64, d_v=64, masks=a.preset,
-                    backend="flex")
+                    backend="flex", scorer="torch", sel_kernel="flex", cmp_kernel="flex")
     torch.manual_seed(0)
     layer = NSAAttention(cfg).cuda()
     layer.init_weights()

@@ -1,8 +1,8 @@
 """Context parallelism on two GPUs (issue 42): the 125M layer shape at 32k tokens, bf16, flex
 backend, with documents that cross the shard boundary: two ranks (torchrun, NCCL), each one
 contiguous half of the sequence, give the one-GPU output, input gradient and (summed over the
-ranks) parameter gradients within bf16 tolerance. The one-GPU reference runs on each rank itself
-(our selected op and cuDNN where they run; a shard runs flex). Run: python -m pytest -m gpu
+ranks) parameter gradients within bf16 tolerance. The one-GPU reference runs on each rank itself,
+with the executors a shard runs (flex, the torch scorer). Run: python -m pytest -m gpu
 tests/layer/test_context_parallel_gpu.py on a machine with two GPUs."""
 
 import socket
