@@ -56,6 +56,18 @@ def gather_seq(x: Tensor, shard: SeqShard, dim: int) -> Tensor:
     return funcol.all_gather_tensor_autograd(x.contiguous(), gather_dim=dim, group=shard.group)
 
 
+def with_halo(x: Tensor, shard: SeqShard, h: int, dim: int) -> Tensor:
+    """x (this shard along `dim`) after the previous rank's last h entries (rank 0: x alone): what
+    a sliding window of h + 1 keys reads. Every rank sends its last h entries (an all-gather of
+    N * h entries, autograd-aware: a halo's gradient returns to its owner); rank 0 keeps an empty
+    slice of them, so its backward joins the collective too. h <= x's length."""
+    if not shard.sharded or h == 0:
+        return x
+    tails = gather_seq(x.narrow(dim, x.shape[dim] - h, h), shard, dim)
+    prev = tails.narrow(dim, (shard.rank - 1) * h, h) if shard.rank else tails.narrow(dim, 0, 0)
+    return torch.cat([prev, x], dim)
+
+
 def gather_seq_nograd(x: Tensor, shard: SeqShard, dim: int) -> Tensor:
     """`gather_seq` of a tensor without gradient (token ids, draw steps)."""
     if not shard.sharded:

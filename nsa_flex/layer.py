@@ -14,7 +14,7 @@ from masks import MaskContext, at_offset, builder_info, doc_start
 from .attention import mix_branches, plan_branch
 from .compression import PHI
 from .config import RECOMPUTED, NSAConfig
-from .context_parallel import NO_SHARD, SeqShard, gather_seq, gather_seq_nograd
+from .context_parallel import NO_SHARD, SeqShard, gather_seq, gather_seq_nograd, with_halo
 from .kernel_options import install_flex_patches
 from .ops import DEFAULT_TUNING, SelectedTuning
 from .rope import apply_rope, rope_cos_sin
@@ -131,22 +131,36 @@ class NSAAttention(nn.Module):
         v = self.wv[branch](x).view(B, T, Hkv, -1).transpose(1, 2)
         return apply_rope(k, cos, sin), v
 
-    def whole_kv(self, x: Tensor, branch: str, cos: Tensor, sin: Tensor,
-                 shard: SeqShard) -> tuple[Tensor, Tensor]:
-        """The branch's k, v over the whole sequence: this shard's projections, all-gathered
-        along the sequence (`nsa_flex.context_parallel.gather_seq`; no shard: as they are).
-        Compression runs after the gather: a compressed block straddles shards."""
+    def read_kv(self, x: Tensor, branch: str, cos: Tensor, sin: Tensor, shard: SeqShard,
+                halo: int | None = None) -> tuple[Tensor, Tensor]:
+        """The branch's k, v over the keys it reads: this shard's projections, all-gathered along
+        the sequence (`nsa_flex.context_parallel.gather_seq`; no shard: as they are), or with
+        `halo` = h only the previous rank's last h keys before them (`with_halo`). Compression
+        runs after the gather: a compressed block straddles shards."""
         k, v = self.project_kv(x, branch, cos, sin)
-        return gather_seq(k, shard, 2), gather_seq(v, shard, 2)
+        if halo is None:
+            return gather_seq(k, shard, 2), gather_seq(v, shard, 2)
+        return with_halo(k, shard, halo, 2), with_halo(v, shard, halo, 2)
+
+    def window_halo(self, shard: SeqShard, local_len: int) -> int | None:
+        """Keys before its shard the window branch reads where a halo suffices: window - 1 for
+        the `sliding_window` builder when the previous rank holds them all; None (all-gather the
+        sequence): no shard, another builder (it may read any key), or a window longer than a
+        shard."""
+        h = self.cfg.window - 1
+        if not shard.sharded or self.branch_names["win"] != "sliding_window" or h > local_len:
+            return None
+        return h
 
     def branch(self, b: str, spec, x: Tensor, q: Tensor, cos: Tensor, sin: Tensor, docs: bool,
-               shard: SeqShard = NO_SHARD):
+               shard: SeqShard = NO_SHARD, halo: int | None = None):
         """One branch's attention: its own keys and values (compressed by phi for "cmp"), then
         its planned executor (`self.plans[b]`; docs: the step has documents) -> (out, lse, k). A
         branch named by `cfg.recompute` runs under activation checkpointing: its backward
-        rebuilds k, v and out from x and q (kept anyway; with a shard it gathers them again)."""
+        rebuilds k, v and out from x and q (kept anyway; with a shard it gathers them again).
+        shard, halo: the keys it reads (`read_kv`)."""
         def run(x, q):
-            k, v = self.whole_kv(x, b, cos, sin, shard)
+            k, v = self.read_kv(x, b, cos, sin, shard, halo)
             if b == "cmp":
                 k, v = self.phi_k(k), self.phi_v(v)
             o, lse = self.plans[b].attend(q, k, v, spec, docs)
@@ -200,11 +214,23 @@ class NSAAttention(nn.Module):
             if names["cmp"] != "none":
                 out["cmp"], specs["cmp"] = oc, (spec, k_cmp.shape[2])
 
-        # selected (§3.3.2) and sliding-window (§3.3.3) branches
-        for b in ("sel", "win"):
-            if b in self.builders:
-                specs[b] = (at_offset(self.builders[b](ctx), q0), T)
-                out[b], _, _ = self.branch(b, specs[b][0], x, q, cos, sin, docs, shard)
+        # selected branch (§3.3.2)
+        if "sel" in self.builders:
+            specs["sel"] = (at_offset(self.builders["sel"](ctx), q0), T)
+            out["sel"], _, _ = self.branch("sel", specs["sel"][0], x, q, cos, sin, docs, shard)
+
+        # sliding-window branch (§3.3.3); with a halo its keys start at position `base`: the
+        # mask sees positions from there (a window's mask depends on differences of positions)
+        if "win" in self.builders:
+            halo = self.window_halo(shard, Tq)
+            base = 0 if halo is None else max(0, q0 - halo)
+            wctx = ctx if base == 0 else MaskContext(
+                cfg, B, q0 + Tq - base, x.device, q_offset=q0 - base, q_len=Tq,
+                doc_ids=None if doc_ids is None else doc_ids[:, base:q0 + Tq])
+            kv_len = T if halo is None else q0 + Tq - base
+            specs["win"] = (at_offset(self.builders["win"](wctx), q0 - base), kv_len)
+            out["win"], _, _ = self.branch("win", specs["win"][0], x, q, cos, sin, docs, shard,
+                                           halo)
 
         # gate (Eq. 5): per head, per branch sigmoid, mixing the branch outputs
         g = torch.sigmoid(self.gate(x)).view(B, Tq, -1, 3)  # [B, T, H, 3]
@@ -215,5 +241,5 @@ class NSAAttention(nn.Module):
             with torch.no_grad():
                 enabled = tuple(b in out for b in BRANCHES)
                 self.telemetry_stats.copy_(layer_stats(g.permute(0, 2, 1, 3), enabled, specs,
-                                                       cfg.l_sel, Tq, q0))
+                                                       cfg.l_sel, Tq))
         return self.wo(o)

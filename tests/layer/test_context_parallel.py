@@ -1,7 +1,8 @@
 """Context parallelism of the layer (issue 42): two gloo processes, each holding one contiguous
 shard of the sequence, give the one-process output, input gradient and (summed over the ranks)
 parameter gradients, in fp32 on the reference backend, for every preset, with documents that
-cross the shard boundary and a compressed block that straddles it."""
+cross the shard boundary and a compressed block that straddles it; the window reads its halo from
+the previous rank (or, longer than a shard, the whole sequence)."""
 
 import os
 import socket
@@ -18,11 +19,13 @@ BASE = dict(dim=16, n_heads=4, n_kv_heads=2, d_qk=8, d_v=8, l=8, d=4, l_sel=16, 
             window=12, backend="reference")
 B, T, N = 2, 64, 2
 # (preset, documents, extra config): T/N = 32; the compressed block at 28..35 straddles the
-# boundary; documents cut at 30 and 41 (row 0) and 17 (row 1) cross it
+# boundary; documents cut at 30 and 41 (row 0) and 17 (row 1) cross it; window 12: a halo of 11
 CASES = [("nsa", False, {}), ("nsa", True, {}), ("no_compressed", True, {}),
          ("random_selection", True, {}), ("local_selection", False, {}),
          ("full_causal", True, {}), ("sliding_only", False, {}),
-         ("nsa", True, {"recompute": "all"})]
+         ("nsa", True, {"recompute": "all"}),
+         # a window longer than a shard: the window's keys all-gathered, not a halo
+         ("sliding_only", True, {"window": 40})]
 
 
 def free_port() -> int:
@@ -103,3 +106,11 @@ def test_two_shards_equal_one_process():
 def test_split_seq_refuses_an_uneven_length():
     with pytest.raises(ValueError, match="not divisible by the 2"):
         split_seq(torch.zeros(1, 5), SeqShard(None, 0, 2))
+
+
+def test_the_window_reads_a_halo_where_one_suffices():
+    two = SeqShard(None, 1, 2)
+    assert layer_for("nsa", {}).window_halo(two, 32) == 11  # window 12: the 11 keys before
+    assert layer_for("nsa", {}).window_halo(SeqShard(), 32) is None  # no shard
+    assert layer_for("nsa", {"window": 40}).window_halo(two, 32) is None  # longer than a shard
+    assert layer_for("nsa", {"win_mask": "causal"}).window_halo(two, 32) is None  # any key
