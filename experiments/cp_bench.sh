@@ -9,14 +9,20 @@
 #                 path (torchtitan's ring attention is not wired to this model: docs/context_parallel.md).
 # Each run: STEPS steps logged every step, the first WARMUP (compile) left out; a run that fails
 # (OOM, timeout) is recorded as such and the sweep goes on. Rows go to OUT/cp.csv and the plot to
-# OUT/cp.png after every run (experiments/cp_report.py), so a cut-off sweep keeps its table.
+# OUT/cp.png after every run (experiments/cp_report.py, over every log in OUT), so a cut-off sweep
+# keeps its table. A run's first step compiles for ~2 minutes (measured at 32k on 2 H100s), so the
+# sweep is three plans of under 8 minutes each, one device call each, into the same OUT:
+#   scaling  nsa_cp1 32k and 64k side by side, then nsa_cp2 at 32k and 64k
+#   long     nsa_cp2 at 128k, 256k, 512k (until one fails)
+#   full     full_cp2 at 64k and 128k
 # Usage (device machine, repo root; carry .whl with the torchtitan wheels and .data with
-# tiktoken_cache and fineweb_sample_2800.parquet):
-#   pip install -q --no-deps .whl/*.whl && bash experiments/cp_bench.sh OUT [BUDGET_S]
-# then copy OUT/cp.csv and OUT/cp.png to experiments/results/perf/.
+# tiktoken_cache and fineweb_sample_2800.parquet; torchtitan importable):
+#   bash experiments/cp_bench.sh OUT [PLAN] [BUDGET_S]     # PLAN: scaling (default) | long | full
+# then copy OUT/cp.csv and OUT/cp.png to experiments/results/perf/. ONLY="NAME ...": only those
+# runs (e.g. ONLY=nsa_cp2_131072 to redo one); STEPS, WARMUP, CAP (s per run) as below.
 set -uo pipefail
-OUT=${1:?out dir}; BUDGET=${2:-450}
-STEPS=${STEPS:-12}; WARMUP=${WARMUP:-4}; CAP=${CAP:-150}
+OUT=${1:?out dir}; PLAN=${2:-scaling}; BUDGET=${3:-460}
+STEPS=${STEPS:-12}; WARMUP=${WARMUP:-4}; CAP=${CAP:-200}
 mkdir -p "$OUT"
 export TIKTOKEN_CACHE_DIR=$PWD/.data/tiktoken_cache PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -26,6 +32,7 @@ rope() { python -c "from nsa_flex.rope import min_rope_base; print(f'{min_rope_b
 # run NAME GPUS CP SEQ [flags...]: one torchrun of CFG; its log OUT/NAME.log, exit code OUT/NAME.rc
 run() {
   local name=$1 gpus=$2 cp=$3 seq=$4; shift 4
+  [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]] && return 0
   local n=$(( $(tr -cd , <<<"$gpus" | wc -c) + 1 )) left=$((BUDGET - SECONDS)) cap=$CAP
   [ "$left" -lt 40 ] && { echo "skipped (budget)" > "$OUT/$name.rc"; echo "== skip $name (budget)"; return 1; }
   [ "$cap" -gt "$left" ] && cap=$left
@@ -45,13 +52,19 @@ run() {
 report() { python experiments/cp_report.py "$OUT" --warmup "$WARMUP"; }
 
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-# (a) one GPU each, side by side: the scaling baseline where one GPU fits the length
-run nsa_cp1_32768 0 1 32768 & run nsa_cp1_65536 1 1 65536; wait; report
-# (b) NSA over 2 GPUs, climbing until a length fails
-for seq in 32768 65536 131072 262144 524288; do
-  run nsa_cp2_$seq 0,1 2 $seq; rc=$?; report
-  [ $rc -ne 0 ] && break
-done
-# (c) full attention over 2 GPUs (the same all-gather path)
-for seq in 65536 131072; do run full_cp2_$seq 0,1 2 $seq --nsa.masks full_causal; report; done
-echo "done t=${SECONDS}s"
+case $PLAN in
+  scaling)  # one GPU each, side by side (where one GPU fits the length), then both on one sequence
+    run nsa_cp1_32768 0 1 32768 & run nsa_cp1_65536 1 1 65536; wait; report
+    for seq in 32768 65536; do run nsa_cp2_$seq 0,1 2 $seq; report; done ;;
+  long)  # NSA over 2 GPUs, climbing until a length fails; fewer steps (a 512k step takes seconds;
+    # a run the budget cuts is recorded: redo it alone with ONLY=nsa_cp2_524288)
+    STEPS=${STEPS_LONG:-8}
+    for seq in 131072 262144 524288; do
+      run nsa_cp2_$seq 0,1 2 $seq; rc=$?; report
+      [ $rc -ne 0 ] && break
+    done ;;
+  full)  # full attention over 2 GPUs (the same all-gather path)
+    for seq in 65536 131072; do run full_cp2_$seq 0,1 2 $seq --nsa.masks full_causal; report; done ;;
+  *) echo "PLAN=$PLAN: allowed scaling, long, full"; exit 2 ;;
+esac
+echo "done $PLAN t=${SECONDS}s"

@@ -90,7 +90,7 @@ def main(argv=None):
                         for p in glob.glob(os.path.join(args.out, "*.log"))) if r]
     rows.sort(key=lambda r: (r["attention"], r["cp"], r["seq_len"]))
     with open(os.path.join(args.out, "cp.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w = csv.DictWriter(f, fieldnames=FIELDS, lineterminator="\n")
         w.writeheader()
         w.writerows(rows)
     for r in rows:

@@ -80,3 +80,20 @@ def test_context_parallel_rules_name_the_field():
     assert "parallelism.tensor_parallel_degree=2" in msg and "allowed: 1" in msg
     (msg,) = parallelism_problems(_par(pp=2), 4096, 64, False)
     assert "parallelism.pipeline_parallel_degree=2" in msg
+
+
+def test_preflight_estimates_a_shard_per_rank():
+    import copy
+
+    from nsa_flex.titan import estimate as est
+    from nsa_flex.titan.args import nsa_flex_args
+
+    args = copy.deepcopy(nsa_flex_args["125M"])
+    args.vocab_size = 50304
+    one = est.training_bytes(args, 160_000_000, 1, 65536, 2, "full", 1)
+    two = est.training_bytes(args, 160_000_000, 1, 131072, 2, "full", 2, cp=2)
+    # twice the sequence on two ranks: about one rank's activations and logits at half of it,
+    # plus the all-gathered k, v; the states sharded over both
+    assert two["logits"] == one["logits"]
+    assert one["activations"] < two["activations"] < 1.2 * one["activations"]
+    assert two["states"] == one["states"] / 2
