@@ -32,7 +32,7 @@ from nsa_flex.rules import LayerShape, forced_and_valid, local_topn, pick_blocks
 
 from .builders import (causal, compressed_causal, doc_start, document, drop_forced, forced_parts,
                        selection, sliding_window)
-from .core import MaskSpec, and_masks
+from .core import MaskSpec, and_masks, offset_mask_mod
 
 
 @dataclass
@@ -197,15 +197,20 @@ def _first_leak_flex(spec, cfg, B, T, S, key_end):
     return _first_leak(flex_allowed(spec, cfg, B, T, S), q_tok, key_end)
 
 
-def flex_allowed(spec, cfg, B, T, S) -> Tensor:
+def flex_allowed(spec, cfg, B, T, S, compact: bool = False) -> Tensor:
     """What flex's BlockMask of `spec` lets each of T query rows (packed: T * G rows for a
     per-group mask) see of S keys, bool [B|1, H|1, rows, S]: listed blocks & mask_mod, full
-    blocks whole."""
+    blocks whole. compact: the BlockMask of the spec's compact builder (what a GPU runs), built
+    here on the CPU."""
     G = cfg.group_size if spec.per_group else 1
     # the packed layout: q blocks of whole positions (lcm(G, 16) rows), kv blocks of the mask's
     # block length (flex's tiles are checked by the layer, the lists and mask_mod here)
     bs = (math.lcm(G, 16), spec.kv_block or 16) if spec.per_group else (16, 16)
-    bm = spec.block_mask(B, T, S, device="cpu", block_size=bs, q_pack=G)
+    if compact:
+        bm = spec.compact(T, S, bs, G, "cpu", None, None,
+                          offset_mask_mod(spec.mask_mod, spec.q_offset))
+    else:
+        bm = spec.block_mask(B, T, S, device="cpu", block_size=bs, q_pack=G)
     QB, KB = bm.BLOCK_SIZE
     rows = T * G
 

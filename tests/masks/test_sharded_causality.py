@@ -71,6 +71,10 @@ def test_a_shard_sees_its_rows_of_the_whole_mask(case, name):
     for (fw, G), (fs, _) in zip(flex_w, flex_s, strict=True):
         assert torch.equal(*torch.broadcast_tensors(fs, fw[..., o * G:(o + Tq) * G, :]))
         assert _first_leak(fs, torch.arange(Tq * G) // G + o, key_end) is None
+    for p in (shard, *(shard.parts or ())):  # a GPU's compact BlockMask of a selection
+        if p.compact is not None:
+            fc, ff = flex_allowed(p, cfg, B, Tq, S, compact=True), flex_allowed(p, cfg, B, Tq, S)
+            assert torch.equal(*torch.broadcast_tensors(fc, ff))
 
 
 def test_at_offset_refuses_a_selection_built_elsewhere():
