@@ -26,7 +26,6 @@ from typing import Callable
 
 import torch
 from torch import Tensor
-from torch.nn.attention.flex_attention import BlockMask
 
 from nsa_flex.rules import LayerShape, forced_and_valid, local_topn, pick_blocks, random_topn
 
@@ -217,17 +216,20 @@ def flex_allowed(spec, cfg, B, T, S, compact: bool = False) -> Tensor:
     def expand(blocks):
         return blocks.repeat_interleave(QB, -2).repeat_interleave(KB, -1)[..., :rows, :S].bool()
 
+    def listed(num, idx):  # row-wise lists [.., NQB, W] -> block flags [.., NQB, NKB]
+        nkb = -(-S // KB)  # (the compact lists' width W is not NKB: no BlockMask.to_dense)
+        slot = torch.arange(idx.shape[-1]) < num.unsqueeze(-1)
+        flags = torch.zeros(*idx.shape[:-1], nkb + 1, dtype=torch.bool)
+        return flags.scatter_(-1, torch.where(slot, idx.long(), nkb), True)[..., :nkb]
+
     n_b, n_h = bm.kv_num_blocks.shape[:2]
     b = torch.arange(n_b).view(-1, 1, 1, 1)
     h = torch.arange(n_h).view(1, -1, 1, 1)
     r = torch.arange(rows).view(1, 1, -1, 1)
     kv = torch.arange(S).view(1, 1, 1, -1)
-    allowed = expand(BlockMask.from_kv_blocks(bm.kv_num_blocks, bm.kv_indices, BLOCK_SIZE=bm.BLOCK_SIZE,
-                                              seq_lengths=bm.seq_lengths).to_dense()) & bm.mask_mod(b, h, r, kv)
+    allowed = expand(listed(bm.kv_num_blocks, bm.kv_indices)) & bm.mask_mod(b, h, r, kv)
     if bm.full_kv_num_blocks is not None:  # full blocks: mask_mod is not evaluated there
-        allowed = allowed | expand(BlockMask.from_kv_blocks(
-            bm.full_kv_num_blocks, bm.full_kv_indices, BLOCK_SIZE=bm.BLOCK_SIZE,
-            seq_lengths=bm.seq_lengths).to_dense())
+        allowed = allowed | expand(listed(bm.full_kv_num_blocks, bm.full_kv_indices))
     return allowed
 
 
