@@ -86,8 +86,10 @@ def main(argv=None):
     ap.add_argument("out")
     ap.add_argument("--warmup", type=int, default=4)
     args = ap.parse_args(argv)
-    rows = [r for r in (summarize(p, args.warmup)
-                        for p in glob.glob(os.path.join(args.out, "*.log"))) if r]
+    # a run the budget skipped has an .rc and no log
+    names = {os.path.splitext(p)[0] for ext in ("log", "rc")
+             for p in glob.glob(os.path.join(args.out, f"*.{ext}"))}
+    rows = [r for r in (summarize(n + ".log", args.warmup) for n in sorted(names)) if r]
     rows.sort(key=lambda r: (r["attention"], r["cp"], r["seq_len"]))
     with open(os.path.join(args.out, "cp.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=FIELDS, lineterminator="\n")
