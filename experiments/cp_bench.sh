@@ -8,10 +8,12 @@
 #   full_cp2_SEQ  full attention (masks full_causal) over both GPUs through the same all-gather
 #                 path (torchtitan's ring attention is not wired to this model: docs/context_parallel.md).
 # Each run: STEPS steps logged every step, the first WARMUP (compile) left out; a run that fails
-# (OOM, timeout) is recorded as such and the sweep goes on. Rows go to OUT/cp.csv and the plot to
-# OUT/cp.png after every run (experiments/cp_report.py, over every log in OUT), so a cut-off sweep
-# keeps its table. A run's first step compiles for ~2 minutes (measured at 32k on 2 H100s), so the
-# sweep is three plans of under 8 minutes each, one device call each, into the same OUT:
+# (OOM, timeout) is recorded as such and the sweep goes on. The runs' logs go to LOGS (default
+# /tmp/cp_bench_logs); after every run OUT gets three files (a device call returns 8 at most):
+# cp.csv and cp.png (experiments/cp_report.py over every log in LOGS) and logs_PLAN.tgz, so a
+# cut-off sweep keeps its table. Plans run in separate calls: untar their logs_*.tgz into one
+# folder and run `python experiments/cp_report.py FOLDER` for the combined table and plot. A run's first step compiles for ~2 minutes (measured at 32k on 2 H100s), so the
+# sweep is three plans of under 8 minutes each, one device call each:
 #   scaling  nsa_cp1 32k and 64k side by side, then nsa_cp2 at 32k and 64k
 #   long     nsa_cp2 at 128k, 256k, 512k (until one fails)
 #   full     full_cp2 at 64k and 128k
@@ -22,19 +24,19 @@
 # runs (e.g. ONLY=nsa_cp2_131072 to redo one); STEPS, WARMUP, CAP (s per run) as below.
 set -uo pipefail
 OUT=${1:?out dir}; PLAN=${2:-scaling}; BUDGET=${3:-460}
-STEPS=${STEPS:-12}; WARMUP=${WARMUP:-4}; CAP=${CAP:-200}
-mkdir -p "$OUT"
+STEPS=${STEPS:-12}; WARMUP=${WARMUP:-4}; CAP=${CAP:-200}; LOGS=${LOGS:-/tmp/cp_bench_logs}
+mkdir -p "$OUT" "$LOGS"
 export TIKTOKEN_CACHE_DIR=$PWD/.data/tiktoken_cache PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 CFG=titan_configs/nsa_125m_cp.toml
 rope() { python -c "from nsa_flex.rope import min_rope_base; print(f'{min_rope_base($1) * 1.05:.4g}')"; }
 
-# run NAME GPUS CP SEQ [flags...]: one torchrun of CFG; its log OUT/NAME.log, exit code OUT/NAME.rc
+# run NAME GPUS CP SEQ [flags...]: one torchrun of CFG; its log LOGS/NAME.log, exit code LOGS/NAME.rc
 run() {
   local name=$1 gpus=$2 cp=$3 seq=$4; shift 4
   [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]] && return 0
   local n=$(( $(tr -cd , <<<"$gpus" | wc -c) + 1 )) left=$((BUDGET - SECONDS)) cap=$CAP
-  [ "$left" -lt 40 ] && { echo "skipped (budget)" > "$OUT/$name.rc"; echo "== skip $name (budget)"; return 1; }
+  [ "$left" -lt 40 ] && { echo "skipped (budget)" > "$LOGS/$name.rc"; echo "== skip $name (budget)"; return 1; }
   [ "$cap" -gt "$left" ] && cap=$left
   local dump; dump=$(mktemp -d /tmp/cp_bench.XXXXXX)
   echo "== $name (gpus $gpus, cap ${cap}s, t=${SECONDS}s)"
@@ -44,12 +46,16 @@ run() {
     --training.dataset_path .data/fineweb_sample_2800.parquet --nsa.rope_theta "$(rope "$seq")" \
     --training.steps "$STEPS" --metrics.log_freq 1 --lr_scheduler.warmup_steps 2 \
     --checkpoint.no-enable --metrics.no-enable_tensorboard --job.dump_folder "$dump" "$@" \
-    > "$OUT/$name.log" 2>&1
-  local rc=$?; echo "$rc" > "$OUT/$name.rc"; rm -rf "$dump"
-  echo "   rc=$rc t=${SECONDS}s"; grep -a "step:" "$OUT/$name.log" | tail -1 | cut -c1-200
+    > "$LOGS/$name.log" 2>&1
+  local rc=$?; echo "$rc" > "$LOGS/$name.rc"; rm -rf "$dump"
+  echo "   rc=$rc t=${SECONDS}s"; grep -a "step:" "$LOGS/$name.log" | tail -1 | cut -c1-200
   return $rc
 }
-report() { python experiments/cp_report.py "$OUT" --warmup "$WARMUP"; }
+report() {
+  python experiments/cp_report.py "$LOGS" --warmup "$WARMUP"
+  cp "$LOGS"/cp.csv "$OUT"/ 2>/dev/null; cp "$LOGS"/cp.png "$OUT"/ 2>/dev/null
+  tar czf "$OUT/logs_$PLAN.tgz" -C "$LOGS" --exclude cp.csv --exclude cp.png .
+}
 
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 case $PLAN in
