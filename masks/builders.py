@@ -83,10 +83,11 @@ def doc_start(doc_ids: Tensor) -> Tensor:
     return torch.cummax(torch.where(new, pos, 0), dim=1).values
 
 
-def selection(sel_idx: Tensor, l_sel: int) -> MaskSpec:
+def selection(sel_idx: Tensor, l_sel: int, q_offset: int = 0) -> MaskSpec:
     """Query t of group h sees key s <= t when s's block s // l_sel is among sel_idx[b, h, t, :].
 
-    sel_idx: [B, H_groups, T, n] block indices, -1 for unused slots. The mask is per GQA group
+    sel_idx: [B, H_groups, T, n] block indices, -1 for unused slots; row r is the query at
+    position r + q_offset (a sequence shard: `MaskSpec.q_offset`). The mask is per GQA group
     (paper Eq. 10): every query head of a group shares it. Its block lists come straight from
     sel_idx (no dense [T, T] evaluation) when l_sel is a multiple of the kv block size.
     A block listed twice in a row counts once (repeats become -1 here: block lists and the
@@ -96,7 +97,7 @@ def selection(sel_idx: Tensor, l_sel: int) -> MaskSpec:
     slot = torch.arange(n, device=sel_idx.device)
     repeat = (sel_idx == sel_idx.roll(1, dims=-1)) & (slot > 0)
     sel_idx = torch.where(repeat, -1, sel_idx)
-    m = min(n, -(-T // l_sel))  # causal: at most this many distinct blocks, the other slots are -1
+    m = min(n, -(-(T + q_offset) // l_sel))  # causal: at most this many distinct blocks, the other slots are -1
     if m < n:  # keep the last m slots (valid ones sort after -1): mask_mod's cost stops at m
         sel_idx, n = sel_idx.sort(dim=-1).values[..., n - m:], m
     unique = sel_idx
@@ -110,21 +111,24 @@ def selection(sel_idx: Tensor, l_sel: int) -> MaskSpec:
         # graph's dense mask (reference backend) kept uninitialized memory there
         # (pytorch/pytorch#195582)
         hit = None
+        row = q_idx - q_offset  # q_idx is a position
         for i in range(n):
-            start = sel_idx[b, h, q_idx, i] * l_sel
+            start = sel_idx[b, h, row, i] * l_sel
             m = (kv_idx >= start) & (kv_idx < start + l_sel)
             hit = m if hit is None else hit | m
         return hit & (kv_idx <= q_idx)
 
     def kv_blocks(Bq, Q_LEN, KV_LEN, block_size, q_pack, device, lo, hi):
-        return selection_block_flags(sel_idx, l_sel, Q_LEN, KV_LEN, block_size, q_pack, lo, hi)
+        return selection_block_flags(sel_idx, l_sel, Q_LEN, KV_LEN, block_size, q_pack, lo, hi,
+                                     q_offset)
 
     def compact(Q_LEN, KV_LEN, block_size, q_pack, device, lo, hi, mod, kv_major=True):
         return selection_block_mask_compact(sel_idx, l_sel, Q_LEN, KV_LEN, block_size, q_pack,
-                                            mod, lo, hi, kv_major)
+                                            mod, lo, hi, kv_major, q_offset)
 
     return MaskSpec(mask_mod, heads=H, kv_blocks=kv_blocks, name=f"selection(n={n},l'={l_sel})",
-                    kv_block=l_sel, compact=compact, selection=Selection(unique, l_sel))
+                    kv_block=l_sel, compact=compact, selection=Selection(unique, l_sel),
+                    q_offset=q_offset)
 
 
 def forced_blocks(l_sel: int, n_init: int, n_local: int, starts: Tensor | None = None
@@ -181,22 +185,24 @@ def forced_parts(l_sel: int, n_init: int, n_local: int, starts: Tensor | None = 
 
 
 def drop_forced(sel_idx: Tensor, l_sel: int, n_init: int, n_local: int,
-                starts: Tensor | None = None) -> Tensor:
+                starts: Tensor | None = None, q_offset: int = 0) -> Tensor:
     """sel_idx [B, H, T, n] with the blocks `forced_blocks` covers set to -1: the scored part of
     the selection. Every picked block is valid, so a picked block is forced exactly when it is
-    the document's first block or one of the n_local most recent (nsa_flex.rules.is_forced)."""
+    the document's first block or one of the n_local most recent (nsa_flex.rules.is_forced).
+    Row r is position r + q_offset; starts [B|1, T]: its rows are sel_idx's."""
     T = sel_idx.shape[2]
-    t = torch.arange(T, device=sel_idx.device).view(1, 1, T, 1)
+    t = torch.arange(q_offset, q_offset + T, device=sel_idx.device).view(1, 1, T, 1)
     start = 0 if starts is None else starts.long()[:, None, :, None]
     return torch.where(is_forced(sel_idx, t, start, l_sel, n_init, n_local), -1, sel_idx)
 
 
-def _slot_classes(sel_idx, l_sel, KB, KV_LEN, lo, hi):
-    """Per (token, selected kv block) slot: (kv block index, listed?, full?), [B, H, T, n*r]."""
+def _slot_classes(sel_idx, l_sel, KB, KV_LEN, lo, hi, q_offset=0):
+    """Per (token, selected kv block) slot: (kv block index, listed?, full?), [B, H, T, n*r];
+    row r is position r + q_offset."""
     B, H, T, n = sel_idx.shape
     dev = sel_idx.device
     r = l_sel // KB  # kv blocks per selection block
-    t = torch.arange(T, device=dev)
+    t = torch.arange(q_offset, q_offset + T, device=dev)
     if lo is None:
         lo = torch.zeros(1, T, dtype=torch.long, device=dev)
         hi = torch.full((1, T), torch.iinfo(torch.long).max // 4, dtype=torch.long, device=dev)
@@ -252,7 +258,7 @@ def _union_slots(kvb, any_tok, full_tok, P: int):
 
 
 def selection_block_mask_compact(sel_idx, l_sel, Q_LEN, KV_LEN, block_size, q_pack, mask_mod,
-                                 lo=None, hi=None, kv_major=True):
+                                 lo=None, hi=None, kv_major=True, q_offset=0):
     """BlockMask of the selection mask in the packed layout, q block = P positions (P * q_pack
     rows): kv lists straight from sel_idx (width P * n * l'/KB; P > 1: the union of the
     positions' blocks, each once), kv-major lists by a sort. Never builds the dense [NQB, NKB]
@@ -262,7 +268,7 @@ def selection_block_mask_compact(sel_idx, l_sel, Q_LEN, KV_LEN, block_size, q_pa
         raise ValueError("compact selection masks need q_pack | q block and KB | l_sel")
     P = QB // q_pack
     nkb = -(-KV_LEN // KB)
-    kvb, any_tok, full_tok = _slot_classes(sel_idx, l_sel, KB, KV_LEN, lo, hi)
+    kvb, any_tok, full_tok = _slot_classes(sel_idx, l_sel, KB, KV_LEN, lo, hi, q_offset)
     if P == 1:
         kv_num, kv_idx = _compact_lists(kvb, any_tok & ~full_tok)
         f_num, f_idx = _compact_lists(kvb, full_tok)
@@ -281,7 +287,8 @@ def selection_block_mask_compact(sel_idx, l_sel, Q_LEN, KV_LEN, block_size, q_pa
                      full_q_indices=fq_idx, BLOCK_SIZE=(QB, KB), mask_mod=packed)
 
 
-def selection_block_flags(sel_idx, l_sel, Q_LEN, KV_LEN, block_size, q_pack, lo=None, hi=None):
+def selection_block_flags(sel_idx, l_sel, Q_LEN, KV_LEN, block_size, q_pack, lo=None, hi=None,
+                          q_offset=0):
     """[B, H, NQB, NKB] (any, full) flags of the selection mask in the q-packed layout."""
     QB, KB = block_size
     if l_sel % KB:
@@ -294,7 +301,7 @@ def selection_block_flags(sel_idx, l_sel, Q_LEN, KV_LEN, block_size, q_pack, lo=
     nqb = -(-Q_LEN // P)
     nkb = -(-KV_LEN // KB)
     r = l_sel // KB
-    kvb, any_tok, full_tok = _slot_classes(sel_idx, l_sel, KB, KV_LEN, lo, hi)
+    kvb, any_tok, full_tok = _slot_classes(sel_idx, l_sel, KB, KV_LEN, lo, hi, q_offset)
     valid = (sel_idx >= 0).repeat_interleave(r, dim=-1)
     col = torch.where(valid, kvb, nkb).clamp(0, nkb)  # unused slots go to a dummy column
     pad = nqb * P - T

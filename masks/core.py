@@ -15,6 +15,10 @@ mask_mod over a dense [Q, KV] grid:
 
 `q_pack` is the group-centric packing used by the flex backend for per-group masks: query row
 `r` of the packed layout is token `r // q_pack` (one row per head of a GQA group).
+
+`q_offset` (context parallelism, `nsa_flex.context_parallel`): query row `r` is the token at
+position `r + q_offset` of the whole sequence, keys are indexed from position 0. mask_mod and
+intervals always take positions; only the row -> position map moves (`at_offset`).
 """
 
 from dataclasses import dataclass, replace
@@ -106,6 +110,12 @@ class MaskSpec:
     # a BlockMask built ahead (`with_block_mask`: a mask every layer of a step shares is built once,
     # outside the layers' compiled graphs); `block_mask` returns it for the same geometry
     built: BlockMask | None = None
+    # query row r is position r + q_offset (a sequence shard; see the module docstring)
+    q_offset: int = 0
+
+    def positions(self, Q_LEN: int, device=None) -> Tensor:
+        """The positions of query rows 0..Q_LEN-1."""
+        return torch.arange(self.q_offset, self.q_offset + Q_LEN, device=device)
 
     @property
     def per_group(self) -> bool:
@@ -116,7 +126,7 @@ class MaskSpec:
         """Dense boolean mask [B, heads, Q_LEN, KV_LEN], evaluated element-wise from mask_mod."""
         b = torch.arange(B, device=device).view(B, 1, 1, 1)
         h = torch.arange(self.heads, device=device).view(1, self.heads, 1, 1)
-        q = torch.arange(Q_LEN, device=device).view(1, 1, Q_LEN, 1)
+        q = self.positions(Q_LEN, device).view(1, 1, Q_LEN, 1)
         kv = torch.arange(KV_LEN, device=device).view(1, 1, 1, KV_LEN)
         m = self.mask_mod(b, h, q, kv)
         return m.expand(B, self.heads, Q_LEN, KV_LEN)
@@ -139,7 +149,7 @@ class MaskSpec:
         """(any, full) block flags [B', H', NQB, NKB] of the (packed) layout."""
         if self.kv_blocks is not None:
             return self.kv_blocks(B, Q_LEN, KV_LEN, block_size, q_pack, device, None, None)
-        q = torch.arange(Q_LEN, device=device)
+        q = self.positions(Q_LEN, device)
         if self.bands is not None:
             any_ = full = None
             for band in self.bands:
@@ -164,17 +174,41 @@ class MaskSpec:
         bs = (block_size, block_size) if isinstance(block_size, int) else tuple(block_size)
         if self.built is not None and self.built_for(B, Q_LEN * q_pack, KV_LEN, bs):
             return self.built
-        mod = self.mask_mod
+        mod = offset_mask_mod(self.mask_mod, self.q_offset)  # flex passes rows, not positions
         if self.interval is None and self.kv_blocks is None and self.bands is None:
             return create_block_mask(packed_mask_mod(mod, q_pack), B, self.heads, Q_LEN * q_pack,
                                      KV_LEN, device=device, BLOCK_SIZE=bs)
         if self.compact is not None and bs[0] % q_pack == 0 and device is not None \
                 and torch.device(device).type == "cuda":
-            return self.compact(Q_LEN, KV_LEN, bs, q_pack, device, None, None, self.mask_mod,
+            return self.compact(Q_LEN, KV_LEN, bs, q_pack, device, None, None, mod,
                                 kv_major=kv_major)
         any_, full = self.block_flags(B, Q_LEN, KV_LEN, bs, q_pack, device)
         return block_mask_from_flags(any_, full, bs, packed_mask_mod(mod, q_pack),
                                      (Q_LEN * q_pack, KV_LEN))
+
+
+def offset_mask_mod(mask_mod: MaskMod, q_offset: int) -> MaskMod:
+    """mask_mod of query rows whose position is row + q_offset."""
+    if q_offset == 0:
+        return mask_mod
+
+    def shifted(b, h, q_idx, kv_idx):
+        return mask_mod(b, h, q_idx + q_offset, kv_idx)
+
+    return shifted
+
+
+def at_offset(spec: MaskSpec | None, q_offset: int) -> MaskSpec | None:
+    """`spec` for query rows that start at position q_offset (a sequence shard), its parts too.
+    A band mask is a function of positions, so only the row map moves; a selection's rows are
+    tied to its picks and carry their offset from `masks.selection` (it must agree)."""
+    if spec is None:
+        return None
+    if spec.q_offset != q_offset and (spec.q_offset != 0 or spec.kv_blocks is not None):
+        raise ValueError(f"mask {spec.name!r} has its query rows at offset {spec.q_offset}, "
+                         f"not {q_offset}: build its selection with q_offset={q_offset}")
+    parts = None if spec.parts is None else tuple(at_offset(p, q_offset) for p in spec.parts)
+    return replace(spec, q_offset=q_offset, parts=parts)
 
 
 def _kv_major_sorted(num, idx, nkb):
@@ -343,7 +377,8 @@ def or_masks(*specs: MaskSpec, name: str | None = None) -> MaskSpec:
 
     bands = tuple(band for s in specs for band in (s.bands or (s.interval,)))
     return MaskSpec(mask_mod, heads=max(s.heads for s in specs), bands=bands,
-                    name=name or "|".join(s.name for s in specs))
+                    name=name or "|".join(s.name for s in specs),
+                    q_offset=max(s.q_offset for s in specs))
 
 
 def and_masks(*specs: MaskSpec, name: str | None = None) -> MaskSpec:
@@ -362,6 +397,10 @@ def and_masks(*specs: MaskSpec, name: str | None = None) -> MaskSpec:
         return m
 
     heads = max(s.heads for s in specs)
+    q_offset = max(s.q_offset for s in specs)  # a selection's; bands take positions
+    if any(s.q_offset not in (0, q_offset) for s in specs):
+        raise ValueError("and_masks: masks at different query offsets "
+                         + ", ".join(f"{s.name}@{s.q_offset}" for s in specs))
     bands = [s.interval for s in specs if s.interval is not None]
     lists = [s.kv_blocks for s in specs if s.kv_blocks is not None]
     unions = [s.bands for s in specs if s.bands is not None]
@@ -390,7 +429,7 @@ def and_masks(*specs: MaskSpec, name: str | None = None) -> MaskSpec:
         inner = lists[0]
 
         def kv_blocks(B, Q_LEN, KV_LEN, block_size, q_pack, device, lo, hi):
-            l2, h2 = band(torch.arange(Q_LEN, device=device))
+            l2, h2 = band(torch.arange(q_offset, q_offset + Q_LEN, device=device))
             if lo is not None:
                 l2, h2 = torch.maximum(lo, l2), torch.minimum(hi, h2)
             return inner(B, Q_LEN, KV_LEN, block_size, q_pack, device, l2, h2)
@@ -398,7 +437,7 @@ def and_masks(*specs: MaskSpec, name: str | None = None) -> MaskSpec:
         inner_compact = next(s.compact for s in specs if s.kv_blocks is not None)
         if inner_compact is not None:
             def compact(Q_LEN, KV_LEN, block_size, q_pack, device, lo, hi, mod, kv_major=True):
-                l2, h2 = band(torch.arange(Q_LEN, device=device))
+                l2, h2 = band(torch.arange(q_offset, q_offset + Q_LEN, device=device))
                 if lo is not None:
                     l2, h2 = torch.maximum(lo, l2), torch.minimum(hi, h2)
                 return inner_compact(Q_LEN, KV_LEN, block_size, q_pack, device, l2, h2, mod,
@@ -412,4 +451,4 @@ def and_masks(*specs: MaskSpec, name: str | None = None) -> MaskSpec:
             selection = Selection(picks.idx, picks.l_sel, band)
     return MaskSpec(mask_mod, heads=heads, interval=interval, kv_blocks=kv_blocks,
                     name=name or "&".join(s.name for s in specs), kv_block=kv_block,
-                    compact=compact, bands=union, selection=selection)
+                    compact=compact, bands=union, selection=selection, q_offset=q_offset)

@@ -6,6 +6,11 @@ Contract of a branch mask builder (register your own with `register_mask_builder
 
 `ctx` holds the layer's config and this step's inputs (sequence length, document ids and, for
 selection builders, `ctx.topn()`, the scorer's top-n block indices [B, n_kv_heads, T, n_sel]).
+With context parallelism the queries are a shard (`ctx.q_offset`, `ctx.q_len`) of the whole
+sequence (`ctx.seq_len`, `ctx.doc_ids`): masks take positions, `ctx.topn()` has the shard's rows;
+the layer sets the returned mask's query offset (`masks.core.at_offset`); a selection builder
+passes `ctx.q_offset` to `selection` and `ctx.rows(...)` keeps the shard's rows of a whole-sequence
+tensor.
 A builder is called every step, so it may depend on the data. It must be strictly causal and,
 for the selection branch, give every head of a GQA group the same mask (heads = n_kv_heads).
 `kind` says which branch accepts it: "compressed" (kv index = compressed block), "selection"
@@ -21,13 +26,12 @@ from typing import Callable
 
 import torch
 from torch import Tensor
-from torch.nn.attention.flex_attention import BlockMask
 
 from nsa_flex.rules import LayerShape, forced_and_valid, local_topn, pick_blocks, random_topn
 
 from .builders import (causal, compressed_causal, doc_start, document, drop_forced, forced_parts,
                        selection, sliding_window)
-from .core import MaskSpec, and_masks
+from .core import MaskSpec, and_masks, offset_mask_mod
 
 
 @dataclass
@@ -43,6 +47,16 @@ class MaskContext:
     # doc_start(doc_ids) [B, T] where the caller has it already (computed once for a model's
     # layers: nsa_flex.layer.StepMasks); None: computed here from doc_ids
     starts: Tensor | None = None
+    # the queries are positions q_offset .. q_offset + q_len - 1 of the seq_len (context
+    # parallelism: one shard); q_len None: all of them
+    q_offset: int = 0
+    q_len: int | None = None
+
+    def rows(self, x: Tensor, dim: int = 2) -> Tensor:
+        """The query shard's rows of a whole-sequence tensor (positions along `dim`)."""
+        if self.q_len is None or self.q_len == self.seq_len:
+            return x
+        return x.narrow(dim, self.q_offset, self.q_len)
 
     def with_docs(self, spec: MaskSpec, kv_stride: int = 1, kv_span: int = 1) -> MaskSpec:
         if self.doc_ids is None:
@@ -181,28 +195,45 @@ def check_causal(name: str, kind: str, fn, T: int = 19, seed: int = 0) -> None:
 def _first_leak_flex(spec, cfg, B, T, S, key_end):
     """First (query, key) that flex's BlockMask of `spec` lets through after its key's time."""
     G = cfg.group_size if spec.per_group else 1
+    q_tok = torch.arange(T * G) // G + spec.q_offset
+    return _first_leak(flex_allowed(spec, cfg, B, T, S), q_tok, key_end)
+
+
+def flex_allowed(spec, cfg, B, T, S, compact: bool = False) -> Tensor:
+    """What flex's BlockMask of `spec` lets each of T query rows (packed: T * G rows for a
+    per-group mask) see of S keys, bool [B|1, H|1, rows, S]: listed blocks & mask_mod, full
+    blocks whole. compact: the BlockMask of the spec's compact builder (what a GPU runs), built
+    here on the CPU."""
+    G = cfg.group_size if spec.per_group else 1
     # the packed layout: q blocks of whole positions (lcm(G, 16) rows), kv blocks of the mask's
     # block length (flex's tiles are checked by the layer, the lists and mask_mod here)
     bs = (math.lcm(G, 16), spec.kv_block or 16) if spec.per_group else (16, 16)
-    bm = spec.block_mask(B, T, S, device="cpu", block_size=bs, q_pack=G)
+    if compact:
+        bm = spec.compact(T, S, bs, G, "cpu", None, None,
+                          offset_mask_mod(spec.mask_mod, spec.q_offset))
+    else:
+        bm = spec.block_mask(B, T, S, device="cpu", block_size=bs, q_pack=G)
     QB, KB = bm.BLOCK_SIZE
     rows = T * G
 
     def expand(blocks):
         return blocks.repeat_interleave(QB, -2).repeat_interleave(KB, -1)[..., :rows, :S].bool()
 
+    def listed(num, idx):  # row-wise lists [.., NQB, W] -> block flags [.., NQB, NKB]
+        nkb = -(-S // KB)  # (the compact lists' width W is not NKB: no BlockMask.to_dense)
+        slot = torch.arange(idx.shape[-1]) < num.unsqueeze(-1)
+        flags = torch.zeros(*idx.shape[:-1], nkb + 1, dtype=torch.bool)
+        return flags.scatter_(-1, torch.where(slot, idx.long(), nkb), True)[..., :nkb]
+
     n_b, n_h = bm.kv_num_blocks.shape[:2]
     b = torch.arange(n_b).view(-1, 1, 1, 1)
     h = torch.arange(n_h).view(1, -1, 1, 1)
     r = torch.arange(rows).view(1, 1, -1, 1)
     kv = torch.arange(S).view(1, 1, 1, -1)
-    allowed = expand(BlockMask.from_kv_blocks(bm.kv_num_blocks, bm.kv_indices, BLOCK_SIZE=bm.BLOCK_SIZE,
-                                              seq_lengths=bm.seq_lengths).to_dense()) & bm.mask_mod(b, h, r, kv)
+    allowed = expand(listed(bm.kv_num_blocks, bm.kv_indices)) & bm.mask_mod(b, h, r, kv)
     if bm.full_kv_num_blocks is not None:  # full blocks: mask_mod is not evaluated there
-        allowed = allowed | expand(BlockMask.from_kv_blocks(
-            bm.full_kv_num_blocks, bm.full_kv_indices, BLOCK_SIZE=bm.BLOCK_SIZE,
-            seq_lengths=bm.seq_lengths).to_dense())
-    return _first_leak(allowed, torch.arange(rows) // G, key_end)
+        allowed = allowed | expand(listed(bm.full_kv_num_blocks, bm.full_kv_indices))
+    return allowed
 
 
 def import_builder_modules(names) -> None:
@@ -286,24 +317,25 @@ def selection_parts(ctx, idx: Tensor) -> MaskSpec:
     blocks (static bands with ordinary q blocks and GQA, `forced_parts`) and the rest. Why split:
     packed with the rest, block 0 makes one dK/dV program walk every query (two thirds of the
     branch's backward at 64k)."""
-    c = ctx.cfg
-    whole = ctx.with_docs(selection(idx, c.l_sel))
+    c, o = ctx.cfg, ctx.q_offset
+    whole = ctx.with_docs(selection(idx, c.l_sel, o))
     starts = None if ctx.doc_ids is None else ctx.doc_start()
     forced = forced_parts(c.l_sel, c.n_init, c.n_local, starts)
     if not forced:
         return whole
-    rest = selection(drop_forced(idx, c.l_sel, c.n_init, c.n_local, starts), c.l_sel)
+    rows = None if starts is None else ctx.rows(starts, dim=1)
+    rest = selection(drop_forced(idx, c.l_sel, c.n_init, c.n_local, rows, o), c.l_sel, o)
     return dataclasses.replace(whole, parts=tuple(ctx.with_docs(p) for p in (*forced, rest)))
 
 
 def _random(ctx):
     idx = random_topn(ctx.cfg, ctx.batch, ctx.seq_len, ctx.doc_start(), ctx.step, ctx.device)
-    return selection_parts(ctx, idx)
+    return selection_parts(ctx, ctx.rows(idx))
 
 
 def _local(ctx):
     idx = local_topn(ctx.cfg, ctx.batch, ctx.seq_len, ctx.doc_start(), ctx.device)
-    return selection_parts(ctx, idx)
+    return selection_parts(ctx, ctx.rows(idx))
 
 
 _register_builtin("none", "token", _none, decode=("cmp", "sel", "win"))

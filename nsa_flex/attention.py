@@ -221,6 +221,12 @@ def merge_parts(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
     return out.to(parts[0][0].dtype), torch.log(den) + m
 
 
+# why our selected op (as many keys as queries, rows = positions) and the cuDNN packing of the
+# compressed branch (rows = positions) hand a sequence shard to flex
+SHARD_UNSUPPORTED = ("the queries are a sequence shard (context parallelism: MaskSpec.q_offset > 0, "
+                     "or fewer queries than keys) and it takes query rows as positions")
+
+
 def triton_runs_on(x: Tensor) -> bool:
     """Whether our Triton ops can run on x's device: CUDA, or the CPU under TRITON_INTERPRET=1."""
     return HAS_TRITON and (x.is_cuda or triton_interpreted())
@@ -231,6 +237,8 @@ def selected_op_unsupported(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec) -> 
     if not HAS_TRITON:
         return "triton is not importable"
     why = selected_unsupported(q, k, v, spec.selection.l_sel)
+    if why is None and (spec.q_offset or k.shape[2] != q.shape[2]):  # rank 0's shard: q_offset 0
+        why = SHARD_UNSUPPORTED
     if why is None and not triton_runs_on(q):
         why = f"it needs CUDA tensors (got {q.device.type}; on CPU only under TRITON_INTERPRET=1)"
     return why
@@ -340,7 +348,7 @@ def _run_selected(plan, q, k, v, spec, scale):
 
 
 def _run_cudnn(plan, q, k, v, spec, scale):
-    why = compressed_sdpa_unsupported(q, v)
+    why = SHARD_UNSUPPORTED if spec.q_offset else compressed_sdpa_unsupported(q, v)
     if why is None:
         fn = attend_compressed_lean if plan.executor == "cudnn_lean" else attend_compressed_sdpa
         return fn(q, k, v, *plan.cmp, scale)

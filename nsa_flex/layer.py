@@ -15,11 +15,12 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from masks import MaskContext, MaskSpec, builder_info, doc_start
+from masks import MaskContext, MaskSpec, at_offset, builder_info, doc_start
 
 from .attention import BranchPlan, mix_branches, plan_branch
 from .compression import PHI
 from .config import RECOMPUTED, NSAConfig
+from .context_parallel import NO_SHARD, SeqShard, gather_seq, gather_seq_nograd, with_halo
 from .kernel_options import install_flex_patches
 from .ops import DEFAULT_TUNING, SelectedTuning
 from .rope import apply_rope, rope_cos_sin
@@ -28,10 +29,10 @@ from .selection import select_topn
 from .telemetry import STATS_SIZE, layer_stats
 
 
-def check_inputs(x: Tensor, doc_ids: Tensor | None, dim: int) -> None:
-    """One ValueError for a bad layer input: x [B, T, dim] with B, T >= 1; doc_ids [B, T] of
-    integers, non-decreasing along T (checked in eager mode only: a value check would sync and
-    break a compiled graph)."""
+def check_inputs(x: Tensor, doc_ids: Tensor | None, dim: int, shards: int = 1) -> None:
+    """One ValueError for a bad layer input: x [B, T, dim] with B, T >= 1; doc_ids [B, T * shards]
+    (the whole sequence's when x is one of `shards` shards) of integers, non-decreasing along T
+    (checked in eager mode only: a value check would sync and break a compiled graph)."""
     if x.dim() != 3 or x.shape[-1] != dim:
         raise ValueError(f"NSAAttention: x must be [batch, seq_len, dim={dim}], got shape {tuple(x.shape)}")
     if x.shape[0] == 0 or x.shape[1] == 0:
@@ -39,9 +40,11 @@ def check_inputs(x: Tensor, doc_ids: Tensor | None, dim: int) -> None:
                          "batch and seq_len must be >= 1")
     if doc_ids is None:
         return
-    if tuple(doc_ids.shape) != tuple(x.shape[:2]) or doc_ids.is_floating_point() or doc_ids.is_complex():
+    want = (x.shape[0], x.shape[1] * shards)
+    if tuple(doc_ids.shape) != want or doc_ids.is_floating_point() or doc_ids.is_complex():
+        whole = " (the whole sequence's: x is one of the shards)" if shards > 1 else ""
         raise ValueError(f"NSAAttention: doc_ids must be integers of shape [batch, seq_len] = "
-                         f"{tuple(x.shape[:2])}, got {doc_ids.dtype} {tuple(doc_ids.shape)}")
+                         f"{want}{whole}, got {doc_ids.dtype} {tuple(doc_ids.shape)}")
     if not torch.compiler.is_compiling() and doc_ids.shape[1] > 1:
         down = doc_ids[:, 1:] < doc_ids[:, :-1]
         if bool(down.any()):
@@ -84,35 +87,70 @@ def shares_mask(branch: str, builder: str) -> bool:
     return branch != "sel" and not (info.scores or info.step)
 
 
+def window_halo(cfg: NSAConfig, shard: SeqShard, local_len: int) -> int | None:
+    """Keys before its shard the window branch reads where a halo suffices (context parallelism):
+    window - 1 for the `sliding_window` builder when the previous rank holds them all; None
+    (all-gather the sequence): no shard, another builder (it may read any key), or a window
+    longer than a shard."""
+    h = cfg.window - 1
+    if not shard.sharded or cfg.branch_masks()["win"] != "sliding_window" or h > local_len:
+        return None
+    return h
+
+
+def branch_mask(b: str, build: Callable, ctx: MaskContext, halo: int | None) -> tuple[MaskSpec, int]:
+    """Branch b's mask for the queries of `ctx` (at its q_offset) and the length of the keys it
+    reads: the compressed keys of the whole sequence, its keys, or for a window with a halo the
+    keys from `base` = q_offset - halo on (the mask sees positions from there: a window's mask
+    depends on differences of positions)."""
+    q0, Tq, T = ctx.q_offset, ctx.q_len or ctx.seq_len, ctx.seq_len
+    if b == "win" and halo is not None:
+        base = max(0, q0 - halo)
+        wctx = ctx if base == 0 else MaskContext(
+            ctx.cfg, ctx.batch, q0 + Tq - base, ctx.device, q_offset=q0 - base, q_len=Tq,
+            doc_ids=None if ctx.doc_ids is None else ctx.doc_ids[:, base:q0 + Tq])
+        return at_offset(build(wctx), q0 - base), q0 + Tq - base
+    return at_offset(build(ctx), q0), ctx.cfg.num_cmp(T) if b == "cmp" else T
+
+
 @dataclass(frozen=True)
 class StepMasks:
     """What the NSA layers of one forward share (`step_masks`). cos, sin: RoPE's [T, d_qk] in
-    fp32 (`apply_rope` casts them to q's dtype, the cast a layer's own did); doc_ids [B, T] and
-    starts (each position's document start, `masks.doc_start`), None without documents; specs:
-    branch -> mask of the branches `shares_mask` names, with the BlockMask their flex call reads
-    built (`BranchPlan.prebuild`). Bit-identical to a layer's own: the same ops, run once."""
+    fp32 at the queries' positions (`apply_rope` casts them to q's dtype, the cast a layer's own
+    did); doc_ids [B, T] and starts (each position's document start, `masks.doc_start`) of the
+    whole sequence, None without documents; specs: branch -> mask of the branches `shares_mask`
+    names, with the BlockMask their flex call reads built (`BranchPlan.prebuild`), kv_lens: the
+    length of the keys each reads; shard: the queries' sequence shard (context parallelism),
+    halo: `window_halo`.
+    Bit-identical to a layer's own: the same ops, run once."""
     cos: Tensor
     sin: Tensor
     doc_ids: Tensor | None
     starts: Tensor | None
     specs: dict[str, MaskSpec]
+    kv_lens: dict[str, int]
+    shard: SeqShard = NO_SHARD
+    halo: int | None = None
 
 
 def step_masks(cfg: NSAConfig, builders: dict[str, Callable], plans: dict[str, BranchPlan],
-               B: int, T: int, device, doc_ids: Tensor | None = None) -> StepMasks:
-    """The `StepMasks` of a step of B sequences of T tokens (doc_ids [B, T] or None), for layers
-    of config `cfg` whose branches run `builders` and `plans` (`branch_runners`)."""
-    cos, sin = rope_cos_sin(torch.arange(T, device=device), cfg.d_qk, cfg.rope_theta)
+               B: int, T: int, device, doc_ids: Tensor | None = None,
+               shard: SeqShard = NO_SHARD) -> StepMasks:
+    """The `StepMasks` of a step of B sequences of T query tokens (this rank's shard of T *
+    shard.size under context parallelism; doc_ids [B, T * shard.size] or None), for layers of
+    config `cfg` whose branches run `builders` and `plans` (`branch_runners`)."""
+    q0, whole = shard.offset(T), T * shard.size
+    cos, sin = rope_cos_sin(torch.arange(q0, q0 + T, device=device), cfg.d_qk, cfg.rope_theta)
     starts = None if doc_ids is None else doc_start(doc_ids.long())
-    ctx = MaskContext(cfg, B, T, device, doc_ids=doc_ids, starts=starts)
-    names, specs = branch_builders(cfg), {}
+    ctx = MaskContext(cfg, B, whole, device, doc_ids=doc_ids, starts=starts, q_offset=q0, q_len=T)
+    halo = window_halo(cfg, shard, T)
+    names, specs, kv_lens = branch_builders(cfg), {}, {}
     for b, build in builders.items():
         if shares_mask(b, names[b]):
-            spec = build(ctx)
-            S = cfg.num_cmp(T) if b == "cmp" else T
-            specs[b] = spec if spec is None else plans[b].prebuild(spec, B, T, S, device,
+            spec, kv_lens[b] = branch_mask(b, build, ctx, halo)
+            specs[b] = spec if spec is None else plans[b].prebuild(spec, B, T, kv_lens[b], device,
                                                                   doc_ids is not None)
-    return StepMasks(cos, sin, doc_ids, starts, specs)
+    return StepMasks(cos, sin, doc_ids, starts, specs, kv_lens, shard, halo)
 
 
 class NSAAttention(nn.Module):
@@ -144,6 +182,9 @@ class NSAAttention(nn.Module):
         # telemetry (nsa_flex/telemetry.py): set before the first (compiled) call; when on, every
         # forward writes its gate / mask statistics into this buffer (no state dict, no grad)
         self.telemetry = False
+        # context parallelism (nsa_flex.context_parallel): this rank's shard of the sequence, set
+        # with the model's (`nsa_flex.titan.model.set_seq_shard`); a forward's own argument wins
+        self.shard = NO_SHARD
         self.register_buffer("telemetry_stats", torch.zeros(STATS_SIZE), persistent=False)
 
     # ------------------------------------------------------------------ init
@@ -178,13 +219,26 @@ class NSAAttention(nn.Module):
         v = self.wv[branch](x).view(B, T, Hkv, -1).transpose(1, 2)
         return apply_rope(k, cos, sin), v
 
-    def branch(self, b: str, spec, x: Tensor, q: Tensor, cos: Tensor, sin: Tensor, docs: bool):
+    def read_kv(self, x: Tensor, branch: str, cos: Tensor, sin: Tensor, shard: SeqShard,
+                halo: int | None = None) -> tuple[Tensor, Tensor]:
+        """The branch's k, v over the keys it reads: this shard's projections, all-gathered along
+        the sequence (`nsa_flex.context_parallel.gather_seq`; no shard: as they are), or with
+        `halo` = h only the previous rank's last h keys before them (`with_halo`). Compression
+        runs after the gather: a compressed block straddles shards."""
+        k, v = self.project_kv(x, branch, cos, sin)
+        if halo is None:
+            return gather_seq(k, shard, 2), gather_seq(v, shard, 2)
+        return with_halo(k, shard, halo, 2), with_halo(v, shard, halo, 2)
+
+    def branch(self, b: str, spec, x: Tensor, q: Tensor, cos: Tensor, sin: Tensor, docs: bool,
+               shard: SeqShard = NO_SHARD, halo: int | None = None):
         """One branch's attention: its own keys and values (compressed by phi for "cmp"), then
         its planned executor (`self.plans[b]`; docs: the step has documents) -> (out, lse, k). A
         branch named by `cfg.recompute` runs under activation checkpointing: its backward
-        rebuilds k, v and out from x and q (kept anyway)."""
+        rebuilds k, v and out from x and q (kept anyway; with a shard it gathers them again).
+        shard, halo: the keys it reads (`read_kv`)."""
         def run(x, q):
-            k, v = self.project_kv(x, b, cos, sin)
+            k, v = self.read_kv(x, b, cos, sin, shard, halo)
             if b == "cmp":
                 k, v = self.phi_k(k), self.phi_v(v)
             o, lse = self.plans[b].attend(q, k, v, spec, docs)
@@ -196,39 +250,53 @@ class NSAAttention(nn.Module):
         return run(x, q)
 
     # ------------------------------------------------------------------ forward
-    def step_masks(self, B: int, T: int, device, doc_ids: Tensor | None = None) -> StepMasks:
+    def step_masks(self, B: int, T: int, device, doc_ids: Tensor | None = None,
+                   shard: SeqShard = NO_SHARD) -> StepMasks:
         """This layer's `StepMasks` for a step (`step_masks` with its own builders and plans)."""
-        return step_masks(self.cfg, self.builders, self.plans, B, T, device, doc_ids)
+        return step_masks(self.cfg, self.builders, self.plans, B, T, device, doc_ids, shard)
 
     def forward(self, x: Tensor, doc_ids: Tensor | None = None,
                 masks: StepMasks | None = None) -> Tensor:
         """x [B, T, dim] -> [B, T, dim]; doc_ids [B, T] (optional): document ids, non-decreasing
         along T (packed documents attend only within themselves). masks: what the layers of a
-        forward share, built once by the model (`step_masks`, holding the step's doc_ids: pass
-        one or the other); None: the layer builds its own."""
-        check_inputs(x, doc_ids, self.cfg.dim)
-        cfg, names = self.cfg, self.branch_names
-        B, T, _ = x.shape
+        forward share, built once by the model (`step_masks`, holding the step's doc_ids and
+        sequence shard: pass doc_ids or masks); None: the layer builds its own, for its shard
+        (`self.shard`). Under context parallelism (`nsa_flex.context_parallel`) x holds positions
+        q0 .. q0 + T - 1 of a sequence of T * shard.size tokens, doc_ids are the whole sequence's."""
         if masks is None:
-            masks = self.step_masks(B, T, x.device, doc_ids)
-        elif doc_ids is not None or masks.cos.shape[0] != T:
-            raise ValueError(f"NSAAttention: masks for T={masks.cos.shape[0]} with x of T={T}, or "
-                             "doc_ids passed beside masks (they hold the step's doc_ids)")
+            check_inputs(x, doc_ids, self.cfg.dim, self.shard.size)
+            masks = self.step_masks(x.shape[0], x.shape[1], x.device, doc_ids, self.shard)
+        else:
+            check_inputs(x, masks.doc_ids, self.cfg.dim, masks.shard.size)
+            if doc_ids is not None or masks.cos.shape[0] != x.shape[1]:
+                raise ValueError(f"NSAAttention: masks for T={masks.cos.shape[0]} with x of "
+                                 f"T={x.shape[1]}, or doc_ids passed beside masks (they hold the "
+                                 "step's doc_ids)")
+        B, Tq, _ = x.shape
+        cfg, names, shard, halo = self.cfg, self.branch_names, masks.shard, masks.halo
         doc_ids, cos, sin = masks.doc_ids, masks.cos, masks.sin
+        T, q0 = Tq * shard.size, shard.offset(Tq)  # the whole sequence; this shard's first position
         q = self.project_q(x, cos, sin)
         k_cmp = lse_cmp = None  # set by the compressed branch below, read by the scorer
 
-        def topn():  # selection scorer (Eq. 8-10) and top-n, when the selection builder asks
-            kc = self.phi_k(self.project_kv(x, "cmp", cos, sin)[0]) if k_cmp is None else k_cmp
+        def topn():  # selection scorer (Eq. 8-10) and top-n over the whole sequence's blocks
+            kc = k_cmp
+            if kc is None:  # the compressed branch is off: the whole sequence's keys, compressed
+                kc = self.phi_k(gather_seq_nograd(self.project_kv(x, "cmp", cos, sin)[0].detach(),
+                                                  shard, 2))
             lse = None if lse_cmp is None else lse_cmp.detach()
-            return self.select_topn(q.detach(), kc.detach(), lse, cfg, masks.starts)  # no grad
+            return self.select_topn(q.detach(), kc.detach(), lse, cfg, masks.starts,  # no gradient
+                                    q_offset=q0, seq_len=T)
 
-        step = random_draw_step(x, cfg.seed) if self.draws else 0
+        # the draw hashes each token's input: the whole sequence's steps, as one process draws
+        step = gather_seq_nograd(random_draw_step(x, cfg.seed), shard, 2) if self.draws else 0
         ctx = MaskContext(cfg, B, T, x.device, doc_ids=doc_ids, topn=topn, step=step,
-                          starts=masks.starts)
+                          starts=masks.starts, q_offset=q0, q_len=Tq)
 
-        def mask(b):  # the branch's mask: the step's shared one, else the layer's own
-            return masks.specs[b] if b in masks.specs else self.builders[b](ctx)
+        def mask(b):  # (mask, key length): the step's shared one, else the layer's own
+            if b in masks.specs:
+                return masks.specs[b], masks.kv_lens[b]
+            return branch_mask(b, self.builders[b], ctx, halo)
 
         docs = doc_ids is not None
         out, specs = {}, {}  # branch -> output; branch -> (MaskSpec, kv length), for telemetry
@@ -236,19 +304,20 @@ class NSAAttention(nn.Module):
         # compressed branch (§3.3.1): phi over blocks of l keys / values, attend; its lse feeds
         # the scorer. A scoring selection runs it for the compressed keys when the branch is off.
         if "cmp" in self.builders:
-            spec = mask("cmp")
-            o, lse_cmp, k_cmp = self.branch("cmp", spec, x, q, cos, sin, docs)
+            spec = mask("cmp")[0]
+            oc, lse_cmp, k_cmp = self.branch("cmp", spec, x, q, cos, sin, docs, shard)
             if names["cmp"] != "none":
-                out["cmp"], specs["cmp"] = o, (spec, k_cmp.shape[2])
+                out["cmp"], specs["cmp"] = oc, (spec, k_cmp.shape[2])
 
-        # selected (§3.3.2) and sliding-window (§3.3.3) branches
+        # selected (§3.3.2) and sliding-window (§3.3.3, its keys a halo where one suffices)
         for b in ("sel", "win"):
             if b in self.builders:
-                specs[b] = (mask(b), T)
-                out[b], _, _ = self.branch(b, specs[b][0], x, q, cos, sin, docs)
+                specs[b] = mask(b)
+                out[b], _, _ = self.branch(b, specs[b][0], x, q, cos, sin, docs, shard,
+                                           halo if b == "win" else None)
 
         # gate (Eq. 5): per head, per branch sigmoid, mixing the branch outputs
-        g = torch.sigmoid(self.gate(x)).view(B, T, -1, 3)  # [B, T, H, 3]
+        g = torch.sigmoid(self.gate(x)).view(B, Tq, -1, 3)  # [B, T, H, 3]
         on = [i for i, b in enumerate(BRANCHES) if b in out]
         o = mix_branches(g if len(on) == 3 else g[..., on], [out[BRANCHES[i]] for i in on],
                          cfg.backend)  # [B, T, H * d_v]
@@ -256,5 +325,5 @@ class NSAAttention(nn.Module):
             with torch.no_grad():
                 enabled = tuple(b in out for b in BRANCHES)
                 self.telemetry_stats.copy_(layer_stats(g.permute(0, 2, 1, 3), enabled, specs,
-                                                       cfg.l_sel, T))
+                                                       cfg.l_sel, Tq))
         return self.wo(o)

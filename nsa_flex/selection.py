@@ -31,10 +31,15 @@ from .rules import cmp_visible, forced_and_valid, map_to_selection_blocks, pick_
 SCORER_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def use_triton_scorer(cfg, q: Tensor, lse: Tensor | None) -> bool:
-    """Whether `block_scores` runs the fused Triton kernel (cfg.scorer: auto | torch | triton)."""
-    if cfg.scorer == "torch":
+def use_triton_scorer(cfg, q: Tensor, lse: Tensor | None, shard: bool = False) -> bool:
+    """Whether `block_scores` runs the fused Triton kernel (cfg.scorer: auto | torch | triton).
+    The kernels take query rows as positions of a sequence that long: not for a sequence shard
+    (context parallelism)."""
+    if cfg.scorer == "torch" or (shard and cfg.scorer == "auto"):
         return False
+    if shard:
+        raise RuntimeError("NSAConfig.scorer='triton' cannot score a sequence shard (context "
+                           "parallelism): use scorer='auto' or 'torch'")
     if cfg.scorer == "auto":  # the kernel accumulates in fp32: not for fp64 inputs
         return HAS_TRITON and lse is not None and q.is_cuda and q.dtype in SCORER_DTYPES
     if not HAS_TRITON or lse is None or not (q.is_cuda or triton_interpreted()):
@@ -49,30 +54,32 @@ def use_triton_scorer(cfg, q: Tensor, lse: Tensor | None) -> bool:
 
 @torch.no_grad()
 def block_scores(q: Tensor, k_cmp: Tensor, lse: Tensor | None, cfg, doc_starts: Tensor | None,
-                 t0: int, t1: int) -> Tensor:
-    """Group importance p_slc [B, Hkv, t1-t0, Ns] of the selection blocks for queries t0..t1-1.
+                 t0: int, t1: int, q_offset: int = 0, seq_len: int | None = None) -> Tensor:
+    """Group importance p_slc [B, Hkv, t1-t0, Ns] of the selection blocks for query rows t0..t1-1.
 
     q [B, Hq, T, Dk] (after RoPE), k_cmp [B, Hkv, Nc, Dk], lse [B, Hq, T] (natural log) of the
     compressed attention of the same queries. cfg.scorer picks the fused Triton kernel or the
-    torch code below (the reference)."""
+    torch code below (the reference). A sequence shard (context parallelism): row r is position
+    r + q_offset of a seq_len-token sequence, doc_starts [B|1, seq_len] are the whole sequence's."""
     B, Hq, T, Dk = q.shape
     Hkv, Nc = k_cmp.shape[1], k_cmp.shape[2]
     G = Hq // Hkv
-    ns = -(-T // cfg.l_sel)
+    ns = -(-(seq_len or T) // cfg.l_sel)
     C = t1 - t0
     if Nc == 0:
         return q.new_zeros(B, Hkv, C, ns, dtype=torch.float32)
-    if use_triton_scorer(cfg, q, lse):
+    if use_triton_scorer(cfg, q, lse, q_offset > 0 or (seq_len or T) != T):
         return group_slc_scores(q, k_cmp.to(q.dtype), lse, doc_starts, t0, t1, cfg.l, cfg.d,
                                 cfg.l_sel)
     # q.K_cmp in the inputs' dtype (bf16 tensor cores on GPU), fp32 from there on
     qc = q[:, :, t0:t1].reshape(B, Hkv, G, C, Dk)
     s = torch.einsum("bhgtd,bhnd->bhgtn", qc, k_cmp.to(q.dtype)).float() * (Dk ** -0.5)
-    t = torch.arange(t0, t1, device=q.device).view(C, 1)
+    p0, p1 = t0 + q_offset, t1 + q_offset  # positions of the rows
+    t = torch.arange(p0, p1, device=q.device).view(C, 1)
     i = torch.arange(Nc, device=q.device).view(1, Nc)
     vis = cmp_visible(i, t, cfg.l, cfg.d)  # compressed causal
     if doc_starts is not None:
-        vis = vis.unsqueeze(0) & (i * cfg.d >= doc_starts[:, t0:t1].unsqueeze(-1))  # [B, C, Nc]
+        vis = vis.unsqueeze(0) & (i * cfg.d >= doc_starts[:, p0:p1].unsqueeze(-1))  # [B, C, Nc]
         vis = vis.view(-1, 1, 1, C, Nc)
     if lse is None:  # backend gave no lse: compute it (same rows, same mask)
         l_ = torch.logsumexp(s.masked_fill(~vis, float("-inf")), dim=-1, keepdim=True)
@@ -86,14 +93,17 @@ def block_scores(q: Tensor, k_cmp: Tensor, lse: Tensor | None, cfg, doc_starts: 
 
 @torch.no_grad()
 def select_topn(q: Tensor, k_cmp: Tensor, lse: Tensor | None, cfg, doc_starts: Tensor | None = None,
-                chunk: int | None = None) -> Tensor:
-    """Top-n selection block indices [B, Hkv, T, n_sel] (int64, -1 for unused slots)."""
+                chunk: int | None = None, q_offset: int = 0, seq_len: int | None = None) -> Tensor:
+    """Top-n selection block indices [B, Hkv, T, n_sel] (int64, -1 for unused slots). A sequence
+    shard (context parallelism): q's row r is position r + q_offset of seq_len tokens, k_cmp the
+    whole sequence's compressed keys, doc_starts [B|1, seq_len] the whole sequence's."""
     B, Hq, T, _ = q.shape
     Hkv, Nc = k_cmp.shape[1], k_cmp.shape[2]
-    starts = doc_starts if doc_starts is not None else torch.zeros(1, T, dtype=torch.long,
+    S = seq_len or T
+    starts = doc_starts if doc_starts is not None else torch.zeros(1, S, dtype=torch.long,
                                                                    device=q.device)
     chunk = chunk or cfg.score_chunk
-    fused = use_triton_scorer(cfg, q, lse) and Nc > 0
+    fused = use_triton_scorer(cfg, q, lse, q_offset > 0 or S != T) and Nc > 0
     if fused:
         # the fused kernel keeps only [B, Hkv, chunk, Ns] fp32: as few chunks as SCORE_BUFFER_MAX
         # allows (each chunk is a scorer and a top-n launch), at most MAX_CHUNKS
@@ -103,12 +113,12 @@ def select_topn(q: Tensor, k_cmp: Tensor, lse: Tensor | None, cfg, doc_starts: T
     out = []
     for t0 in range(0, T, chunk):
         t1 = min(T, t0 + chunk)
-        p = block_scores(q, k_cmp, lse, cfg, doc_starts, t0, t1)
+        p = block_scores(q, k_cmp, lse, cfg, doc_starts, t0, t1, q_offset, S)
         if fused:  # the same rule as pick_blocks, without [.., Ns] int64 keys in memory
             out.append(topn_blocks(p, doc_starts, t0, cfg.l_sel, cfg.n_sel, cfg.n_init,
                                    cfg.n_local))
             continue
-        valid, forced = forced_and_valid(cfg, T, starts, q.device, t0, t1)
+        valid, forced = forced_and_valid(cfg, S, starts, q.device, t0 + q_offset, t1 + q_offset)
         out.append(pick_blocks(p, valid.unsqueeze(1), forced.unsqueeze(1), cfg.n_sel))
     return torch.cat(out, dim=2)
 

@@ -122,7 +122,9 @@ def layer_stats(g: Tensor, enabled: tuple[bool, bool, bool], specs: dict, l_sel:
     """One layer's telemetry vector [STATS_SIZE] (float32).
 
     g: the sigmoid gates [B, H, T, 3] (branch order BRANCHES); enabled: which branches feed the
-    output; specs: branch -> (MaskSpec, kv_len) of the enabled branches."""
+    output; specs: branch -> (MaskSpec, kv_len) of the enabled branches. A sequence shard
+    (context parallelism): the statistics of its rows, whose positions are the spec's
+    (`MaskSpec.q_offset`)."""
     g = g.detach().float()
     B = g.shape[0]
     dev = g.device
@@ -131,7 +133,7 @@ def layer_stats(g: Tensor, enabled: tuple[bool, bool, bool], specs: dict, l_sel:
     on = torch.tensor([float(e) for e in enabled], device=dev)
     ge = g * on
     share = (ge / ge.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)).mean((0, 1, 2))
-    q_pos = torch.tensor(query_positions(T), device=dev, dtype=torch.long)
+    q_rows = torch.tensor(query_positions(T), device=dev, dtype=torch.long)
     reads = []
     dist = torch.zeros(N_BINS + 3, device=dev)
     for name in BRANCHES:
@@ -142,6 +144,7 @@ def layer_stats(g: Tensor, enabled: tuple[bool, bool, bool], specs: dict, l_sel:
         if kv_len == 0:
             reads.append(torch.zeros((), device=dev))
             continue
+        q_pos = q_rows + spec.q_offset
         rows = mask_rows(spec, B, q_pos, kv_len)
         reads.append(rows.sum(-1).float().mean())
         if name == "sel":

@@ -22,6 +22,31 @@ from .tokenizer import build_tokenizer
 _KNOBS = tuple(f for f in dataclasses.fields(NSAConfig) if f.name not in MODEL_DIMS)
 # [nsa] section fields that override model args (None = keep the flavor's value)
 NSA_SECTION_FIELDS = tuple(f.name for f in _KNOBS) + ("doc_masking",)
+def parallelism_problems(par, seq_len: int, l_sel: int, validation: bool) -> list[str]:
+    """What nsa_flex cannot run of [parallelism] (one message per field, naming the allowed
+    values): data parallelism (FSDP2 / HSDP / DDP) and context parallelism
+    (`nsa_flex.context_parallel`: contiguous shards of seq_len / N tokens, each a whole number of
+    selection blocks; no validation pass yet). The one place these rules live (args and
+    preflight)."""
+    probs = []
+    for name in ("tensor_parallel_degree", "pipeline_parallel_degree"):
+        if getattr(par, name) != 1:
+            probs.append(f"parallelism.{name}={getattr(par, name)!r}: nsa_flex supports data and "
+                         "context parallelism only (allowed: 1)")
+    cp = par.context_parallel_degree
+    if cp < 1:
+        probs.append(f"parallelism.context_parallel_degree={cp!r}: allowed 1 (off) or N >= 2")
+    elif cp > 1 and seq_len % (cp * l_sel):
+        probs.append(f"parallelism.context_parallel_degree={cp}: training.seq_len={seq_len} must be "
+                     f"a multiple of context_parallel_degree * nsa.l_sel = {cp * l_sel} (each rank "
+                     "holds a whole number of selection blocks)")
+    elif cp > 1 and validation:
+        probs.append(f"parallelism.context_parallel_degree={cp} with validation.enable = true: the "
+                     "validator does not shard sequences yet (allowed: validation.enable = false, "
+                     "or context_parallel_degree = 1)")
+    return probs
+
+
 # model-args defaults that differ from NSAConfig's (paper-sized) ones
 _DEFAULTS = {"d_qk": 64, "d_v": 64}
 # the knobs as model-args fields: NSAConfig's names and types, its defaults but _DEFAULTS
@@ -81,12 +106,10 @@ class NSAModelArgs(BaseModelArgs, _NSAFields):
         self.backend = resolve_backend(self.backend, "cuda" if torch.cuda.is_available() else "cpu",
                                        training=True)
 
-        par = job_config.parallelism
-        if par.tensor_parallel_degree > 1 or par.context_parallel_degree > 1:
-            raise NotImplementedError(
-                "nsa_flex supports data parallelism (FSDP2 / HSDP / DDP) only: set "
-                "parallelism.tensor_parallel_degree = 1 and context_parallel_degree = 1"
-            )
+        probs = parallelism_problems(job_config.parallelism, self.max_seq_len, self.l_sel,
+                                     job_config.validation.enable)
+        if probs:
+            raise NotImplementedError("; ".join(probs))
         if self.doc_masking and self.eos_id < 0:
             raise ValueError("nsa.doc_masking needs a tokenizer with an EOS token")
         try:  # validate now (n_sel against seq_len too), naming the offending fields with their TOML section

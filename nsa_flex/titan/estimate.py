@@ -97,18 +97,24 @@ def block_flops(args, B: int, T: int) -> float:
     return 3 * (linear + core)
 
 
-def training_bytes(args, nparams: int, B: int, T: int, elem: int, ac_mode: str, shards: int) -> dict:
-    """Per-rank bytes of one training step: parameter/gradient/AdamW states, activations, logits."""
+def training_bytes(args, nparams: int, B: int, T: int, elem: int, ac_mode: str, shards: int,
+                   cp: int = 1) -> dict:
+    """Per-rank bytes of one training step: parameter/gradient/AdamW states, activations, logits.
+    With context parallelism (cp ranks, each T / cp positions) a rank's activations and logits
+    are those of its shard, plus the whole sequence's all-gathered k, v of each branch, which
+    every attention call keeps for its backward (per layer whose activations are kept)."""
     states = nparams * (4 + 4 + 8) / max(1, shards)
-    block = block_activation_bytes(args, B, T, elem)
-    again = block_activation_bytes(args, B, T, elem, recomputed=True)  # one block's backward
+    Tq = T // max(1, cp)
+    block = block_activation_bytes(args, B, Tq, elem)
+    again = block_activation_bytes(args, B, Tq, elem, recomputed=True)  # one block's backward
+    gathered = 3 * B * args.n_kv_heads * (T - Tq) * (args.d_qk + args.d_v) * elem
     if ac_mode == "full":
-        acts = args.n_layers * B * T * args.dim * elem + block + again
+        acts = args.n_layers * B * Tq * args.dim * elem + block + again + gathered
     elif ac_mode in ("selective", "memory_budget"):
-        acts = args.n_layers * block / 2 + block / 2 + again
+        acts = args.n_layers * (block + gathered) / 2 + block / 2 + again
     else:
-        acts = args.n_layers * block + again
-    logits = B * T * args.vocab_size * (4 + 4 + elem)
+        acts = args.n_layers * (block + gathered) + again
+    logits = B * Tq * args.vocab_size * (4 + 4 + elem)
     return {"states": states, "activations": acts, "logits": logits, "total": states + acts + logits}
 
 

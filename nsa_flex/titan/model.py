@@ -18,6 +18,7 @@ from torchtitan.models.llama3.model.model import FeedForward
 from torchtitan.models.utils import trunc_normal_
 from torchtitan.protocols.model import ModelProtocol
 
+from nsa_flex.context_parallel import NO_SHARD, SeqShard, gather_seq_nograd
 from nsa_flex.data.documents import doc_ids_from_tokens
 from nsa_flex.layer import NSAAttention, StepMasks, branch_runners, step_masks
 
@@ -74,24 +75,27 @@ class NSATransformer(ModelProtocol):
         # every layer has this config: the step's shared masks are built with its builders and plans
         self.nsa_config = model_args.nsa_config()
         self.mask_builders, self.mask_plans = branch_runners(self.nsa_config)
-        # the last step's masks without documents, a function of (B, T, device) alone: reused
-        # while the shape stays (every training step), rebuilt when it changes
+        # the last step's masks without documents, a function of (B, T, device, shard) alone:
+        # reused while they stay (every training step), rebuilt when they change
         self.fixed_masks: tuple[tuple, StepMasks] | None = None
+        self.seq_shard = NO_SHARD  # context parallelism: `set_seq_shard`
 
     def step_masks(self, tokens: torch.Tensor) -> StepMasks:
         """What every layer shares this step (``nsa_flex.layer.StepMasks``), from the model's input:
-        token ids [B, T] (documents split at the EOS id when ``doc_masking``), or the hidden states
-        of a stage without the embedding (no documents). Built outside the compiled blocks: once,
-        not once a layer; without documents once while the shape stays (`fixed_masks`)."""
+        token ids [B, T] (documents split at the EOS id when ``doc_masking``; with a sequence shard
+        the whole sequence's, all-gathered: a document may start on an earlier rank), or the hidden
+        states of a stage without the embedding (no documents). Built outside the compiled blocks:
+        once, not once a layer; without documents once while the shape stays (`fixed_masks`)."""
         B, T = tokens.shape[:2]
+        shard = self.seq_shard
         if self.model_args.doc_masking and self.tok_embeddings is not None:
-            doc_ids = doc_ids_from_tokens(tokens, self.model_args.eos_id)
+            doc_ids = doc_ids_from_tokens(gather_seq_nograd(tokens, shard, 1), self.model_args.eos_id)
             return step_masks(self.nsa_config, self.mask_builders, self.mask_plans, B, T,
-                              tokens.device, doc_ids)
-        key = (B, T, tokens.device)
+                              tokens.device, doc_ids, shard)
+        key = (B, T, tokens.device, shard)
         if self.fixed_masks is None or self.fixed_masks[0] != key:
             self.fixed_masks = key, step_masks(self.nsa_config, self.mask_builders,
-                                               self.mask_plans, B, T, tokens.device)
+                                               self.mask_plans, B, T, tokens.device, None, shard)
         return self.fixed_masks[1]
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
@@ -114,11 +118,23 @@ class NSATransformer(ModelProtocol):
         raise TypeError("nsa_flex builds its attention masks inside NSAAttention")
 
     def forward(self, tokens: torch.Tensor, attention_masks=None, positions=None) -> torch.Tensor:
+        """tokens [B, T] -> logits [B, T, vocab]. With a sequence shard (`set_seq_shard`) tokens
+        are this rank's contiguous shard; document ids come from the whole sequence's tokens
+        (all-gathered: a document may start on an earlier rank)."""
         if positions is not None:
-            raise NotImplementedError("nsa_flex uses positions 0..T-1 (no position ids)")
+            raise NotImplementedError("nsa_flex uses positions 0..T-1 (no position ids); under "
+                                      "context parallelism its trainer shards inputs itself")
         masks = self.step_masks(tokens)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, masks)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
+
+
+def set_seq_shard(model: NSATransformer, shard: SeqShard) -> None:
+    """Context parallelism: every layer of `model` reads positions shard.offset(T) .. + T - 1 of
+    a sequence of T * shard.size tokens (`nsa_flex.context_parallel`)."""
+    model.seq_shard = shard
+    for block in model.layers.values():
+        block.attention.shard = shard

@@ -5,7 +5,11 @@ memory_budget, with llama3's op save list, which already saves flex_attention), 
 (``fully_shard`` on the embedding, every block, norm+output, and the root; mixed precision from
 ``[training] mixed_precision_param/reduce``) and ``apply_ddp``. Each block is compiled as llama3's
 ``apply_compile`` does (fullgraph=True), with ``[compile] combo_kernels`` passed to inductor
-(:func:`compile_blocks`). Tensor / context / pipeline parallelism are not supported.
+(:func:`compile_blocks`). Context parallelism (``[parallelism] context_parallel_degree``) is ours,
+not torchtitan's ring attention: every layer gets this rank's contiguous sequence shard
+(`nsa_flex.context_parallel`, `set_seq_shard`), the trainer shards inputs and labels
+(`NSATrainer.post_dataloading_process`), FSDP shards over data and context ranks (torchtitan's
+"fsdp" mesh). Tensor and pipeline parallelism are not supported.
 
 Masks: what every layer shares (``nsa_flex.layer.StepMasks``: RoPE, documents, the compressed and
 window masks) is built once a step outside the blocks and is an input of each compiled block; the
@@ -26,7 +30,10 @@ from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list, apply_ddp, apply_fsdp
 from torchtitan.tools.logging import logger
 
+from nsa_flex.context_parallel import shard_of
 from nsa_flex.errors import UserError
+
+from .model import set_seq_shard
 
 
 class CompileConfigError(UserError, ValueError):
@@ -86,12 +93,26 @@ def cpu_data_parallel_problem(parallelism, world_size: int, cuda: bool) -> str |
             f"(or [parallelism] data_parallel_replicate_degree = {world_size}, data_parallel_shard_degree = 1)")
 
 
+def sum_reductions_on_gloo(model: nn.Module) -> None:
+    """FSDP on gloo (CPU; FSDP over the context-parallel ranks): gloo lacks PREMUL_SUM, which FSDP
+    uses for torchtitan's gradient divide factor 1.0; plain SUM reductions give the same sums."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+
+
 def parallelize_nsa(model: nn.Module, parallel_dims: ParallelDims, job_config) -> nn.Module:
-    if parallel_dims.tp_enabled or parallel_dims.cp_enabled:
-        raise NotImplementedError("nsa_flex supports data parallelism only (no TP / CP)")
+    if parallel_dims.tp_enabled or parallel_dims.pp_enabled:
+        raise NotImplementedError("nsa_flex supports data and context parallelism only (no TP / PP)")
     problem = cpu_data_parallel_problem(job_config.parallelism, parallel_dims.world_size, torch.cuda.is_available())
     if problem:
         raise UserError(problem)
+    if parallel_dims.cp_enabled:  # before AC and compile wrap the blocks
+        set_seq_shard(model, shard_of(parallel_dims.get_mesh("cp").get_group()))
+        logger.info("Context parallelism: %d contiguous sequence shards (nsa_flex.context_parallel)",
+                    parallel_dims.cp)
 
     compile_cfg = job_config.compile
     model_compile_enabled = compile_cfg.enable and "model" in compile_cfg.components
@@ -120,6 +141,8 @@ def parallelize_nsa(model: nn.Module, parallel_dims: ParallelDims, job_config) -
             cpu_offload=job_config.training.enable_cpu_offload,
             reshard_after_forward_policy=job_config.parallelism.fsdp_reshard_after_forward,
         )
+        if not torch.cuda.is_available():
+            sum_reductions_on_gloo(model)
         logger.info("Applied %s to the model", "HSDP" if parallel_dims.dp_replicate_enabled else "FSDP")
     elif parallel_dims.dp_replicate_enabled:
         mesh = parallel_dims.get_mesh("dp_replicate")

@@ -36,12 +36,12 @@ import traceback
 import torch
 
 from nsa_flex import telemetry as tm
-from nsa_flex.config import NSAConfigError
+from nsa_flex.config import NSAConfig, NSAConfigError
 
 from . import console
 from . import estimate as est
 from . import ops
-from .args import apply_nsa_section, nsa_flex_args
+from .args import apply_nsa_section, nsa_flex_args, parallelism_problems
 from .data import DATASET_CHOICES, build_dataloader, passkey_mix_of
 from .model import NSATransformer, NSATransformerBlock
 from .ops import STALLS_DIR
@@ -126,12 +126,14 @@ def config_problems(jc) -> list[str]:
     m, t, par = jc.model, jc.training, jc.parallelism
     if m.name != "nsa_flex" and not m.name.startswith("nsa_flex"):
         probs.append(f"model.name={m.name!r}: must be 'nsa_flex' (the TrainSpec registered by nsa_flex.titan.train_spec)")
+    l_sel = NSAConfig.l_sel  # the selection block length, for the context-parallel rule
     if m.flavor not in nsa_flex_args:
         probs.append(f"model.flavor={m.flavor!r}: choices {sorted(nsa_flex_args)}")
     else:
         args = nsa_flex_args[m.flavor]
         args.max_seq_len = t.seq_len
         apply_nsa_section(args, jc.nsa)
+        l_sel = args.l_sel
         try:
             args.nsa_config()
         except (NSAConfigError, ValueError, TypeError) as e:
@@ -156,9 +158,7 @@ def config_problems(jc) -> list[str]:
                     ("training.mixed_precision_reduce", t.mixed_precision_reduce), ("training.dtype", t.dtype)):
         if v not in DTYPES:
             probs.append(f"{name}={v!r}: choices {list(DTYPES)}")
-    for name in ("tensor_parallel_degree", "context_parallel_degree", "pipeline_parallel_degree"):
-        if getattr(par, name) != 1:
-            probs.append(f"parallelism.{name}={getattr(par, name)!r}: nsa_flex supports data parallelism only (1)")
+    probs.extend(parallelism_problems(par, t.seq_len, l_sel, jc.validation.enable))
     if jc.activation_checkpoint.mode not in AC_MODES:
         probs.append(f"activation_checkpoint.mode={jc.activation_checkpoint.mode!r}: choices {list(AC_MODES)}")
     bad = [c for c in jc.compile.components if c not in ("model", "loss")]
@@ -343,10 +343,12 @@ def check_memory(cl: Checklist, jc) -> None:
     with torch.device("meta"):
         nparams = sum(p.numel() for p in NSATransformer(args).parameters())
     world = int(os.environ.get("WORLD_SIZE", 1))
+    cp = max(1, par.context_parallel_degree)
+    # FSDP shards over data and context ranks (torchtitan's "fsdp" mesh)
     shards = world // max(1, par.data_parallel_replicate_degree) if par.data_parallel_shard_degree == -1 \
-        else max(1, par.data_parallel_shard_degree)
+        else max(1, par.data_parallel_shard_degree) * cp
     need = est.training_bytes(args, nparams, t.local_batch_size, t.seq_len, dtype.itemsize,
-                              jc.activation_checkpoint.mode, shards)
+                              jc.activation_checkpoint.mode, shards, cp)
     have = est.available_bytes(dev)
     parts = (f"states {est.fmt_bytes(need['states'])}, activations {est.fmt_bytes(need['activations'])}, "
              f"logits {est.fmt_bytes(need['logits'])}")

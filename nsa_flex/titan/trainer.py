@@ -1,7 +1,7 @@
 """``NSATrainer``: torchtitan's ``Trainer`` with the run control of nsa_flex as methods.
 
 Started by ``nsa-train`` and by ``torchrun ... -m nsa_flex.titan.train`` (:mod:`nsa_flex.titan.train`).
-The training loop is torchtitan's (``Trainer.train``); this subclass overrides four public methods:
+The training loop is torchtitan's (``Trainer.train``); this subclass overrides five public methods:
 
   * ``__init__``: checks the versions (:func:`check_versions`), applies the CPU device shim
     (:mod:`nsa_flex.titan.cpu`, no CUDA only) and the console filter (:mod:`nsa_flex.titan.console`)
@@ -13,7 +13,10 @@ The training loop is torchtitan's (``Trainer.train``); this subclass overrides f
     dumps, data wait);
   * ``train_step``: after torchtitan's step (optimizer step done, checkpoint not yet saved),
     :meth:`end_of_step` decides whether to halt or to stop on a non-finite step;
-  * ``should_continue_training``: False once halted (``training.steps`` is never changed).
+  * ``should_continue_training``: False once halted (``training.steps`` is never changed);
+  * ``post_dataloading_process``: with context parallelism, this rank's contiguous shard of the
+    inputs and labels (:mod:`nsa_flex.context_parallel`) in place of torchtitan's (zig-zag
+    shards, position ids, ring attention).
 
 Halt. ``<dump_folder>/<[ops] halt_file>`` (checked by every rank after every step), SIGTERM or a
 first SIGINT (Ctrl-C): the ranks agree (one MAX all-reduce of two flags on the gloo group when
@@ -48,6 +51,7 @@ import torch
 from torchtitan.tools.logging import logger as log
 from torchtitan.train import Trainer
 
+from nsa_flex.context_parallel import split_seq
 from nsa_flex.errors import UserError
 
 from . import checkpoint, console, cpu
@@ -212,6 +216,18 @@ class NSATrainer(Trainer):
         self.steps_run += 1
         super().train_step(data_iterator)
         self.end_of_step(self.step)
+
+    def post_dataloading_process(self, input_dict, labels):
+        """torchtitan's, but with context parallelism nsa_flex's own sharding: the model's layers
+        all-gather the keys and values they read (`nsa_flex.context_parallel`), so this rank needs
+        only its contiguous shard of the inputs and labels. The loss of a shard is its tokens' sum
+        over the whole batch's token count (counted before sharding), so the ranks' gradients sum
+        to the one-rank gradient."""
+        if not self.parallel_dims.cp_enabled:
+            return super().post_dataloading_process(input_dict, labels)
+        shard = self.model_parts[0].seq_shard
+        extra_inputs = {k: v for k, v in input_dict.items() if k != "input"}
+        return split_seq(input_dict["input"], shard), split_seq(labels, shard), extra_inputs, {}
 
     def should_continue_training(self) -> bool:
         return self.halted_at is None and super().should_continue_training()

@@ -316,7 +316,7 @@ def test_fused_scorer_chunks_fill_the_buffer(monkeypatch, Hkv, T, chunks):
     cfg = NSAConfig(dim=64, n_heads=4 * Hkv, n_kv_heads=Hkv, d_qk=4, d_v=4, backend="reference")
     spans = []
 
-    def scores(q, k_cmp, lse, cfg, doc_starts, t0, t1):
+    def scores(q, k_cmp, lse, cfg, doc_starts, t0, t1, *shard):
         spans.append((t0, t1))
         return torch.zeros(1, Hkv, t1 - t0, 1)
 
