@@ -68,6 +68,19 @@ def test_passkey_prompt_is_the_training_document(tok):
 
 
 @pytest.mark.parametrize("tok", _tokenizers(), ids=lambda t: type(t).__name__)
+def test_prompt_needle_positions_are_the_asked_key(tok):
+    """make_prompt's "needle": the positions of the asked key's tokens (both statements in its
+    needle), the tokens whose blocks the selection must pick at the question."""
+    filler = ne.Filler("synthetic", tok)
+    for kind in ("passkey", "multikey"):
+        it = ne.make_prompt(tok, kind, 700, 40, 0, filler)
+        pos = it["needle"]
+        assert pos and all(b > a for a, b in zip(pos, pos[1:]))
+        text = tok.decode([it["tokens"][p] for p in pos])
+        assert text.replace(" ", "") == it["expected"] * 2, (kind, text)
+
+
+@pytest.mark.parametrize("tok", _tokenizers(), ids=lambda t: type(t).__name__)
 def test_multikey_prompt(tok):
     syn = ne.Filler("synthetic", tok)
     for d in (0, 50, 100):
@@ -215,6 +228,12 @@ def test_quick_run_outputs(tmp_path, monkeypatch):
     for r in rows:
         assert r["correct"] == ("1" if r["depth"] == "100" else "0"), r
         assert r["answer"] == (r["expected"] + "." if r["depth"] == "100" else "00000.")
+    # selection recall at the question (QuestionPicks): a forced needle block is always picked;
+    # at depth 0 of 600 the needle lies in free blocks
+    for r in rows:
+        assert 0 <= float(r["sel_recall"]) <= 1 and r["needle_forced"] in ("0", "1"), r
+        assert r["needle_forced"] == "0" or float(r["sel_recall"]) == 1.0, r
+    assert {r["needle_forced"] for r in rows if r["depth"] == "0" and r["length"] == "600"} == {"0"}
     summ = list(csv.DictReader(open(tmp_path / "summary.csv")))
     assert [(s["kind"], s["length"], s["accuracy"]) for s in summ] == [
         ("multikey", "300", "0.5"), ("multikey", "600", "0.5"), ("passkey", "300", "0.5"), ("passkey", "600", "0.5")]
@@ -408,3 +427,32 @@ def test_summary_wilson_interval():
             for i in range(20)]
     s = summarize(rows)[0]
     assert (s["n"], s["correct"], s["accuracy"], s["ci_lo"], s["ci_hi"]) == (20, 18, 0.9, 0.699, 0.9721)
+
+
+def test_question_picks_are_each_rows_last_position_in_the_first_forward():
+    """QuestionPicks records, per selecting layer, the picks at each right-padded prompt's last
+    position in the batch's first forward (what one prompt alone gets there), and its recall is
+    the share of (layer, KV group) holding a needle block; a needle in block 0 is forced."""
+    model, tok, _ = ne.load(ne.parse_args(["--quick", "--out", "/tmp/unused"]))
+    prompts = [ne.make_prompt(BYTE, "passkey", L, 30, 0, ne.Filler("synthetic", BYTE)) for L in (200, 300)]
+    toks = [p["tokens"] for p in prompts]
+    batch = torch.zeros(2, max(map(len, toks)), dtype=torch.long)
+    for b, t in enumerate(toks):
+        batch[b, :len(t)] = torch.tensor(t)
+    with torch.no_grad(), ne.QuestionPicks(model, [len(t) for t in toks]) as qp:
+        model(batch)
+        model(batch[:, :10])  # a later forward (a decode step) is not recorded
+    assert len(qp.picks) == len(model.layers)
+    for b, t in enumerate(toks):
+        with torch.no_grad(), ne.QuestionPicks(model, [len(t)]) as alone:
+            model(torch.tensor([t]))
+        for i in qp.picks:
+            assert torch.equal(qp.picks[i][b], alone.picks[i][0])
+        l_sel = model.layers["0"].attention.cfg.l_sel
+        assert qp.recall(b, [3]) == (1.0, 1)  # block 0: forced
+        blk = (len(t) // 2) // l_sel
+        want = sum(bool((p[b] == blk).any(-1)[g]) for p in qp.picks.values() for g in range(p.shape[1]))
+        want /= sum(p.shape[1] for p in qp.picks.values())
+        rec, forced = qp.recall(b, [blk * l_sel])
+        assert forced == 0 and rec == pytest.approx(want)
+    assert all(att.select_topn is ne_orig for att, ne_orig in zip(qp.layers, qp.saved))  # restored

@@ -35,9 +35,11 @@ Long evaluations in segments: --time-limit S stops cleanly after S seconds (rows
 heatmap of what was scored; meta.json "complete": false); the same command with --resume keeps the
 scored rows of needle.csv (checked against this run's prompts) and evaluates only the missing ones.
 
-Outputs under --out: needle.csv (kind, length, depth, trial, correct, answer, expected; one row
+Outputs under --out: needle.csv (kind, length, depth, trial, correct, answer, expected, and for a
+model whose selection scores: sel_recall, the share of layers x KV groups whose picks at the
+question hold a block of the needle's key, needle_forced, 1 where that block is forced; one row
 written and flushed as soon as it is scored), summary.csv (kind, length, n, correct, accuracy,
-digits, ci_lo / ci_hi: the 95% Wilson interval of the accuracy), needle_heatmap.png (depth x
+digits, ci_lo / ci_hi: the 95% Wilson interval of the accuracy, sel_recall), needle_heatmap.png (depth x
 length accuracy per kind, annotated; needs matplotlib), meta.json; a summary line per length is printed. Bad arguments raise errors that name the flag and the value.
 """
 
@@ -51,13 +53,16 @@ import torch
 from nsa_flex.apps.generate import build_model, load_checkpoint, load_job_config
 from nsa_flex.inference.decode import branch_modes
 from nsa_flex.inference.model import generate
+from nsa_flex.rules import forced_and_valid
 
 from .args import DEFAULT_CONFIG, DEFAULT_FINEWEB, ROOT, parse_args  # noqa: F401 (re-exported)
 from .prompts import (KINDS, MULTI_NEEDLE, MULTI_QUESTION, NAMES, EvalError, Filler, digit_score,
                       int_list, kinds_list, make_prompt, score)
 from .report import read_metrics, collect, plot_heatmap, summarize, write_summary
 
-FIELDS = ("kind", "length", "depth", "trial", "correct", "answer", "expected")
+# sel_recall: the share of selecting layers x KV groups whose picks at the question hold a block of
+# the needle's key; needle_forced: 1 where that block is forced (block 0, the local blocks)
+FIELDS = ("kind", "length", "depth", "trial", "correct", "answer", "expected", "sel_recall", "needle_forced")
 __all__ = ["KINDS", "MULTI_NEEDLE", "MULTI_QUESTION", "NAMES", "EvalError", "Filler", "digit_score",
            "int_list", "kinds_list", "make_prompt", "score", "collect", "plot_heatmap", "summarize",
            "write_summary", "read_metrics", "evaluate", "main"]
@@ -90,6 +95,46 @@ def load(args):
 
 def attention_layers(model):
     return [blk.attention for blk in model.layers.values()]
+
+
+class QuestionPicks:
+    """The blocks every selecting layer picks at each prompt's last position (the question's cue,
+    where the answer's first token is predicted), in the first forward of a batch (the prefill):
+    the layers' ``select_topn`` wrapped while the context is open (the training code path)."""
+
+    def __init__(self, model, lengths: list[int]):
+        self.layers = [a for a in attention_layers(model) if "sel" in a.builders]
+        self.saved = [a.select_topn for a in self.layers]
+        self.lengths = lengths
+        self.picks: dict[int, torch.Tensor] = {}  # layer -> [B, Hkv, n_sel] int64, CPU
+
+    def __enter__(self):
+        for i, att in enumerate(self.layers):
+            def wrapped(*a, _orig=att.select_topn, _i=i, **k):
+                idx = _orig(*a, **k)  # [B, Hkv, T, n_sel]
+                if _i not in self.picks:
+                    last = torch.tensor(self.lengths, device=idx.device) - 1
+                    self.picks[_i] = idx[torch.arange(idx.shape[0], device=idx.device), :, last].cpu()
+                return idx
+            att.select_topn = wrapped
+        return self
+
+    def __exit__(self, *exc):
+        for att, orig in zip(self.layers, self.saved):
+            att.select_topn = orig
+
+    def recall(self, b: int, needle: list[int]) -> tuple[float, int] | None:
+        """(the fraction of (layer, KV group) whose picks at row b's question hold a block of the
+        needle's key tokens, whether such a block is forced there: block 0 or a local block, picked
+        whatever the scores); None without a selecting layer."""
+        if not self.picks or not needle:
+            return None
+        cfg = self.layers[0].cfg
+        blocks = torch.tensor(sorted({p // cfg.l_sel for p in needle}))
+        t = self.lengths[b] - 1
+        _, forced = forced_and_valid(cfg, t + 1, torch.zeros(1, t + 1, dtype=torch.long), "cpu", t, t + 1)
+        hits = [torch.isin(p[b], blocks).any(-1).float().mean() for p in self.picks.values()]
+        return float(torch.stack(hits).mean()), int(bool(forced[0, 0, blocks].any()))
 
 
 def decode_mode(model, requested: str) -> str:
@@ -234,9 +279,11 @@ def evaluate(args) -> dict:
                     chunk = queue.pop(0)
                     tb = time.perf_counter()
                     max_new = max(it["answer_tokens"] for it in chunk) + 2
+                    picks = QuestionPicks(model, [len(it["tokens"]) for it in chunk])
                     try:
-                        gens = generate_batch(model, [it["tokens"] for it in chunk], max_new, mode,
-                                              tok.eos_id, args.device)
+                        with picks:
+                            gens = generate_batch(model, [it["tokens"] for it in chunk], max_new, mode,
+                                                  tok.eos_id, args.device)
                     except torch.OutOfMemoryError:
                         torch.cuda.empty_cache()
                         if len(chunk) == 1:
@@ -247,12 +294,15 @@ def evaluate(args) -> dict:
                         print(f"  [{kind} L={L}] out of memory with batch {len(chunk)}: retrying as {h}",
                               flush=True)
                         continue
-                    for it, g in zip(chunk, gens):
+                    for b, (it, g) in enumerate(zip(chunk, gens)):
                         g = [t for t in g if t != tok.eos_id]
                         text = tok.decode(g)
                         ok, _ = score(text, it["expected"])
                         row = {"kind": kind, "length": L, "depth": it["depth"], "trial": it["trial"],
                                "correct": int(ok), "answer": text, "expected": it["expected"]}
+                        rec = picks.recall(b, it["needle"])
+                        if rec is not None:
+                            row["sel_recall"], row["needle_forced"] = round(rec[0], 4), rec[1]
                         w.writerow(row)
                         f.flush()
                         rows.append(row)
@@ -265,8 +315,9 @@ def evaluate(args) -> dict:
             meta["seconds"][L] = round(time.perf_counter() - tL, 2)
     summ = write_summary(rows, args.out)
     for s in summ:
+        rec = f", selection recall {s['sel_recall']:.2f}" if s["sel_recall"] != "" else ""
         print(f"{s['kind']:8s} length {s['length']:6d}: {s['correct']}/{s['n']} = {s['accuracy']:.3f}"
-              f" (digits right {s['digits']:.2f})")
+              f" (digits right {s['digits']:.2f}{rec})")
     png = os.path.join(args.out, "needle_heatmap.png")
     plotted = plot_heatmap(rows, png, args.tag or "")
     meta["total_s"] = round(time.perf_counter() - t0, 2)

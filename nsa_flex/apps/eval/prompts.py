@@ -7,8 +7,8 @@ import random
 import re
 
 from nsa_flex.data.errors import DatasetError
-from nsa_flex.data.passkey import (MULTI_NEEDLE, MULTI_QUESTION, MULTIKEY_NAMES, PasskeyCorpus, cue_free,  # noqa: F401
-                                   cue_id, multikey_document, synthetic_filler)
+from nsa_flex.data.passkey import (MULTI_NEEDLE, MULTI_QUESTION, MULTIKEY_NAMES, PASSKEY_ANSWER, PasskeyCorpus,  # noqa: F401
+                                   cue_free, cue_id, multikey_document, synthetic_filler)
 
 from .cli import EvalError
 from .docs import PYSOURCE, read_texts
@@ -113,7 +113,8 @@ def make_prompt(tok, kind: str, length: int, depth: int, trial: int, filler: Fil
         except DatasetError as e:
             raise EvalError(f"--lengths: {length} is too short for a passkey prompt ({e})") from None
         toks, ans = corpus.build(key, depth / 100.0, filler=filler.tokens(length + 1, trial))
-        return {"tokens": toks[:ans], "expected": str(key), "answer_tokens": len(toks) - 1 - ans}
+        return {"tokens": toks[:ans], "expected": str(key), "answer_tokens": len(toks) - 1 - ans,
+                "needle": key_positions(toks[:ans], tok, key)}
     if kind != "multikey":
         raise EvalError(f"--kinds: {kind!r} not in {list(KINDS)}")
     if not 2 <= n_keys <= len(NAMES):
@@ -125,7 +126,16 @@ def make_prompt(tok, kind: str, length: int, depth: int, trial: int, filler: Fil
         toks, ans = multikey_document(tok, length + 1, names, keys, depths, filler.tokens(length + 1, trial))
     except DatasetError as e:
         raise EvalError(f"--lengths: {length} is too short for a {n_keys}-key prompt ({e})") from None
-    return {"tokens": toks[:ans], "expected": str(keys[0]), "answer_tokens": len(toks) - 1 - ans}
+    return {"tokens": toks[:ans], "expected": str(keys[0]), "answer_tokens": len(toks) - 1 - ans,
+            "needle": key_positions(toks[:ans], tok, keys[0])}
+
+
+def key_positions(tokens: list[int], tok, key: int) -> list[int]:
+    """Positions in ``tokens`` of the key's tokens (as the answer spells it, " 12345"), every
+    occurrence: where the needle states the key, the tokens a retrieval must read."""
+    k = tok.encode(PASSKEY_ANSWER.format(key=key))[:-1]
+    return [i + j for i in range(len(tokens) - len(k) + 1) if tokens[i:i + len(k)] == k
+            for j in range(len(k))]
 
 
 def score(text: str, expected: str) -> tuple[bool, str]:

@@ -11,15 +11,20 @@ from .prompts import KINDS, digit_score
 
 # ---------------------------------------------------------------------- outputs
 def summarize(rows: list[dict]) -> list[dict]:
-    """Per-prompt rows -> one row per (kind, length): n, correct, accuracy, digits (right, mean)."""
-    agg: dict[tuple[str, int], list[tuple[int, float]]] = {}
+    """Per-prompt rows -> one row per (kind, length): n, correct, accuracy, digits (right, mean),
+    the Wilson interval and, for a selecting model, the mean selection recall at the question."""
+    agg: dict[tuple[str, int], list[dict]] = {}
     for r in rows:
-        agg.setdefault((r["kind"], int(r["length"])), []).append(
-            (int(r["correct"]), digit_score(r["answer"], str(r["expected"]))))
-    return [{"kind": k, "length": L, "n": len(v), "correct": sum(c for c, _ in v),
-             "accuracy": sum(c for c, _ in v) / len(v), "digits": round(sum(d for _, d in v) / len(v), 4),
-             **dict(zip(("ci_lo", "ci_hi"), (round(x, 4) for x in wilson(sum(c for c, _ in v), len(v)))))}
-            for (k, L), v in sorted(agg.items())]
+        agg.setdefault((r["kind"], int(r["length"])), []).append(r)
+    out = []
+    for (k, L), v in sorted(agg.items()):
+        c = sum(int(r["correct"]) for r in v)
+        rec = [float(r["sel_recall"]) for r in v if r.get("sel_recall") not in (None, "")]
+        out.append({"kind": k, "length": L, "n": len(v), "correct": c, "accuracy": c / len(v),
+                    "digits": round(sum(digit_score(r["answer"], str(r["expected"])) for r in v) / len(v), 4),
+                    **dict(zip(("ci_lo", "ci_hi"), (round(x, 4) for x in wilson(c, len(v))))),
+                    "sel_recall": round(sum(rec) / len(rec), 4) if rec else ""})
+    return out
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -36,7 +41,7 @@ def write_summary(rows: list[dict], out: str) -> list[dict]:
     summ = summarize(rows)
     with open(os.path.join(out, "summary.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=["kind", "length", "n", "correct", "accuracy", "digits",
-                                          "ci_lo", "ci_hi"])
+                                          "ci_lo", "ci_hi", "sel_recall"])
         w.writeheader()
         w.writerows(summ)
     return summ
