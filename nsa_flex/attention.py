@@ -221,10 +221,18 @@ def merge_parts(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
     return out.to(parts[0][0].dtype), torch.log(den) + m
 
 
-# why our selected op (as many keys as queries, rows = positions) and the cuDNN packing of the
-# compressed branch (rows = positions) hand a sequence shard to flex
+# why the cuDNN packing of the compressed branch (rows = positions) hands a sequence shard to flex
 SHARD_UNSUPPORTED = ("the queries are a sequence shard (context parallelism: MaskSpec.q_offset > 0, "
                      "or fewer queries than keys) and it takes query rows as positions")
+
+
+def shard_keys_missing(q: Tensor, k: Tensor, spec: MaskSpec) -> str | None:
+    """Why k cannot be the keys of `spec`'s query rows (None: it can): a shard's rows at positions
+    q_offset .. q_offset + T - 1 need the keys from position 0 through its last position."""
+    need = spec.q_offset + q.shape[2]
+    if k.shape[2] < need:
+        return f"{k.shape[2]} keys for query positions up to {need - 1} (keys start at position 0)"
+    return None
 
 
 def triton_runs_on(x: Tensor) -> bool:
@@ -236,9 +244,7 @@ def selected_op_unsupported(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec) -> 
     """Why our selected-attention op cannot run `spec` on these tensors (None: it can)."""
     if not HAS_TRITON:
         return "triton is not importable"
-    why = selected_unsupported(q, k, v, spec.selection.l_sel)
-    if why is None and (spec.q_offset or k.shape[2] != q.shape[2]):  # rank 0's shard: q_offset 0
-        why = SHARD_UNSUPPORTED
+    why = selected_unsupported(q, k, v, spec.selection.l_sel) or shard_keys_missing(q, k, spec)
     if why is None and not triton_runs_on(q):
         why = f"it needs CUDA tensors (got {q.device.type}; on CPU only under TRITON_INTERPRET=1)"
     return why
