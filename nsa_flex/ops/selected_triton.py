@@ -33,6 +33,11 @@ Inside a partial block every row keeps exactly its own selection: row r sees key
 is in sel[t] and lo[t] <= s <= min(hi[t], t). d_k that is not a power of two (192) runs as two
 dots (128 + 64), not padded to 256.
 
+A sequence shard (context parallelism): q, sel, lo, hi and the lists hold T rows at positions
+q_offset .. q_offset + T - 1, k and v the whole sequence's S >= q_offset + T keys; the kernels
+take the rows' positions (row + q_offset) for the causal bound and the default band, and dK/dV
+cover all S keys.
+
 `torch.ops.nsa_flex.selected_attention_fwd` is a `triton_op` with autograd (its backward the
 `triton_op` `selected_attention_bwd`) (no graph break, no host
 sync, static shapes); under TRITON_INTERPRET=1 it runs on CPU tensors through Triton's
