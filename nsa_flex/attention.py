@@ -49,7 +49,7 @@ from .ops import (DEFAULT_TUNING, HAS_TRITON, SelectedTuning, gate_mix, selected
                   selected_lists, selected_unsupported, triton_interpreted)
 from .kernel_options import (band_kernel_options, flex_kernel_options, install_flex_patches,
                              packed_block_size)
-from .rules import masked_softmax, num_cmp
+from .rules import masked_softmax
 
 _compiled_flex = None
 # Shapes one process may compile flex for outside a compiled model (eager prefill: every part of
@@ -142,43 +142,84 @@ def compressed_sdpa_unsupported(q: Tensor, v: Tensor) -> str | None:
     return None
 
 
-def _causal_sdpa_lse(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """Causal attention with GQA (q heads a multiple of k's) and its lse [B, H, M] (natural log):
-    cuDNN's fused kernels on CUDA (the private op returns the lse that SDPA's public call does
-    not), the reference backend elsewhere (CPU tests of the packing)."""
+def _sdpa_lse(q: Tensor, k: Tensor, v: Tensor, scale: float,
+              is_causal: bool = True) -> tuple[Tensor, Tensor]:
+    """Causal (or, is_causal False, unmasked) attention with GQA (q heads a multiple of k's) and
+    its lse [B, H, M] (natural log): cuDNN's fused kernels on CUDA (the private op returns the lse
+    that SDPA's public call does not), the reference backend elsewhere (CPU tests of the
+    packing)."""
     if q.is_cuda:
         out = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q, k, v, None, True, 0.0, True, False, scale=scale)
+            q, k, v, None, True, 0.0, is_causal, False, scale=scale)
         return out[0], out[1].squeeze(-1)
-    return attend_reference(q, k, v, causal(), scale)
+    return attend_reference(q, k, v, causal() if is_causal else ALL_KEYS, scale)
+
+
+# every query sees every key (the reference twin of unmasked SDPA)
+ALL_KEYS = MaskSpec(lambda b, h, q_idx, kv_idx: (q_idx >= 0) & (kv_idx >= 0), name="all_keys")
+
+
+@dataclass(frozen=True)
+class CmpPacking:
+    """Where query rows at positions q_offset .. q_offset + T - 1 fall in the compressed branch's
+    groups: position t = l - 1 + m d + r (0 <= r < d) is row r of group m and sees compressed
+    blocks 0..m. skip: rows before l - 1 (they see nothing); the other rows are groups g0 ..
+    g0 + M - 1, the first starting `lead` positions before the first such row (padding), the last
+    padded to d rows."""
+    skip: int
+    g0: int
+    lead: int
+    M: int
+
+    @staticmethod
+    def of(T: int, l: int, d: int, q_offset: int = 0) -> "CmpPacking":
+        first = max(q_offset, l - 1)  # the first position that sees a block
+        last = q_offset + T - 1
+        if last < first:
+            return CmpPacking(T, 0, 0, 0)
+        g0, lead = divmod(first - (l - 1), d)
+        return CmpPacking(first - q_offset, g0, lead, (last - (l - 1)) // d - g0 + 1)
 
 
 def attend_compressed_sdpa(q: Tensor, k: Tensor, v: Tensor, l: int, d: int,
-                           scale: float | None = None) -> tuple[Tensor, Tensor]:
+                           scale: float | None = None, q_offset: int = 0) -> tuple[Tensor, Tensor]:
     """The compressed-causal mask (query t sees compressed block i iff i d + l - 1 <= t) as plain
     causal attention, traced (cmp_kernel cudnn). Position t = l - 1 + m d + r (0 <= r < d) sees
     blocks 0..m, so the d positions of group m become d query rows at causal index m: q ->
-    [B, Hq*d, M, Dk] (head h*d + r; GQA onto the Hkv key heads keeps head h's group), M =
-    num_cmp(T) groups (the last one padded), key i at index i. Positions before l - 1 see nothing
-    (0, lse -inf). torch.compile fuses the packing into its neighbours; the backward keeps cuDNN's
-    packed output and rebuilds the packed q from q (`repack_in_backward`; the layer keeps q anyway),
-    `attend_compressed_lean` (cmp_kernel cudnn_lean) keeps neither packed copy."""
+    [B, Hq*d, M, Dk] (head h*d + r; GQA onto the Hkv key heads keeps head h's group), M groups
+    (the first and last padded; `CmpPacking`), key i at index i. Positions before l - 1 see
+    nothing (0, lse -inf). torch.compile fuses the packing into its neighbours; the backward keeps
+    cuDNN's packed output and rebuilds the packed q from q (`repack_in_backward`; the layer keeps q
+    anyway), `attend_compressed_lean` (cmp_kernel cudnn_lean) keeps neither packed copy.
+    A sequence shard (q_offset > 0: row r is position r + q_offset, k and v the whole sequence's
+    compressed keys): its groups g0 .. g0 + M - 1 see the keys before g0 all (one unmasked call)
+    and keys g0 .. g0 + M - 1 causally (a causal call), merged exactly through their lse
+    (`merge_parts`)."""
     B, Hq, T, Dk, Hkv, S, G, scale = _dims(q, k, scale)
-    o, M = l - 1, num_cmp(T, l, d)
-    if M == 0 or S < M:
-        raise ValueError(f"attend_compressed_sdpa: {S} compressed keys for T={T}, l={l}, d={d} "
-                         f"(expected num_cmp(T) = {M}, at least 1)")
+    pk = CmpPacking.of(T, l, d, q_offset)
+    if pk.M == 0:  # no row sees a block yet
+        out, lse = empty_attention(q, v)
+        return out + 0 * k.sum(), lse  # k stays in the graph: its gradient is 0, not None
+    if S < pk.g0 + pk.M:
+        raise ValueError(f"attend_compressed_sdpa: {S} compressed keys for positions "
+                         f"{q_offset}..{q_offset + T - 1}, l={l}, d={d} (expected at least "
+                         f"{pk.g0 + pk.M})")
+    n = T - pk.skip  # rows that see a block
 
-    def packed(q, k, v):  # the packed q [B, Hq*d, M, Dk] and its causal attention (packed)
-        qp = F.pad(q[:, :, o:], (0, 0, 0, M * d - (T - o)))
-        qp = qp.view(B, Hq, M, d, Dk).transpose(2, 3).reshape(B, Hq * d, M, Dk)
-        return _causal_sdpa_lse(qp, k[:, :, :M], v[:, :, :M], scale)
+    def packed(q, k, v):  # the packed q [B, Hq*d, M, Dk] and its attention (packed)
+        qp = F.pad(q[:, :, pk.skip:], (0, 0, pk.lead, pk.M * d - pk.lead - n))
+        qp = qp.view(B, Hq, pk.M, d, Dk).transpose(2, 3).reshape(B, Hq * d, pk.M, Dk)
+        diag = slice(pk.g0, pk.g0 + pk.M)
+        out = _sdpa_lse(qp, k[:, :, diag], v[:, :, diag], scale)
+        if pk.g0 == 0:
+            return out
+        return merge_parts([_sdpa_lse(qp, k[:, :, :pk.g0], v[:, :, :pk.g0], scale, False), out])
 
     out, lse = repack_in_backward(packed, q, k, v)
 
     def unpack(x, fill):  # [B, Hq*d, M, E] -> [B, Hq, T, E], rows before l - 1: fill
-        x = x.view(B, Hq, d, M, -1).transpose(2, 3).reshape(B, Hq, M * d, -1)[:, :, : T - o]
-        return F.pad(x, (0, 0, o, 0), value=fill)
+        x = x.view(B, Hq, d, pk.M, -1).transpose(2, 3).reshape(B, Hq, pk.M * d, -1)
+        return F.pad(x[:, :, pk.lead: pk.lead + n], (0, 0, pk.skip, 0), value=fill)
 
     return unpack(out, 0.0), unpack(lse.unsqueeze(-1), float("-inf")).squeeze(-1)
 
@@ -221,10 +262,13 @@ def merge_parts(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
     return out.to(parts[0][0].dtype), torch.log(den) + m
 
 
-# why our selected op (as many keys as queries, rows = positions) and the cuDNN packing of the
-# compressed branch (rows = positions) hand a sequence shard to flex
-SHARD_UNSUPPORTED = ("the queries are a sequence shard (context parallelism: MaskSpec.q_offset > 0, "
-                     "or fewer queries than keys) and it takes query rows as positions")
+def shard_keys_missing(q: Tensor, k: Tensor, spec: MaskSpec) -> str | None:
+    """Why k cannot be the keys of `spec`'s query rows (None: it can): a shard's rows at positions
+    q_offset .. q_offset + T - 1 need the keys from position 0 through its last position."""
+    need = spec.q_offset + q.shape[2]
+    if k.shape[2] < need:
+        return f"{k.shape[2]} keys for query positions up to {need - 1} (keys start at position 0)"
+    return None
 
 
 def triton_runs_on(x: Tensor) -> bool:
@@ -236,9 +280,7 @@ def selected_op_unsupported(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec) -> 
     """Why our selected-attention op cannot run `spec` on these tensors (None: it can)."""
     if not HAS_TRITON:
         return "triton is not importable"
-    why = selected_unsupported(q, k, v, spec.selection.l_sel)
-    if why is None and (spec.q_offset or k.shape[2] != q.shape[2]):  # rank 0's shard: q_offset 0
-        why = SHARD_UNSUPPORTED
+    why = selected_unsupported(q, k, v, spec.selection.l_sel) or shard_keys_missing(q, k, spec)
     if why is None and not triton_runs_on(q):
         why = f"it needs CUDA tensors (got {q.device.type}; on CPU only under TRITON_INTERPRET=1)"
     return why
@@ -348,10 +390,11 @@ def _run_selected(plan, q, k, v, spec, scale):
 
 
 def _run_cudnn(plan, q, k, v, spec, scale):
-    why = SHARD_UNSUPPORTED if spec.q_offset else compressed_sdpa_unsupported(q, v)
-    if why is None:
-        fn = attend_compressed_lean if plan.executor == "cudnn_lean" else attend_compressed_sdpa
-        return fn(q, k, v, *plan.cmp, scale)
+    why = compressed_sdpa_unsupported(q, v)
+    if why is None and plan.executor == "cudnn_lean" and not spec.q_offset:
+        return attend_compressed_lean(q, k, v, *plan.cmp, scale)
+    if why is None:  # the lean op takes rows as positions: a shard (q_offset > 0) runs traced
+        return attend_compressed_sdpa(q, k, v, *plan.cmp, scale, spec.q_offset)
     if plan.strict:
         raise RuntimeError(f"NSAConfig.cmp_kernel={plan.executor!r} cannot run here: {why}; use "
                            "cmp_kernel='auto' or 'flex'")

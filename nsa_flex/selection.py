@@ -31,15 +31,11 @@ from .rules import cmp_visible, forced_and_valid, map_to_selection_blocks, pick_
 SCORER_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def use_triton_scorer(cfg, q: Tensor, lse: Tensor | None, shard: bool = False) -> bool:
-    """Whether `block_scores` runs the fused Triton kernel (cfg.scorer: auto | torch | triton).
-    The kernels take query rows as positions of a sequence that long: not for a sequence shard
-    (context parallelism)."""
-    if cfg.scorer == "torch" or (shard and cfg.scorer == "auto"):
+def use_triton_scorer(cfg, q: Tensor, lse: Tensor | None) -> bool:
+    """Whether `block_scores` runs the fused Triton kernel (cfg.scorer: auto | torch | triton);
+    either scores a sequence shard (context parallelism) as well as a whole sequence."""
+    if cfg.scorer == "torch":
         return False
-    if shard:
-        raise RuntimeError("NSAConfig.scorer='triton' cannot score a sequence shard (context "
-                           "parallelism): use scorer='auto' or 'torch'")
     if cfg.scorer == "auto":  # the kernel accumulates in fp32: not for fp64 inputs
         return HAS_TRITON and lse is not None and q.is_cuda and q.dtype in SCORER_DTYPES
     if not HAS_TRITON or lse is None or not (q.is_cuda or triton_interpreted()):
@@ -68,9 +64,9 @@ def block_scores(q: Tensor, k_cmp: Tensor, lse: Tensor | None, cfg, doc_starts: 
     C = t1 - t0
     if Nc == 0:
         return q.new_zeros(B, Hkv, C, ns, dtype=torch.float32)
-    if use_triton_scorer(cfg, q, lse, q_offset > 0 or (seq_len or T) != T):
+    if use_triton_scorer(cfg, q, lse):
         return group_slc_scores(q, k_cmp.to(q.dtype), lse, doc_starts, t0, t1, cfg.l, cfg.d,
-                                cfg.l_sel)
+                                cfg.l_sel, q_offset=q_offset, seq_len=seq_len or T)
     # q.K_cmp in the inputs' dtype (bf16 tensor cores on GPU), fp32 from there on
     qc = q[:, :, t0:t1].reshape(B, Hkv, G, C, Dk)
     s = torch.einsum("bhgtd,bhnd->bhgtn", qc, k_cmp.to(q.dtype)).float() * (Dk ** -0.5)
@@ -103,11 +99,11 @@ def select_topn(q: Tensor, k_cmp: Tensor, lse: Tensor | None, cfg, doc_starts: T
     starts = doc_starts if doc_starts is not None else torch.zeros(1, S, dtype=torch.long,
                                                                    device=q.device)
     chunk = chunk or cfg.score_chunk
-    fused = use_triton_scorer(cfg, q, lse, q_offset > 0 or S != T) and Nc > 0
+    fused = use_triton_scorer(cfg, q, lse) and Nc > 0
     if fused:
         # the fused kernel keeps only [B, Hkv, chunk, Ns] fp32: as few chunks as SCORE_BUFFER_MAX
         # allows (each chunk is a scorer and a top-n launch), at most MAX_CHUNKS
-        Ns = -(-T // cfg.l_sel)
+        Ns = -(-S // cfg.l_sel)
         n = min(MAX_CHUNKS, max(1, -(-B * Hkv * T * Ns * 4 // SCORE_BUFFER_MAX)))
         chunk = max(chunk, -(-T // n))
     out = []
@@ -115,7 +111,7 @@ def select_topn(q: Tensor, k_cmp: Tensor, lse: Tensor | None, cfg, doc_starts: T
         t1 = min(T, t0 + chunk)
         p = block_scores(q, k_cmp, lse, cfg, doc_starts, t0, t1, q_offset, S)
         if fused:  # the same rule as pick_blocks, without [.., Ns] int64 keys in memory
-            out.append(topn_blocks(p, doc_starts, t0, cfg.l_sel, cfg.n_sel, cfg.n_init,
+            out.append(topn_blocks(p, doc_starts, t0 + q_offset, cfg.l_sel, cfg.n_sel, cfg.n_init,
                                    cfg.n_local))
             continue
         valid, forced = forced_and_valid(cfg, S, starts, q.device, t0 + q_offset, t1 + q_offset)

@@ -54,7 +54,7 @@ def _group_slc_scores_kernel(
     sl_b, sl_h, sl_t,
     sd_b, sd_t,
     so_b, so_h, so_t,
-    Hkv, C, Nc, Ns, t0,
+    Hkv, C, Nc, Ns, t0, Q0,
     G: tl.constexpr, D: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
     L: tl.constexpr, STRIDE: tl.constexpr, R: tl.constexpr, QN: tl.constexpr,
     BJ: tl.constexpr, BJP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -71,18 +71,18 @@ def _group_slc_scores_kernel(
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # row in the chunk
     row_ok = offs_m < C
-    t = t0 + offs_m  # query position
-    t64 = t.to(tl.int64)  # for addresses: t * stride may pass 2^31 at long T
+    t64 = (t0 + offs_m).to(tl.int64)  # query row (of q, lse); t * stride may pass 2^31 at long T
+    t = t0 + Q0 + offs_m  # its position (Q0: a sequence shard's first position)
     j0 = pid_j * BJ
     i_lo = j0 * R - (QN - 1)
     offs_i = i_lo + tl.arange(0, BLOCK_N)  # compressed block index
     jj = tl.arange(0, BJP)
 
     # can any query of this program see a compressed block that feeds these selection blocks?
-    t_max = t0 + tl.minimum(pid_m * BLOCK_M + BLOCK_M, C) - 1
+    t_max = t0 + Q0 + tl.minimum(pid_m * BLOCK_M + BLOCK_M, C) - 1
     has_work = cmp_visible(tl.maximum(i_lo, 0), t_max, L, STRIDE)
     if HAS_DOCS:
-        ds = tl.load(DS + b * sd_b + t64 * sd_t, mask=row_ok, other=0)
+        ds = tl.load(DS + b * sd_b + t.to(tl.int64) * sd_t, mask=row_ok, other=0)
         ds_min = tl.min(tl.where(row_ok, ds, 2147483647), axis=0)
         has_work = has_work & ((j0 * R + BJ * R - 1) * STRIDE >= ds_min)
 
@@ -180,8 +180,12 @@ DEFAULT_TILES = (64, 128, 8, 2)
 @triton_op("nsa_flex::group_slc_scores", mutates_args=())
 def group_slc_scores(q: Tensor, k_cmp: Tensor, lse: Tensor, doc_starts: Optional[Tensor], t0: int,
                      t1: int, l: int, d: int, l_sel: int, block_m: int = 0, block_n: int = 0,
-                     num_warps: int = 0, num_stages: int = 0) -> Tensor:
-    """p_slc [B, Hkv, t1-t0, ceil(T/l_sel)] fp32 for queries t0..t1-1 (see module docstring).
+                     num_warps: int = 0, num_stages: int = 0, q_offset: int = 0,
+                     seq_len: int = 0) -> Tensor:
+    """p_slc [B, Hkv, t1-t0, ceil(seq_len/l_sel)] fp32 for query rows t0..t1-1 (see module
+    docstring). A sequence shard (context parallelism): row t is position t + q_offset of a
+    seq_len-token sequence (0: T, no shard), k_cmp and doc_starts [B|1, seq_len] the whole
+    sequence's.
 
     q [B, Hq, T, Dk] (bf16/fp16/fp32, any strides), k_cmp [B, Hkv, Nc, Dk] (same dtype as q),
     lse [B, Hq, T] natural-log lse of the compressed attention, doc_starts [B|1, T] int or None.
@@ -194,7 +198,7 @@ def group_slc_scores(q: Tensor, k_cmp: Tensor, lse: Tensor, doc_starts: Optional
     Hkv, Nc = k_cmp.shape[1], k_cmp.shape[2]
     G = Hq // Hkv
     C = t1 - t0
-    ns = -(-T // l_sel)
+    ns = -(-(seq_len or T) // l_sel)
     out = torch.empty(B, Hkv, C, ns, device=q.device, dtype=torch.float32)
     if C == 0 or ns == 0:
         return out
@@ -215,7 +219,7 @@ def group_slc_scores(q: Tensor, k_cmp: Tensor, lse: Tensor, doc_starts: Optional
         lse.stride(0), lse.stride(1), lse.stride(2),
         sd_b, sd_t,
         out.stride(0), out.stride(1), out.stride(2),
-        Hkv, C, Nc, ns, t0,
+        Hkv, C, Nc, ns, t0, q_offset,
         G=G, D=D, D1=d1, D2=d2, L=l, STRIDE=d, R=l_sel // d, QN=l // d,
         BJ=bj, BJP=bjp, BLOCK_M=bm, BLOCK_N=bn,
         HAS_DOCS=doc_starts is not None, IEEE=q.dtype == torch.float32,

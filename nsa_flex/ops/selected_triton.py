@@ -33,6 +33,11 @@ Inside a partial block every row keeps exactly its own selection: row r sees key
 is in sel[t] and lo[t] <= s <= min(hi[t], t). d_k that is not a power of two (192) runs as two
 dots (128 + 64), not padded to 256.
 
+A sequence shard (context parallelism): q, sel, lo, hi and the lists hold T rows at positions
+q_offset .. q_offset + T - 1, k and v the whole sequence's S >= q_offset + T keys; the kernels
+take the rows' positions (row + q_offset) for the causal bound and the default band, and dK/dV
+cover all S keys.
+
 `torch.ops.nsa_flex.selected_attention_fwd` is a `triton_op` with autograd (its backward the
 `triton_op` `selected_attention_bwd`) (no graph break, no host
 sync, static shapes); under TRITON_INTERPRET=1 it runs on CPU tensors through Triton's
@@ -123,9 +128,10 @@ def _visible(kk, t, lo, hi, sel, j, row_ok):
 
 
 @triton.jit
-def _row_state(SEL, LO, HI, bh, b, t, row_ok, T, s_lb, NSEL: tl.constexpr, NP: tl.constexpr,
+def _row_state(SEL, LO, HI, bh, b, t, row_ok, T, s_lb, Q0, NSEL: tl.constexpr, NP: tl.constexpr,
                HAS_BAND: tl.constexpr):
-    """The rows' selections [R, NP] (int32, -1 pads) and key bands lo, hi [R]."""
+    """The rows' selections [R, NP] (int32, -1 pads) and key bands lo, hi [R] (rows t of T, at
+    positions t + Q0: without a band, keys 0 .. the position)."""
     n = tl.arange(0, NP)
     sel = tl.load(SEL + (bh * T + t)[:, None] * NSEL + n[None, :],
                   mask=row_ok[:, None] & (n < NSEL)[None, :], other=-1)
@@ -134,15 +140,15 @@ def _row_state(SEL, LO, HI, bh, b, t, row_ok, T, s_lb, NSEL: tl.constexpr, NP: t
         hi = tl.load(HI + b * s_lb + t, mask=row_ok, other=0)
     else:
         lo = t * 0
-        hi = t
+        hi = t + Q0
     return sel, lo, hi
 
 
 @triton.jit
-def _keys(j, T, BLOCK: tl.constexpr):
-    """The keys kk of selection block j and which exist."""
+def _keys(j, S, BLOCK: tl.constexpr):
+    """The keys kk of selection block j and which exist (S keys)."""
     kk = j.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    return kk, kk < T
+    return kk, kk < S
 
 
 @triton.jit
@@ -173,11 +179,12 @@ def _q_rows(T, HKV, G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BM: tl.
 
 
 @triton.jit
-def _q_state(Q, SEL, LO, HI, qrow, bh, b, t, row_ok, T, s_lb, NSEL: tl.constexpr, NP: tl.constexpr,
-             DK: tl.constexpr, DK1: tl.constexpr, DK2: tl.constexpr, HAS_BAND: tl.constexpr):
+def _q_state(Q, SEL, LO, HI, qrow, bh, b, t, row_ok, T, s_lb, Q0, NSEL: tl.constexpr,
+             NP: tl.constexpr, DK: tl.constexpr, DK1: tl.constexpr, DK2: tl.constexpr,
+             HAS_BAND: tl.constexpr):
     """The q block's loaded state: q ([R, DK1], [R, DK2]), selections [R, NP] and key bands."""
     q1, q2 = _load_q(Q, qrow * DK, row_ok, DK, DK1, DK2)
-    sel, lo, hi = _row_state(SEL, LO, HI, bh, b, t, row_ok, T, s_lb, NSEL, NP, HAS_BAND)
+    sel, lo, hi = _row_state(SEL, LO, HI, bh, b, t, row_ok, T, s_lb, Q0, NSEL, NP, HAS_BAND)
     return q1, q2, sel, lo, hi
 
 
@@ -207,17 +214,17 @@ def _merged_next(KVI, FKVI, base, ip, jf, n_part, n_full):
 
 
 @triton.jit
-def _fwd_step(acc, m_i, l_i, q1, q2, K, V, koff, voff, j, t, lo, hi, sel, row_ok, T, qk_scale,
+def _fwd_step(acc, m_i, l_i, q1, q2, K, V, koff, voff, j, pos, lo, hi, sel, row_ok, S, qk_scale,
               partial, BLOCK: tl.constexpr, DK: tl.constexpr, DK1: tl.constexpr,
               DK2: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr):
     """One kv block j of the online softmax (`partial`: masked per row). For a row that does not
     see the block every step is exact: s = -inf, so m_i stays, alpha = 1, p = 0, acc and l_i
-    unchanged bit for bit."""
-    kk, k_ok = _keys(j, T, BLOCK)
+    unchanged bit for bit. pos: the rows' positions; S keys."""
+    kk, k_ok = _keys(j, S, BLOCK)
     k1, k2, v = _kv_block(K, V, koff, voff, kk, k_ok, DK, DK1, DK2, DV, DVP)
     s = _dot2(q1, q2, k1, k2, DK2, PREC) * qk_scale
     if partial:
-        s = tl.where(_visible(kk, t, lo, hi, sel, j, row_ok), s, float("-inf"))
+        s = tl.where(_visible(kk, pos, lo, hi, sel, j, row_ok), s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.math.exp2(s - m_use[:, None])
@@ -229,16 +236,17 @@ def _fwd_step(acc, m_i, l_i, q1, q2, K, V, koff, voff, j, t, lo, hi, sel, row_ok
 
 @triton.jit
 def _sel_fwd_kernel(Q, K, V, SEL, LO, HI, KVN, KVI, FKVN, FKVI, O, LSE,
-                    T, HKV, NQB, W, s_lb,
+                    T, S, Q0, HKV, NQB, W, s_lb,
                     QK_SCALE: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, NSEL: tl.constexpr,
                     NP: tl.constexpr, BLOCK: tl.constexpr, DK: tl.constexpr, DK1: tl.constexpr,
                     DK2: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
                     HAS_BAND: tl.constexpr, PREC: tl.constexpr):
+    # T query rows at positions Q0 .. Q0 + T - 1 (a sequence shard: Q0 > 0) against S keys
     tile, bh, b, t, row_ok, qrow = _q_rows(T, HKV, G, GP, BT, BM)
-    q1, q2, sel, lo, hi = _q_state(Q, SEL, LO, HI, qrow, bh, b, t, row_ok, T, s_lb, NSEL, NP, DK,
-                                   DK1, DK2, HAS_BAND)
-    koff = bh * T * DK
-    voff = bh * T * DV
+    q1, q2, sel, lo, hi = _q_state(Q, SEL, LO, HI, qrow, bh, b, t, row_ok, T, s_lb, Q0, NSEL, NP,
+                                   DK, DK1, DK2, HAS_BAND)
+    koff = bh * S * DK
+    voff = bh * S * DV
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, DVP], tl.float32)
@@ -252,8 +260,8 @@ def _sel_fwd_kernel(Q, K, V, SEL, LO, HI, KVN, KVI, FKVN, FKVI, O, LSE,
     jf = 0
     for _ in range(n_part + n_full):
         j, partial, ip, jf = _merged_next(KVI, FKVI, lst * W, ip, jf, n_part, n_full)
-        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q1, q2, K, V, koff, voff, j, t, lo, hi, sel,
-                                  row_ok, T, QK_SCALE, partial, BLOCK, DK, DK1, DK2, DV, DVP, PREC)
+        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q1, q2, K, V, koff, voff, j, t + Q0, lo, hi,
+                                  sel, row_ok, S, QK_SCALE, partial, BLOCK, DK, DK1, DK2, DV, DVP, PREC)
     seen = l_i > 0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
     dv = tl.arange(0, DVP)
@@ -266,16 +274,16 @@ def _sel_fwd_kernel(Q, K, V, SEL, LO, HI, KVN, KVI, FKVN, FKVI, O, LSE,
 
 # ---------------------------------------------------------------------- dQ
 @triton.jit
-def _dq_step(dq1, dq2, q1, q2, do, lse2, delta, K, V, koff, voff, j, t, lo, hi, sel, row_ok, T,
+def _dq_step(dq1, dq2, q1, q2, do, lse2, delta, K, V, koff, voff, j, pos, lo, hi, sel, row_ok, S,
              qk_scale, MASKED: tl.constexpr, BLOCK: tl.constexpr, DK: tl.constexpr,
              DK1: tl.constexpr, DK2: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
              PREC: tl.constexpr):
-    kk, k_ok = _keys(j, T, BLOCK)
+    kk, k_ok = _keys(j, S, BLOCK)
     k1, k2, v = _kv_block(K, V, koff, voff, kk, k_ok, DK, DK1, DK2, DV, DVP)
     s = _dot2(q1, q2, k1, k2, DK2, PREC) * qk_scale
     p = tl.math.exp2(s - lse2[:, None])
     if MASKED:
-        p = tl.where(_visible(kk, t, lo, hi, sel, j, row_ok), p, 0.0)
+        p = tl.where(_visible(kk, pos, lo, hi, sel, j, row_ok), p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=PREC)
     ds = (p * (dp - delta[:, None])).to(k1.dtype)
     dq1 += tl.dot(ds, k1, input_precision=PREC)
@@ -300,7 +308,7 @@ def _wide_wins(NKVN, NFKVN, WKVN, WFKVN, bh, wtile, NQB_N, NQB_W, KW: tl.constex
 
 @triton.jit
 def _sel_dq_kernel(Q, K, V, DO, LSE, DELTA, SEL, LO, HI, KVN, KVI, FKVN, FKVI, NKVN, NFKVN, WKVN,
-                   WFKVN, DQ, T, HKV, NQB, W, NQB_N, NQB_W, s_lb,
+                   WFKVN, DQ, T, S, Q0, HKV, NQB, W, NQB_N, NQB_W, s_lb,
                    QK_SCALE: tl.constexpr, SM_SCALE: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, NSEL: tl.constexpr,
                    NP: tl.constexpr, BLOCK: tl.constexpr, DK: tl.constexpr, DK1: tl.constexpr,
                    DK2: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
@@ -317,21 +325,22 @@ def _sel_dq_kernel(Q, K, V, DO, LSE, DELTA, SEL, LO, HI, KVN, KVI, FKVN, FKVI, N
     else:
         run = True
     if run:
-        _dq_tile(Q, K, V, DO, LSE, DELTA, SEL, LO, HI, KVN, KVI, FKVN, FKVI, DQ, T, NQB, W, s_lb,
+        _dq_tile(Q, K, V, DO, LSE, DELTA, SEL, LO, HI, KVN, KVI, FKVN, FKVI, DQ, T, S, Q0, NQB, W,
+                 s_lb,
                  tile, bh, b, t, row_ok, qrow, QK_SCALE, SM_SCALE, NSEL, NP, BLOCK, DK, DK1, DK2,
                  DV, DVP, HAS_BAND, PREC, BM)
 
 
 @triton.jit
-def _dq_tile(Q, K, V, DO, LSE, DELTA, SEL, LO, HI, KVN, KVI, FKVN, FKVI, DQ, T, NQB, W, s_lb,
+def _dq_tile(Q, K, V, DO, LSE, DELTA, SEL, LO, HI, KVN, KVI, FKVN, FKVI, DQ, T, S, Q0, NQB, W, s_lb,
              tile, bh, b, t, row_ok, qrow, QK_SCALE: tl.constexpr, SM_SCALE: tl.constexpr,
              NSEL: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr, DK: tl.constexpr,
              DK1: tl.constexpr, DK2: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
              HAS_BAND: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr):
-    q1, q2, sel, lo, hi = _q_state(Q, SEL, LO, HI, qrow, bh, b, t, row_ok, T, s_lb, NSEL, NP, DK,
-                                   DK1, DK2, HAS_BAND)
-    koff = bh * T * DK
-    voff = bh * T * DV
+    q1, q2, sel, lo, hi = _q_state(Q, SEL, LO, HI, qrow, bh, b, t, row_ok, T, s_lb, Q0, NSEL, NP,
+                                   DK, DK1, DK2, HAS_BAND)
+    koff = bh * S * DK
+    voff = bh * S * DV
     do, lse2, delta = _grad_rows(DO, LSE, DELTA, qrow, row_ok, DV, DVP)
     dq1 = tl.zeros([BM, DK1], tl.float32)
     dq2 = tl.zeros([BM, DK2 if DK2 > 0 else DK1], tl.float32)
@@ -339,13 +348,13 @@ def _dq_tile(Q, K, V, DO, LSE, DELTA, SEL, LO, HI, KVN, KVI, FKVN, FKVI, DQ, T, 
     n_part = tl.load(KVN + lst)
     for i in range(n_part):
         j = tl.load(KVI + lst * W + i)
-        dq1, dq2 = _dq_step(dq1, dq2, q1, q2, do, lse2, delta, K, V, koff, voff, j, t, lo, hi, sel,
-                            row_ok, T, QK_SCALE, True, BLOCK, DK, DK1, DK2, DV, DVP, PREC)
+        dq1, dq2 = _dq_step(dq1, dq2, q1, q2, do, lse2, delta, K, V, koff, voff, j, t + Q0, lo, hi,
+                            sel, row_ok, S, QK_SCALE, True, BLOCK, DK, DK1, DK2, DV, DVP, PREC)
     n_full = tl.load(FKVN + lst)
     for i in range(n_full):
         j = tl.load(FKVI + lst * W + i)
-        dq1, dq2 = _dq_step(dq1, dq2, q1, q2, do, lse2, delta, K, V, koff, voff, j, t, lo, hi, sel,
-                            row_ok, T, QK_SCALE, False, BLOCK, DK, DK1, DK2, DV, DVP, PREC)
+        dq1, dq2 = _dq_step(dq1, dq2, q1, q2, do, lse2, delta, K, V, koff, voff, j, t + Q0, lo, hi,
+                            sel, row_ok, S, QK_SCALE, False, BLOCK, DK, DK1, DK2, DV, DVP, PREC)
     d1 = tl.arange(0, DK1)
     tl.store(DQ + (qrow * DK)[:, None] + d1[None, :], (dq1 * SM_SCALE).to(DQ.dtype.element_ty),
              mask=row_ok[:, None] & (d1 < DK)[None, :])
@@ -374,7 +383,7 @@ def _delta_kernel(O, DO, DLSE, DELTA, N, DV: tl.constexpr, DVP: tl.constexpr,
 
 @triton.jit
 def _dkv_step(dk1, dk2, dv_acc, k1, k2, v, kk, e, e_end, qi, Q, DO, LSE, DELTA, LO, HI, DQA, b, h,
-              T, HKV, s_lb, qk_scale, sm_scale, NG: tl.constexpr, G: tl.constexpr,
+              T, Q0, HKV, s_lb, qk_scale, sm_scale, NG: tl.constexpr, G: tl.constexpr,
               GP: tl.constexpr, DK: tl.constexpr, DK1: tl.constexpr, DK2: tl.constexpr,
               DV: tl.constexpr, DVP: tl.constexpr, HAS_BAND: tl.constexpr, PREC: tl.constexpr,
               FUSE_DQ: tl.constexpr):
@@ -383,7 +392,7 @@ def _dkv_step(dk1, dk2, dv_acc, k1, k2, v, kk, e, e_end, qi, Q, DO, LSE, DELTA, 
     e + r // GP. Every listed position selected the block, so only its key band masks (keys
     after it, outside its document). FUSE_DQ: the tile's dQ = dS @ K is added to the fp32 DQA
     [B, Hq, T, DK] (rows are distinct within a tile; other kv blocks' programs add to the same
-    rows)."""
+    rows). Entries are rows of T; a row's position is row + Q0."""
     r = tl.arange(0, NG * GP)
     ent = e + r // GP
     ok = ent < e_end
@@ -397,10 +406,10 @@ def _dkv_step(dk1, dk2, dv_acc, k1, k2, v, kk, e, e_end, qi, Q, DO, LSE, DELTA, 
     p = tl.math.exp2(s - lse2[:, None])
     if HAS_BAND:
         lo = tl.load(LO + b * s_lb + t, mask=row_ok, other=0)
-        top = tl.minimum(tl.load(HI + b * s_lb + t, mask=row_ok, other=0), t)
+        top = tl.minimum(tl.load(HI + b * s_lb + t, mask=row_ok, other=0), t + Q0)
         vis = row_ok[:, None] & (kk[None, :] <= top[:, None]) & (kk[None, :] >= lo[:, None])
     else:
-        vis = row_ok[:, None] & (kk[None, :] <= t[:, None])
+        vis = row_ok[:, None] & (kk[None, :] <= (t + Q0)[:, None])
     p = tl.where(vis, p, 0.0)
     pt = tl.trans(p.to(do.dtype))  # [BLOCK, NG*GP]
     dv_acc += tl.dot(pt, do, input_precision=PREC)
@@ -425,7 +434,7 @@ def _dkv_step(dk1, dk2, dv_acc, k1, k2, v, kk, e, e_end, qi, Q, DO, LSE, DELTA, 
 
 @triton.jit
 def _sel_dkv_kernel(Q, K, V, DO, LSE, DELTA, LO, HI, QN, QOFF, QI, HSLOT, HEAVY, DK_, DV_, DKA,
-                    DVA, DQA, T, TP, HKV, BHKV, NKB, WP, NH, NSPLIT, s_lb,
+                    DVA, DQA, T, S, Q0, TP, HKV, BHKV, NKB, WP, NH, NSPLIT, s_lb,
                     QK_SCALE: tl.constexpr, SM_SCALE: tl.constexpr, NG: tl.constexpr,
                     G: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr, DK: tl.constexpr,
                     DK1: tl.constexpr, DK2: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr,
@@ -455,9 +464,9 @@ def _sel_dkv_kernel(Q, K, V, DO, LSE, DELTA, LO, HI, QN, QOFF, QI, HSLOT, HEAVY,
         per = tl.cdiv(tl.cdiv(n_all, NSPLIT), NG) * NG  # whole gathers per share
         e0 = tl.minimum(share * per, n_all)
         e1 = tl.minimum(e0 + per, n_all)
-    koff = bh * T * DK
-    voff = bh * T * DV
-    kk, k_ok = _keys(j, T, BLOCK)
+    koff = bh * S * DK
+    voff = bh * S * DV
+    kk, k_ok = _keys(j, S, BLOCK)
     k1, k2, v = _kv_block(K, V, koff, voff, kk, k_ok, DK, DK1, DK2, DV, DVP)
     dv = tl.arange(0, DVP)
     dk1 = tl.zeros([BLOCK, DK1], tl.float32)
@@ -465,10 +474,10 @@ def _sel_dkv_kernel(Q, K, V, DO, LSE, DELTA, LO, HI, QN, QOFF, QI, HSLOT, HEAVY,
     dv_acc = tl.zeros([BLOCK, DVP], tl.float32)
     for e in range(e0, e1, NG):
         dk1, dk2, dv_acc = _dkv_step(dk1, dk2, dv_acc, k1, k2, v, kk, e, e1, qi, Q, DO, LSE, DELTA,
-                                     LO, HI, DQA, b, h, T, HKV, s_lb, QK_SCALE, SM_SCALE, NG, G,
+                                     LO, HI, DQA, b, h, T, Q0, HKV, s_lb, QK_SCALE, SM_SCALE, NG, G,
                                      GP, DK, DK1, DK2, DV, DVP, HAS_BAND, PREC, FUSE_DQ)
     d1 = tl.arange(0, DK1)
-    if pid < NKB:  # dK/dV are [B, HKV, TP, D]: T padded to whole blocks
+    if pid < NKB:  # dK/dV are [B, HKV, TP, D]: the S keys padded to whole blocks
         ooff_k = bh * TP * DK
         ooff_v = bh * TP * DV
         ok = k_ok & ((kk * 0 + slot) < 0)
@@ -524,10 +533,11 @@ def selected_attention_fwd(q: Tensor, k: Tensor, v: Tensor, sel: Tensor, lo: Opt
                            hi: Optional[Tensor], kv_num: Tensor, kv_idx: Tensor, full_num: Tensor,
                            full_idx: Tensor, dq_num: Tensor, dq_idx: Tensor, dq_full_num: Tensor,
                            dq_full_idx: Tensor, scale: float, l_sel: int, rows: int, rows_dq: int,
-                           tuning: list[int]) -> tuple[Tensor, Tensor]:
+                           tuning: list[int], q_offset: int = 0) -> tuple[Tensor, Tensor]:
     """(out [B, Hq, T, Dv], lse [B, Hq, T]) from the selection's q-major lists (q blocks of `rows`
     rows); dq_*: the lists of the dQ pass's q blocks (`rows_dq` rows), read by the backward;
-    tuning: `SelectedTuning.encode()`."""
+    tuning: `SelectedTuning.encode()`; q_offset: the position of query row 0 (k, v hold S >=
+    q_offset + T keys from position 0)."""
     B, Hq, T, _ = q.shape
     Hkv, Dv = k.shape[1], v.shape[-1]
     nqb = kv_num.shape[-1]
@@ -538,7 +548,7 @@ def selected_attention_fwd(q: Tensor, k: Tensor, v: Tensor, sel: Tensor, lo: Opt
     lo_, hi_, s_lb, has_band = _band(lo, hi, B, T, q.device)
     wrap_triton(_sel_fwd_kernel)[(nqb, B * Hkv)](
         q, k, v, sel, lo_, hi_, kv_num, kv_idx, full_num, full_idx, o, lse,
-        T, Hkv, nqb, kv_idx.shape[-1], s_lb, QK_SCALE=scale * LOG2E,
+        T, k.shape[2], q_offset, Hkv, nqb, kv_idx.shape[-1], s_lb, QK_SCALE=scale * LOG2E,
         **_q_block_consts(q, v, sel, l_sel, rows, has_band, "fwd", SelectedTuning.decode(tuning)))
     return o, lse
 
@@ -549,24 +559,25 @@ def selected_attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Ten
                            hi: Optional[Tensor], kv_num: Tensor, kv_idx: Tensor, full_num: Tensor,
                            full_idx: Tensor, w_num: Tensor, w_idx: Tensor, w_full_num: Tensor,
                            w_full_idx: Tensor, scale: float, l_sel: int, rows: int, rows_wide: int,
-                           tuning: list[int]) -> tuple[Tensor, Tensor, Tensor]:
+                           tuning: list[int], q_offset: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv; kv_num .. full_idx: the dQ pass's q-major lists (q blocks of `rows` rows);
     w_num .. w_full_idx: the forward's (`rows_wide` rows). Where the forward's q blocks hold several
     of the dQ pass's (`SelectedTuning.dq_hybrid`), each of its blocks runs its dQ either as one wide
     tile over their union list or as its narrow blocks over their own lists, whichever is fewer
     steps by the tuning's wide_dq_cost (`_wide_wins`): trained picks share most blocks between
-    adjacent positions (wide wins), random ones few (narrow wins)."""
+    adjacent positions (wide wins), random ones few (narrow wins). q_offset: as the forward's; dk,
+    dv cover all S keys (0 where no row reads)."""
     tuning = SelectedTuning.decode(tuning)
     B, Hq, T, Dk = q.shape
-    Hkv, Dv = k.shape[1], v.shape[-1]
+    Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = Hq // Hkv
     nqb = kv_num.shape[-1]
-    nkb = -(-T // l_sel)
+    nkb = -(-S // l_sel)
     dq = torch.empty_like(q)
     dk_pad = torch.empty(B, Hkv, nkb * l_sel, Dk, dtype=k.dtype, device=k.device)
     dv_pad = torch.empty(B, Hkv, nkb * l_sel, Dv, dtype=v.dtype, device=v.device)
     if T == 0 or B == 0:
-        return dq, dk_pad[:, :, :T], dv_pad[:, :, :T]
+        return dq, dk_pad[:, :, :S].zero_(), dv_pad[:, :, :S].zero_()
     do = do.contiguous()
     # D_i = rowsum(dO * O) (FlashAttention's delta); a gradient on lse enters as -dlse
     delta = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
@@ -587,13 +598,14 @@ def selected_attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Ten
         args = (do, lse, delta, sel, lo_, hi_)
         counts = (kv_num, full_num, w_num, w_full_num)
         wrap_triton(_sel_dq_kernel)[(nqb, B * Hkv)](
-            q, k, v, *args, kv_num, kv_idx, full_num, full_idx, *counts, dq, T, Hkv, nqb,
+            q, k, v, *args, kv_num, kv_idx, full_num, full_idx, *counts, dq, T, S, q_offset, Hkv, nqb,
             kv_idx.shape[-1], nqb, nqb_w, s_lb, QK_SCALE=scale * LOG2E, SM_SCALE=scale,
             MODE=1 if kw else 0, KW=max(kw, 1), WCOST=tuning.wide_dq_cost,
             **_q_block_consts(q, v, sel, l_sel, rows, has_band, "dq", tuning))
         if kw:
             wrap_triton(_sel_dq_kernel)[(nqb_w, B * Hkv)](
-                q, k, v, *args, w_num, w_idx, w_full_num, w_full_idx, *counts, dq, T, Hkv, nqb_w,
+                q, k, v, *args, w_num, w_idx, w_full_num, w_full_idx, *counts, dq, T, S, q_offset, Hkv,
+                nqb_w,
                 w_idx.shape[-1], nqb, nqb_w, s_lb, QK_SCALE=scale * LOG2E, SM_SCALE=scale,
                 MODE=2, KW=kw, WCOST=tuning.wide_dq_cost,
                 **_q_block_consts(q, v, sel, l_sel, rows_wide, has_band, "dq", tuning))
@@ -625,7 +637,7 @@ def selected_attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Ten
     rows_dkv = tuning.dkv_rows if wide_ok else min(tuning.dkv_rows, 64)
     wrap_triton(_sel_dkv_kernel)[((nkb + nh * nsplit) * B * Hkv,)](
         q, k, v, do, lse, delta, lo_, hi_, p_num, p_off, p_idx, hslot, heavy_idx, dk_pad, dv_pad,
-        dka, dva, dqa, T, nkb * l_sel, Hkv, B * Hkv, nkb, p_idx.shape[-1], nh, nsplit, s_lb,
+        dka, dva, dqa, T, S, q_offset, nkb * l_sel, Hkv, B * Hkv, nkb, p_idx.shape[-1], nh, nsplit, s_lb,
         QK_SCALE=scale * LOG2E, SM_SCALE=scale, NG=max(1, rows_dkv // gd), G=G, GP=gd,
         BLOCK=l_sel, DK=Dk, DK1=dk1, DK2=dk2, DV=Dv, DVP=dvp, HAS_BAND=has_band,
         PREC=_prec(q.dtype), FUSE_DQ=fuse_dq, **tuning.launch_opts("dkv", q.dtype))
@@ -636,23 +648,23 @@ def selected_attention_bwd(do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Ten
         1, idx.expand(-1, -1, l_sel, Dk), dka.to(k.dtype))
     dv_pad.view(B * Hkv, nkb, l_sel, Dv).scatter_(
         1, idx.expand(-1, -1, l_sel, Dv), dva.to(v.dtype))
-    return dq, dk_pad[:, :, :T], dv_pad[:, :, :T]
+    return dq, dk_pad[:, :, :S], dv_pad[:, :, :S]
 
 
 def _setup(ctx, inputs, output):
     q, k, v, sel, lo, hi = inputs[:6]
     fwd_lists, dq_lists = inputs[6:10], inputs[10:14]  # the dQ pass's, and the forward's (hybrid)
-    scale, l_sel, rows, rows_dq, tuning = inputs[14:]
+    scale, l_sel, rows, rows_dq, tuning, q_offset = inputs[14:]
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, sel, lo, hi, *dq_lists, *fwd_lists)
-    ctx.extra = (scale, l_sel, rows_dq, rows, tuning)
+    ctx.extra = (scale, l_sel, rows_dq, rows, tuning, q_offset)
 
 
 def _backward(ctx, do, dlse):
     q, k, v, o, lse, sel, lo, hi, *lists = ctx.saved_tensors
     dq, dk, dv = torch.ops.nsa_flex.selected_attention_bwd(
         do, dlse, q, k, v, o, lse, sel, lo, hi, *lists, *ctx.extra)
-    return (dq, dk, dv) + (None,) * 16
+    return (dq, dk, dv) + (None,) * 17
 
 
 selected_attention_fwd.register_autograd(_backward, setup_context=_setup)
@@ -662,7 +674,8 @@ def selected_attention(q: Tensor, k: Tensor, v: Tensor, sel: Tensor, l_sel: int,
                        lo: Tensor | None = None, hi: Tensor | None = None,
                        scale: float | None = None, rows: int | None = None,
                        dq_block_mask=None, rows_dq: int | None = None,
-                       tuning: SelectedTuning = DEFAULT_TUNING) -> tuple[Tensor, Tensor]:
+                       tuning: SelectedTuning = DEFAULT_TUNING,
+                       q_offset: int = 0) -> tuple[Tensor, Tensor]:
     """Attention of q to the selected blocks: (out [B, Hq, T, Dv], lse [B, Hq, T] fp32, natural
     log). sel [B, Hkv, T, n] block indices (-1: unused; a position lists a block at most once);
     lo, hi [B|1, T]: the keys each position may see at most (None: all up to itself); block_mask:
@@ -673,7 +686,9 @@ def selected_attention(q: Tensor, k: Tensor, v: Tensor, sel: Tensor, l_sel: int,
     (None: block_mask and rows). rows / rows_dq default to tuning.rows. The backward's kv-major
     index is the inverse of `sel` itself (`masks.core.kv_major_csr`), built there. tuning: the
     passes' settings (`SelectedTuning`); `selected_lists` builds every other argument from a
-    MaskSpec."""
+    MaskSpec. A sequence shard (context parallelism): q's row t is position t + q_offset, k and v
+    hold the whole sequence's S >= q_offset + T keys (block ids in sel are theirs), sel, lo, hi
+    and the lists have q's rows; dk, dv cover all S keys."""
     def lists(bm):
         if not isinstance(bm, (list, tuple)):
             bm = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
@@ -686,7 +701,7 @@ def selected_attention(q: Tensor, k: Tensor, v: Tensor, sel: Tensor, l_sel: int,
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     return torch.ops.nsa_flex.selected_attention_fwd(
         q.contiguous(), k.contiguous(), v.contiguous(), sel.to(torch.int32).contiguous(), lo, hi,
-        *fwd, *dq, scale, l_sel, rows, rows_dq, tuning.encode())
+        *fwd, *dq, scale, l_sel, rows, rows_dq, tuning.encode(), q_offset)
 
 
 def selected_lists(spec: MaskSpec, B: int, T: int, S: int, G: int, d_qk: int, device,
@@ -698,7 +713,7 @@ def selected_lists(spec: MaskSpec, B: int, T: int, S: int, G: int, d_qk: int, de
     op's backward inverts `sel` itself, per position): the forward's (q blocks of
     `tile_positions(G, rows)` positions x G heads; rows default `tuning.fwd_rows(G)`) and, where
     the dQ pass runs with q blocks of another size (`rows_dq`, default tuning.rows), the dQ
-    pass's."""
+    pass's. A shard's spec (`MaskSpec.q_offset`): T rows of S keys, the op told the offset."""
     picks = spec.selection
 
     def lists(rows):
@@ -711,10 +726,10 @@ def selected_lists(spec: MaskSpec, B: int, T: int, S: int, G: int, d_qk: int, de
 
     rows = rows or tuning.fwd_rows(G)
     out = dict(sel=picks.idx, l_sel=picks.l_sel, block_mask=lists(rows), rows=rows, lo=None,
-               hi=None, tuning=tuning)
+               hi=None, tuning=tuning, q_offset=spec.q_offset)
     if not tuning.fuse_dq(G, d_qk) and \
             tile_positions(G, rows_dq or tuning.rows) != tile_positions(G, rows):
         out.update(dq_block_mask=lists(rows_dq or tuning.rows), rows_dq=rows_dq)
     if picks.band is not None:
-        out["lo"], out["hi"] = picks.band(torch.arange(T, device=device))
+        out["lo"], out["hi"] = picks.band(spec.positions(T, device))  # bands take positions
     return out

@@ -2,7 +2,9 @@
 shard of the sequence, give the one-process output, input gradient and (summed over the ranks)
 parameter gradients, in fp32 on the reference backend, for every preset, with documents that
 cross the shard boundary and a compressed block that straddles it; the window reads its halo from
-the previous rank (or, longer than a shard, the whole sequence)."""
+the previous rank (or, longer than a shard, the whole sequence). Under Triton's interpreter the
+shards run the fast paths instead: the Triton scorer / top-n and the selection branch on our
+selected op, against one process on the torch scorer and the reference backend."""
 
 import itertools
 import os
@@ -14,8 +16,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nsa_flex import NSAAttention, NSAConfig
+from nsa_flex.attention import BranchPlan
 from nsa_flex.context_parallel import SeqShard, split_seq
 from nsa_flex.layer import window_halo
+from nsa_flex.ops import HAS_TRITON
 
 BASE = dict(dim=16, n_heads=4, n_kv_heads=2, d_qk=8, d_v=8, l=8, d=4, l_sel=16, n_sel=3,
             window=12, backend="reference")
@@ -109,6 +113,43 @@ def worker(rank: int, port: int):
 
 def test_two_shards_equal_one_process():
     mp.spawn(worker, args=(free_port(),), nprocs=N, join=True)
+
+
+def on_fast_paths(layer: NSAAttention) -> NSAAttention:
+    """The layer with the Triton scorer / top-n and the selection branch on our selected op (the
+    other branches on the reference backend): what a GPU shard runs for the selection."""
+    layer.cfg = NSAConfig(**{**layer.cfg.to_dict(), "scorer": "triton"})
+    layer.plans["sel"] = BranchPlan("flex", "selected", "selected", strict=True)
+    return layer
+
+
+def fast_worker(rank: int, port: int):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=N)
+    try:
+        shard = SeqShard(dist.group.WORLD, rank, N)
+        dims = {"d_qk": 16, "d_v": 16}  # the selected op's smallest head dims
+        for docs in (False, True):
+            x, w, doc_ids = inputs(docs)
+            ref = one_process(layer_for("nsa", dims), x, w, doc_ids)
+            got = sharded(on_fast_paths(layer_for("nsa", dims)), x, w, doc_ids, shard, True)
+            tol = dict(rtol=1e-4, atol=1e-5)  # the op's fp32 sums in another order
+            torch.testing.assert_close(got[0], split_seq(ref[0], shard), **tol)
+            torch.testing.assert_close(got[1], split_seq(ref[1], shard), **tol)
+            assert got[2].keys() == ref[2].keys()
+            for n in ref[2]:
+                torch.testing.assert_close(got[2][n], ref[2][n], **tol, msg=lambda m: f"{n}: {m}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable")
+def test_two_shards_on_the_fast_paths_equal_one_process(monkeypatch):
+    """Each rank's shard on the Triton scorer and our selected op (Triton's interpreter: set
+    before the spawned processes import triton) equals one process on the torch paths."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    mp.spawn(fast_worker, args=(free_port(),), nprocs=N, join=True)
 
 
 def test_split_seq_refuses_an_uneven_length():
