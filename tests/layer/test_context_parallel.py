@@ -6,6 +6,7 @@ the previous rank (or, longer than a shard, the whole sequence). Under Triton's 
 shards run the fast paths instead: the Triton scorer / top-n and the selection branch on our
 selected op, against one process on the torch scorer and the reference backend."""
 
+import contextlib
 import itertools
 import os
 import socket
@@ -88,27 +89,37 @@ def sharded(layer, x, w, doc_ids, shard, shared: bool):
     return out.detach(), xs.grad, grads
 
 
-def worker(rank: int, port: int):
+@contextlib.contextmanager
+def gloo_shard(rank: int, port: int):
+    """This spawned process in a gloo group of N: its SeqShard."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=N)
     try:
-        shard = SeqShard(dist.group.WORLD, rank, N)
+        yield SeqShard(dist.group.WORLD, rank, N)
+    finally:
+        dist.destroy_process_group()
+
+
+def assert_shard_equal(got, ref, shard: SeqShard, what: str, rtol: float = 1e-5, atol: float = 1e-5):
+    """A shard's (output, input gradient, summed parameter gradients) against one process's."""
+    torch.testing.assert_close(got[0], split_seq(ref[0], shard), rtol=rtol, atol=atol,
+                               msg=lambda m: f"{what} output: {m}")
+    torch.testing.assert_close(got[1], split_seq(ref[1], shard), rtol=rtol, atol=atol,
+                               msg=lambda m: f"{what} input gradient: {m}")
+    assert got[2].keys() == ref[2].keys(), what
+    for n in ref[2]:
+        torch.testing.assert_close(got[2][n], ref[2][n], rtol=rtol, atol=atol,
+                                   msg=lambda m: f"{what} gradient of {n}: {m}")
+
+
+def worker(rank: int, port: int):
+    with gloo_shard(rank, port) as shard:
         for (preset, docs, extra), shared in itertools.product(CASES, (False, True)):
             x, w, doc_ids = inputs(docs)
             ref = one_process(layer_for(preset, extra), x, w, doc_ids)
             got = sharded(layer_for(preset, extra), x, w, doc_ids, shard, shared)
-            what = f"{preset} docs={docs} {extra} shared masks={shared}"
-            torch.testing.assert_close(got[0], split_seq(ref[0], shard), rtol=1e-5, atol=1e-5,
-                                       msg=lambda m: f"{what} output: {m}")
-            torch.testing.assert_close(got[1], split_seq(ref[1], shard), rtol=1e-5, atol=1e-5,
-                                       msg=lambda m: f"{what} input gradient: {m}")
-            assert got[2].keys() == ref[2].keys(), what
-            for n in ref[2]:
-                torch.testing.assert_close(got[2][n], ref[2][n], rtol=1e-5, atol=1e-5,
-                                           msg=lambda m: f"{what} gradient of {n}: {m}")
-    finally:
-        dist.destroy_process_group()
+            assert_shard_equal(got, ref, shard, f"{preset} docs={docs} {extra} shared masks={shared}")
 
 
 def test_two_shards_equal_one_process():
@@ -124,24 +135,14 @@ def on_fast_paths(layer: NSAAttention) -> NSAAttention:
 
 
 def fast_worker(rank: int, port: int):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=N)
-    try:
-        shard = SeqShard(dist.group.WORLD, rank, N)
+    with gloo_shard(rank, port) as shard:
         dims = {"d_qk": 16, "d_v": 16}  # the selected op's smallest head dims
         for docs in (False, True):
             x, w, doc_ids = inputs(docs)
             ref = one_process(layer_for("nsa", dims), x, w, doc_ids)
             got = sharded(on_fast_paths(layer_for("nsa", dims)), x, w, doc_ids, shard, True)
-            tol = dict(rtol=1e-4, atol=1e-5)  # the op's fp32 sums in another order
-            torch.testing.assert_close(got[0], split_seq(ref[0], shard), **tol)
-            torch.testing.assert_close(got[1], split_seq(ref[1], shard), **tol)
-            assert got[2].keys() == ref[2].keys()
-            for n in ref[2]:
-                torch.testing.assert_close(got[2][n], ref[2][n], **tol, msg=lambda m: f"{n}: {m}")
-    finally:
-        dist.destroy_process_group()
+            # the op's fp32 sums run in another order
+            assert_shard_equal(got, ref, shard, f"fast paths docs={docs}", rtol=1e-4)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable")
