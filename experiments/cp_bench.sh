@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 42: context parallelism on a 2-GPU machine, torchtitan 125M (titan_configs/nsa_125m_cp.toml:
+# Context parallelism on a 2-GPU machine, torchtitan 125M (titan_configs/nsa_125m_cp.toml:
 # bf16, compile, full activation checkpointing, local batch 1, the local FineWeb sample): tokens/s
 # per GPU and peak memory of
 #   nsa_cp1_SEQ   NSA on one GPU (32k, 64k: the two runs side by side, one per GPU),

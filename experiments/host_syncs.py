@@ -1,4 +1,4 @@
-"""Graph breaks, host syncs and CUDA graphs of the NSA layer as torchtitan runs it (issue 43).
+"""Graph breaks, host syncs and CUDA graphs of the NSA layer as torchtitan runs it.
 
     python experiments/host_syncs.py --out OUT                 # CPU: graph breaks (dynamo explain)
     python experiments/host_syncs.py --out OUT --T 8192        # CUDA: + syncs, + CUDA graphs timing

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 43 on one H100 (one device call, ~6 min): what the shared per-step masks
+# Short sequences on one H100 (one device call, ~6 min): what the shared per-step masks
 # (nsa_flex.layer.StepMasks) and [compile] cudagraphs change at short sequences.
 # Usage (device machine, repo root, torchtitan wheels on PYTHONPATH):
 #   bash experiments/perf43_gpu.sh OUT [STEP...]        # default: titan8k layer8k titan8kcg

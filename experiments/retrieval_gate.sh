@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The retrieval gate (issue 41 point 4): the curriculum's short phase alone
+# The retrieval gate (>= 95% passkey at the short length before the long runs): the curriculum's short phase alone
 # (titan_configs/quality_curriculum.toml, [curriculum] short: 125M at 2048 x 16 on generated passkey
 # documents), one variant per GPU, side by side, then the passkey evaluation of each final checkpoint
 # at the training length. One background job that outlives a device call: start it with setsid,

@@ -1,4 +1,4 @@
-"""Context parallelism: one sequence over the ranks of a process group (issue 42).
+"""Context parallelism: one sequence over the ranks of a process group.
 
 Contiguous shards: rank r of N holds positions [r T/N, (r+1) T/N) of every row (no zig-zag:
 NSA's selected and window branches read a bounded number of keys per query and the compressed

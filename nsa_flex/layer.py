@@ -182,8 +182,9 @@ class NSAAttention(nn.Module):
         # telemetry (nsa_flex/telemetry.py): set before the first (compiled) call; when on, every
         # forward writes its gate / mask statistics into this buffer (no state dict, no grad)
         self.telemetry = False
-        # context parallelism (nsa_flex.context_parallel): this rank's shard of the sequence, set
-        # with the model's (`nsa_flex.titan.model.set_seq_shard`); a forward's own argument wins
+        # context parallelism (nsa_flex.context_parallel): this rank's shard of the sequence for
+        # a forward that builds its own masks (`set_seq_shard` sets it; a model's StepMasks carry
+        # their shard)
         self.shard = NO_SHARD
         self.register_buffer("telemetry_stats", torch.zeros(STATS_SIZE), persistent=False)
 
