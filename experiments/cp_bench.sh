@@ -21,7 +21,8 @@
 # tiktoken_cache and fineweb_sample_2800.parquet; torchtitan importable):
 #   bash experiments/cp_bench.sh OUT [PLAN] [BUDGET_S]     # PLAN: scaling (default) | long | full
 # then copy OUT/cp.csv and OUT/cp.png to experiments/results/perf/. ONLY="NAME ...": only those
-# runs (e.g. ONLY=nsa_cp2_131072 to redo one); STEPS, WARMUP, CAP (s per run) as below.
+# runs (e.g. ONLY=nsa_cp2_131072 to redo one); GPUS="2 3": the two GPUs to use (default "0 1");
+# STEPS, WARMUP, CAP (s per run) as below.
 set -uo pipefail
 OUT=${1:?out dir}; PLAN=${2:-scaling}; BUDGET=${3:-460}
 STEPS=${STEPS:-12}; WARMUP=${WARMUP:-4}; CAP=${CAP:-200}; LOGS=${LOGS:-/tmp/cp_bench_logs}
@@ -38,7 +39,9 @@ run() {
   local n=$(( $(tr -cd , <<<"$gpus" | wc -c) + 1 )) left=$((BUDGET - SECONDS)) cap=$CAP
   [ "$left" -lt 40 ] && { echo "skipped (budget)" > "$LOGS/$name.rc"; echo "== skip $name (budget)"; return 1; }
   [ "$cap" -gt "$left" ] && cap=$left
-  local dump; dump=$(mktemp -d /tmp/cp_bench.XXXXXX)
+  local dump ids gl g phys=(); dump=$(mktemp -d /tmp/cp_bench.XXXXXX)
+  read -ra ids <<< "${GPUS:-0 1}"; IFS=, read -ra gl <<< "$gpus"  # logical 0/1 -> GPUS
+  for g in "${gl[@]}"; do phys+=("${ids[$g]}"); done; gpus=$(IFS=,; echo "${phys[*]}")
   echo "== $name (gpus $gpus, cap ${cap}s, t=${SECONDS}s)"
   CUDA_VISIBLE_DEVICES=$gpus timeout "$cap" torchrun --nproc_per_node="$n" \
     --master_port=$((29500 + RANDOM % 1000)) -m nsa_flex.titan.train --job.config_file $CFG \

@@ -12,7 +12,8 @@
 # full_causal full_causal; nsa nsa_seed1 --debug.seed=1; sliding_only sliding_only". The documents'
 # filler is the TOML's (training.passkey_filler in [curriculum] short; the evaluation's follows). Other knobs: TRAIN_S (seconds of training before the halt,
 # 900: SIGTERM makes the trainer save a checkpoint and exit 4; the evaluation then reads that
-# checkpoint), TOML, RUNS (/tmp/nsa_gate_runs), DEPTHS (0,25,50,75,100), TRIALS (20).
+# checkpoint), TOML, RUNS (/tmp/nsa_gate_runs), DEPTHS (0,25,50,75,100), TRIALS (20), GPUS (the
+# GPU of each plan entry, e.g. "1 3" beside other jobs on a larger host; default 0 1 2 ...).
 set -uo pipefail
 OUT=${1:?usage: retrieval_gate.sh OUT DATA}
 DATA=${2:?usage: retrieval_gate.sh OUT DATA}
@@ -58,10 +59,11 @@ variant() {  # GPU MASKS NAME [EXTRA_TRAIN_ARGS...]
 }
 
 IFS=';' read -ra plan <<< "$PLAN"
+read -ra gpus <<< "${GPUS:-}"
 pids=()
 for i in "${!plan[@]}"; do
   # shellcheck disable=SC2086
-  variant "$i" ${plan[$i]} &
+  variant "${gpus[$i]:-$i}" ${plan[$i]} &
   pids+=($!)
 done
 wait "${pids[@]}"
