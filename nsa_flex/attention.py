@@ -44,7 +44,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from masks import MaskSpec, builder_info, causal
 
 from .config import resolve_backend
-from .ops.compressed_sdpa import compressed_sdpa as attend_compressed_lean
+from .ops.compressed_sdpa import PrefixCausal, compressed_sdpa as attend_compressed_lean
 from .ops import (DEFAULT_TUNING, HAS_TRITON, SelectedTuning, gate_mix, selected_attention,
                   selected_lists, selected_unsupported, triton_interpreted)
 from .kernel_options import (band_kernel_options, flex_kernel_options, install_flex_patches,
@@ -194,7 +194,7 @@ def attend_compressed_sdpa(q: Tensor, k: Tensor, v: Tensor, l: int, d: int,
     A sequence shard (q_offset > 0: row r is position r + q_offset, k and v the whole sequence's
     compressed keys): its groups g0 .. g0 + M - 1 see the keys before g0 all (one unmasked call)
     and keys g0 .. g0 + M - 1 causally (a causal call), merged exactly through their lse
-    (`merge_parts`)."""
+    (`PrefixCausal`: the backward of each part from the merged output and lse)."""
     B, Hq, T, Dk, Hkv, S, G, scale = _dims(q, k, scale)
     pk = CmpPacking.of(T, l, d, q_offset)
     if pk.M == 0:  # no row sees a block yet
@@ -210,10 +210,10 @@ def attend_compressed_sdpa(q: Tensor, k: Tensor, v: Tensor, l: int, d: int,
         qp = F.pad(q[:, :, pk.skip:], (0, 0, pk.lead, pk.M * d - pk.lead - n))
         qp = qp.view(B, Hq, pk.M, d, Dk).transpose(2, 3).reshape(B, Hq * d, pk.M, Dk)
         diag = slice(pk.g0, pk.g0 + pk.M)
-        out = _sdpa_lse(qp, k[:, :, diag], v[:, :, diag], scale)
         if pk.g0 == 0:
-            return out
-        return merge_parts([_sdpa_lse(qp, k[:, :, :pk.g0], v[:, :, :pk.g0], scale, False), out])
+            return _sdpa_lse(qp, k[:, :, diag], v[:, :, diag], scale)
+        return PrefixCausal.apply(qp, k[:, :, :pk.g0], v[:, :, :pk.g0], k[:, :, diag],
+                                  v[:, :, diag], scale)
 
     out, lse = repack_in_backward(packed, q, k, v)
 

@@ -81,25 +81,66 @@ def _math_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
     return (ds @ kk).to(q.dtype), dk, dv
 
 
-def _fused_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """Causal attention with GQA -> (out [B, H, M, Dv], lse [B, H, M] fp32): cuDNN on CUDA."""
+def _fused_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = True
+               ) -> tuple[Tensor, Tensor]:
+    """Causal (row m sees keys 0..m) or unmasked attention with GQA -> (out [B, H, M, Dv],
+    lse [B, H, M] fp32): cuDNN on CUDA, the math twin elsewhere."""
     if q.is_cuda:
         r = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q, k, v, None, True, 0.0, True, False, scale=scale)
+            q, k, v, None, True, 0.0, causal, False, scale=scale)
         return r[0], r[1].view(r[1].shape[:3])
-    return _math_fwd(q, k, v, scale, causal=True)
+    return _math_fwd(q, k, v, scale, causal=causal)
 
 
 def _fused_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-               scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """`_fused_fwd`'s backward from its output and lse -> (dq, dk, dv)."""
+               scale: float, causal: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    """`_fused_fwd`'s backward from an output and its lse -> (dq, dk, dv). With the output and lse
+    of a larger softmax (these keys and others), the gradients of this part of it."""
     if q.is_cuda:
         M, S = q.shape[2], k.shape[2]
         none = torch.zeros((), dtype=torch.int64, device=q.device)  # philox: no dropout
         return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            do, q, k, v, out, lse.unsqueeze(-1), none, none, None, None, None, M, S, 0.0, True,
+            do, q, k, v, out, lse.unsqueeze(-1), none, none, None, None, None, M, S, 0.0, causal,
             scale=scale)
-    return _math_bwd(do, q, k, v, out, lse, scale, causal=True)
+    return _math_bwd(do, q, k, v, out, lse, scale, causal=causal)
+
+
+class PrefixCausal(torch.autograd.Function):
+    """Attention of q [B, H, M, Dk] (GQA onto k's heads) over the unmasked keys k0, v0 and the
+    causal keys k1, v1 (row m sees k1 rows 0..m) in one softmax -> (out [B, H, M, Dv] in q's
+    dtype, lse [B, H, M] fp32, no gradient). Forward: the two parts (cuDNN on CUDA) merged by
+    their lse; backward: each part's backward from the merged output and lse, which is exactly
+    its share of the one softmax's gradient (FlashAttention's dS = P (dP - rowsum(dO O)) with P
+    from the merged lse). Merging the parts' autograd outputs instead would lose the lse's share:
+    cuDNN's lse output has no gradient."""
+
+    @staticmethod
+    def forward(ctx, q, k0, v0, k1, v1, scale: float):
+        parts = [_fused_fwd(q, k0, v0, scale, causal=False), _fused_fwd(q, k1, v1, scale)]
+        acc = torch.promote_types(q.dtype, torch.float32)
+        lse = torch.stack([p[1] for p in parts]).to(acc)
+        m = lse.amax(0)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        w = torch.exp(lse - m)
+        den = w.sum(0)
+        w = w / den.clamp_min(torch.finfo(acc).tiny)
+        out = (w[0].unsqueeze(-1) * parts[0][0].to(acc) + w[1].unsqueeze(-1) * parts[1][0].to(acc)
+               ).to(q.dtype).contiguous()
+        lse = (torch.log(den) + m).to(_lse_dtype(q))
+        ctx.save_for_backward(q, k0, v0, k1, v1, out, lse)
+        ctx.scale = scale
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k0, v0, k1, v1, out, lse = ctx.saved_tensors
+        do = dout.to(out.dtype).contiguous()  # read with out's strides
+        dq0, dk0, dv0 = _fused_bwd(do, q, k0.contiguous(), v0.contiguous(), out, lse, ctx.scale,
+                                   causal=False)
+        dq1, dk1, dv1 = _fused_bwd(do, q, k1.contiguous(), v1.contiguous(), out, lse, ctx.scale)
+        return (dq0 + dq1).to(q.dtype), dk0.to(k0.dtype), dv0.to(v0.dtype), dk1.to(k1.dtype), \
+            dv1.to(v1.dtype), None
 
 
 def _per_head(x: Tensor, H: int) -> Tensor:

@@ -112,3 +112,14 @@ def test_cuda_shard_bf16_on_cudnn_matches_reference(q0):
         res.append([out.float(), (gq if shard else gq[:, :, rows]).float(), gk.float(), gv.float()])
     for a, b in zip(*res):
         assert ((a - b).norm() / b.norm()).item() <= 2e-2
+
+
+def test_shard_gradients_need_no_gradient_of_the_parts_lse(monkeypatch):
+    """cuDNN's lse output has no gradient: the shard's merge of its unmasked and causal parts must
+    not differentiate through it (each part's backward runs from the merged output and lse).
+    Here the CPU twin of the causal call returns its lse detached, as cuDNN does."""
+    import nsa_flex.attention as A
+
+    real = A._sdpa_lse
+    monkeypatch.setattr(A, "_sdpa_lse", lambda *a, **k: (lambda o, s: (o, s.detach()))(*real(*a, **k)))
+    compare_shard(160, 64, 64, 32, 16, 2, 2, 7)  # g0 > 0: the prefix and the causal part
