@@ -79,6 +79,9 @@ class NSATransformer(ModelProtocol):
         # reused while they stay (every training step), rebuilt when they change
         self.fixed_masks: tuple[tuple, StepMasks] | None = None
         self.seq_shard = NO_SHARD  # context parallelism: `set_seq_shard`
+        # the blocks run in inductor's CUDA graphs ([compile] cudagraphs; `compile_blocks`): a
+        # forward without grad (validation) copies each block's output out of the graph's pool
+        self.graph_blocks = False
 
     def step_masks(self, tokens: torch.Tensor) -> StepMasks:
         """What every layer shares this step (``nsa_flex.layer.StepMasks``), from the model's input:
@@ -128,6 +131,10 @@ class NSATransformer(ModelProtocol):
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, masks)
+            if self.graph_blocks and not torch.is_grad_enabled():
+                # without a pending backward every block call starts a new graph generation, which
+                # may overwrite the previous block's output before the next block reads it
+                h = h.clone()
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

@@ -75,6 +75,7 @@ def compile_blocks(model: nn.Module, compile_cfg, world_size: int = 1) -> None:
     NSA layer's many small kernels in fewer, larger launches) and CUDA graphs, both for where the
     host's launch rate bounds a step (short sequences)."""
     options = compile_options(compile_cfg, world_size)
+    model.graph_blocks = bool(options and options.get("triton.cudagraphs"))
     for layer_id, block in model.layers.named_children():
         model.layers.register_module(layer_id, torch.compile(block, backend=compile_cfg.backend,
                                                              fullgraph=True, options=options))

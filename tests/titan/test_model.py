@@ -12,7 +12,7 @@ from nsa_flex.flops import full_attention_flops, nsa_attention_flops
 from nsa_flex.titan.args import NSAModelArgs, nsa_flex_args
 from nsa_flex.data.documents import doc_ids_from_tokens
 from nsa_flex.titan.model import NSATransformer
-from nsa_flex.titan.parallelize import parallelize_nsa
+from nsa_flex.titan.parallelize import compile_blocks, parallelize_nsa
 
 CFG = "nsa_flex.titan.job_config"
 
@@ -262,3 +262,40 @@ def test_step_masks_without_documents_built_once_per_shape():
     assert m.step_masks(x[:, :32]) is not first and m.step_masks(x[:1]) is not first
     d = build(args_for("--training.seq_len", "64", "--nsa.doc_masking", "True"))
     assert d.step_masks(x) is not d.step_masks(x)
+
+
+def test_blocks_in_cuda_graphs_copy_their_output_out_of_the_pool_without_grad():
+    """[compile] cudagraphs: without grad, every block call may start a new graph generation that
+    overwrites the previous block's output (inductor's pool) before the next block reads it. A
+    stand-in pool: each block writes into one shared buffer after clearing it (a new generation).
+    With graph_blocks the model's logits equal the eager model's; without, the stand-in breaks it."""
+    m = build(args_for())
+    tokens = torch.randint(0, 64, (1, 64))
+    with torch.no_grad():
+        want = m(tokens)
+    pool = {}
+
+    def pooled(block):
+        def call(h, masks=None):
+            buf = pool.setdefault("out", torch.empty_like(h))
+            buf.zero_()  # a new generation reuses the pool: h, if the last block's output, is gone
+            return buf.copy_(block(h, masks))
+        return call
+
+    class Pooled(torch.nn.Module):
+        def __init__(self, block):
+            super().__init__()
+            self.block, self.call = block, pooled(block)
+
+        def forward(self, h, masks=None):
+            return self.call(h, masks)
+
+    for name, block in list(m.layers.named_children()):
+        m.layers.register_module(name, Pooled(block))
+    with torch.no_grad():
+        assert not torch.equal(m(tokens), want)  # the stand-in does overwrite
+        m.graph_blocks = True
+        torch.testing.assert_close(m(tokens), want)
+    m2 = build(args_for())
+    compile_blocks(m2, job("--compile.cudagraphs").compile)  # compiles lazily: nothing runs here
+    assert m2.graph_blocks
