@@ -1,9 +1,9 @@
 """cp.csv and cp.png from experiments/cp_bench.sh's logs: one row per OUT/ATTN_cpN_SEQ.log.
 
-tokens_per_s_per_gpu: median of torchtitan's per-step `tps` after the first --warmup steps,
-divided by N: torchtitan counts a step's whole batch on every rank (its labels before the
-context-parallel split), so with N ranks on one sequence each rank's `tps` is the sequence's
-tokens per second; peak_GiB: the largest `memory:` figure (max reserved, per GPU); status: ok,
+tokens_per_s_per_gpu: median of torchtitan's per-step `tps` after the first --warmup steps:
+torchtitan counts a step's whole batch on every rank (its labels before the context-parallel
+split) and divides by the non-data-parallel size (the context degree N), so `tps` is already per
+GPU (a 32k sequence over 2 GPUs at 0.218 s a step logs 75k: 32768 / 0.218 / 2); peak_GiB: the largest `memory:` figure (max reserved, per GPU); status: ok,
 oom, timeout, failed or skipped (OUT/NAME.rc holds the run's exit code).
 
     python experiments/cp_report.py OUT [--warmup 4]   # writes OUT/cp.csv, OUT/cp.png
@@ -50,7 +50,7 @@ def summarize(path: str, warmup: int) -> dict | None:
     if status == "ok" and not timed:
         status = "failed"
     return dict(attention=m["attn"], flavor="125M", seq_len=int(m["seq"]), cp=cp,
-                tokens_per_s_per_gpu=round(statistics.median(timed) / cp) if timed else "",
+                tokens_per_s_per_gpu=round(statistics.median(timed)) if timed else "",
                 peak_GiB=max((mem for _, mem, _ in steps), default=""), status=status,
                 device=device)
 

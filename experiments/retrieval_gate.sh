@@ -34,7 +34,7 @@ progress() { echo "[$(date -u +%FT%TZ) +$(( $(date +%s) - START ))s] $*" | tee -
 read -r SEQ FILLER < <($PY -c "import sys, tomllib; c = tomllib.load(open(sys.argv[1], 'rb'))
 items = dict(i.split('=', 1) for i in c['curriculum']['short'] if '=' in i)
 filler = items.get('training.passkey_filler', c['training'].get('passkey_filler', 'sentences'))
-print(items['training.seq_len'], 'words' if filler == 'words' else 'synthetic')" "$TOML") \
+print(items['training.seq_len'], 'synthetic' if filler == 'sentences' else filler)" "$TOML") \
   || { echo "retrieval_gate.sh: $TOML has no training.seq_len in [curriculum] short" >&2; exit 2; }
 
 variant() {  # GPU MASKS NAME [EXTRA_TRAIN_ARGS...]

@@ -3,7 +3,7 @@
 Document i (seeded by the corpus seed, the split and i) is exactly ``length`` tokens: [BOS] intro,
 filler text with a needle "The pass key is: 12345. Remember it. The pass key is: 12345." at a random
 depth in a filler passage that repeats (``synthetic_filler``: random sentences, or random pseudo-words
-with ``filler="words"``; new in every document), then "What is the pass key? The pass key is: 12345." and EOS (the answer " 12345." with its
+with ``filler="words"`` or ``"far_words"``; new in every document), then "What is the pass key? The pass key is: 12345." and EOS (the answer " 12345." with its
 leading space, tokenized as in the needle); so every training sample is one document, for any sequence
 length and tokenizer. ``questions`` = q > 1 asks the question q times: q - 1 extra question + answer
 pairs replace filler at random points after the needle (more retrieval targets per document; the
@@ -56,9 +56,9 @@ def _pseudo_word(rng: random.Random) -> str:
     return "".join(rng.choice(_CONSONANTS) + rng.choice(_VOWELS) for _ in range(rng.randint(1, 3)))
 
 
-def _words_passage(rng: random.Random) -> str:
-    """10..300 pseudo-words (log-uniform), a full stop after every 4..12."""
-    n = int(math.exp(rng.uniform(math.log(10), math.log(300))))
+def _words_passage(rng: random.Random, n: int | None = None) -> str:
+    """n pseudo-words (default 10..300, log-uniform), a full stop after every 4..12."""
+    n = int(math.exp(rng.uniform(math.log(10), math.log(300)))) if n is None else n
     out, left = [], rng.randint(4, 12)
     for _ in range(n):
         out.append(_pseudo_word(rng))
@@ -70,7 +70,9 @@ def _words_passage(rng: random.Random) -> str:
 
 
 # [training] passkey_filler: the kind of passage the generated documents repeat
-SYNTHETIC_FILLERS = ("sentences", "words")
+SYNTHETIC_FILLERS = ("sentences", "words", "far_words")
+# far_words: tokens per pseudo-word (gpt2 ~2.2, bytes ~7.5 with the space), for the passage's length
+_FAR_MIN_TOKENS = 16
 
 
 def check_filler(kind) -> str:
@@ -83,11 +85,19 @@ def check_filler(kind) -> str:
 def synthetic_filler(tokenizer, n: int, seed: str, kind: str = "sentences") -> list[int]:
     """At least ``n`` filler tokens for ``seed``: a passage repeated, tokenized at once.
     ``kind`` "sentences": 3..100 random sentences (log-uniform) of a small vocabulary; "words":
-    10..300 random pseudo-words. Deterministic in (seed, kind, tokenizer)."""
+    10..300 random pseudo-words (log-uniform: with gpt2 a median of ~120 tokens, 93% under 512, so
+    a 512-token sliding window sees almost every repeat); "far_words": pseudo-words whose passage
+    is uniform in 16 .. n / 2 tokens, so repeats lie at every distance up to half the document
+    (beyond the window too: the copy the selected and compressed branches must learn).
+    Deterministic in (seed, kind, tokenizer)."""
     check_filler(kind)
     rng = random.Random(f"filler:{seed}" if kind == "sentences" else f"filler:{kind}:{seed}")
     if kind == "words":
         unit = _words_passage(rng)
+    elif kind == "far_words":
+        target = rng.randint(_FAR_MIN_TOKENS, max(_FAR_MIN_TOKENS, n // 2))
+        per_word = len(tokenizer.encode(_words_passage(random.Random(0), 64))) / 64
+        unit = _words_passage(rng, max(2, round(target / per_word)))
     else:
         unit = "".join(_sentence(rng) for _ in range(int(math.exp(rng.uniform(math.log(3), math.log(100))))))
     reps, got = 1, tokenizer.encode(unit)

@@ -98,7 +98,9 @@ class Training:
     passkey_filler: str = "sentences"
     """the passage that generated passkey documents repeat as filler: sentences (random sentences of
     a small vocabulary) | words (random pseudo-words: predictable only by copying, the strongest
-    signal for the induction circuit that retrieval uses); training, validation and retrieval
+    signal for the induction circuit that retrieval uses; passages of ~120 tokens, so a 512-token
+    window sees most repeats) | far_words (the same words, passages of 16 .. half the document
+    tokens: repeats at every distance, beyond the window too); training, validation and retrieval
     metrics alike"""
 
 

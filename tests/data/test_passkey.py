@@ -164,3 +164,25 @@ def test_passkey_with_gpt2_any_length(offline):
         toks, ans, key = passkey_document(tok, seq_len, 7)
         assert len(toks) == seq_len + 1 and toks[-1] == tok.eos_id
         assert tok.decode(toks[ans:-1]) == f" {key}."  # the space before the key is the answer's
+
+
+def repeat_distances(f: list[int]) -> int:
+    """The period of a repeated passage of tokens (the copy distance of every repeat), past its
+    first word (which has no leading space, so its repeats tokenize differently)."""
+    return next(p for p in range(1, len(f)) if f[8 + p:p + 48] == f[8:48])
+
+
+@needs_shared
+def test_far_words_repeat_beyond_the_window_words_mostly_inside(offline):
+    """``filler="far_words"``: the passage spans 16 .. n / 2 tokens, so about half of the copy
+    distances of a 2048-token document exceed a 512-token window (the branches beyond the window
+    must learn the copy); ``words`` keeps ~95% inside it. gpt2, as the curriculum."""
+    tok = build_tokenizer_from_name("gpt2")
+    dist = {k: [repeat_distances(synthetic_filler(tok, 2048, f"train:0:{i}", k)) for i in range(200)]
+            for k in ("words", "far_words")}
+    far = lambda k: sum(p > 512 for p in dist[k]) / len(dist[k])  # noqa: E731
+    assert far("words") < 0.15 and far("far_words") > 0.35
+    assert max(dist["far_words"]) <= 1024 + 64 and min(dist["far_words"]) < 200
+    corpus = PasskeyCorpus(tok, 2048, questions=8, filler="far_words")
+    doc = tok.decode(corpus.document(0)[0])
+    assert doc.count("The pass key is:") == 2 + 8

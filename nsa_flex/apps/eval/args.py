@@ -18,7 +18,7 @@ def parse_args(argv=None):
     p.add_argument("--trials", type=int, help="prompts per (kind, length, depth) (default 2)")
     p.add_argument("--kinds", default="passkey,multikey", help="passkey,multikey")
     p.add_argument("--n-keys", type=int, help="needles in a multikey prompt (default 4; --quick: 2)")
-    p.add_argument("--filler", default="auto", help="auto | synthetic | words | fineweb | pysource (auto: the training data's kind; synthetic: generated sentences, words: generated pseudo-words, as [training] passkey_filler)")
+    p.add_argument("--filler", default="auto", help="auto | synthetic | words | far_words | fineweb | pysource (auto: the training data's kind; synthetic: generated sentences; words, far_words: generated pseudo-words, as [training] passkey_filler)")
     p.add_argument("--fineweb", default=DEFAULT_FINEWEB, help="FineWeb parquet for --filler fineweb/auto")
     p.add_argument("--decode", default="auto", choices=("auto", "cache", "full"),
                    help="cache: prefill + NSA caches; full: a full forward per token; auto: cache when supported")

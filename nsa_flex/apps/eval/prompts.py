@@ -45,13 +45,14 @@ def kinds_list(text: str) -> list[str]:
 
 
 # ---------------------------------------------------------------------- filler
-FILLERS = ("auto", "synthetic", "words", "fineweb", "pysource")
+FILLERS = ("auto", "synthetic", "words", "far_words", "fineweb", "pysource")
 
 
 class Filler:
     """Filler tokens, one haystack per trial (the same for every depth and length of a trial):
     ``synthetic`` (the training corpus's kind: a random passage of sentences repeated, unseen in
-    training) or ``words`` (a random passage of pseudo-words repeated: ``passkey_filler = "words"``) or
+    training) or ``words`` / ``far_words`` (a random passage of pseudo-words repeated, as
+    ``passkey_filler`` of that name) or
     ``fineweb`` (real text from the --fineweb file) or ``pysource`` (the validation split of the
     pysource corpus: source code of packages never trained on, for models trained on pysource)."""
 
@@ -77,11 +78,11 @@ class Filler:
         return choice
 
     def tokens(self, n: int, trial: int) -> list[int]:
-        if self.kind in ("synthetic", "words"):  # the generated documents' filler, one passage per trial
-            got = self._cache.get(trial, [])
+        if self.kind in ("synthetic", "words", "far_words"):  # the generated documents' filler
+            got = self._cache.get(trial, [])  # one passage per trial
             if len(got) < n:
-                got = self._cache[trial] = synthetic_filler(self.tok, n, f"eval:{trial}",
-                                                            "words" if self.kind == "words" else "sentences")
+                got = self._cache[trial] = synthetic_filler(
+                    self.tok, n, f"eval:{trial}", "sentences" if self.kind == "synthetic" else self.kind)
             return got
         got = self._cache.get(trial, [])
         if len(got) < n:
