@@ -129,8 +129,10 @@ class StepMasks:
     starts: Tensor | None
     specs: dict[str, MaskSpec]
     kv_lens: dict[str, int]
-    shard: SeqShard = NO_SHARD
-    halo: int | None = None
+    # no defaults: a layer builds its own in its (compiled) forward, and torch 2.11's dynamo
+    # binds a dataclass __init__'s defaults even when passed, failing on a SeqShard one
+    shard: SeqShard
+    halo: int | None
 
 
 def step_masks(cfg: NSAConfig, builders: dict[str, Callable], plans: dict[str, BranchPlan],
