@@ -10,16 +10,17 @@
 #           machines set one without gpt2)
 # PLAN: one entry per GPU, "MASKS NAME [EXTRA TRAIN FLAGS]" separated by ";". Default: "nsa nsa;
 # full_causal full_causal; nsa nsa_seed1 --debug.seed=1; sliding_only sliding_only". The documents'
-# filler is the TOML's (training.passkey_filler in [curriculum] short; the evaluation's follows). Other knobs: TRAIN_S (seconds of training before the halt,
-# 900: SIGTERM makes the trainer save a checkpoint and exit 4; the evaluation then reads that
-# checkpoint), TOML, RUNS (/tmp/nsa_gate_runs), DEPTHS (0,25,50,75,100), TRIALS (20), GPUS (the
+# filler is the TOML's (training.passkey_filler in [curriculum] short; the evaluation's follows).
+# Other knobs: TRAIN_S (seconds of training before the halt, 1440: NSA's 9000 steps at 2048 x 16
+# take ~22 min on an H100 after a ~2 min compile, full attention's ~14 min; SIGTERM makes the
+# trainer save a checkpoint and exit 4; the evaluation then reads that checkpoint), TOML, RUNS (/tmp/nsa_gate_runs), DEPTHS (0,25,50,75,100), TRIALS (20), GPUS (the
 # GPU of each plan entry, e.g. "1 3" beside other jobs on a larger host; default 0 1 2 ...).
 set -uo pipefail
 OUT=${1:?usage: retrieval_gate.sh OUT DATA}
 DATA=${2:?usage: retrieval_gate.sh OUT DATA}
 TOML=${TOML:-titan_configs/quality_curriculum.toml}
 RUNS=${RUNS:-/tmp/nsa_gate_runs}
-TRAIN_S=${TRAIN_S:-900}
+TRAIN_S=${TRAIN_S:-1440}
 PLAN=${PLAN:-nsa nsa; full_causal full_causal; nsa nsa_seed1 --debug.seed=1; sliding_only sliding_only}
 DEPTHS=${DEPTHS:-0,25,50,75,100}
 TRIALS=${TRIALS:-20}
