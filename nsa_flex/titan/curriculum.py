@@ -48,6 +48,21 @@ def short_items(items) -> list[str]:
     return flags
 
 
+def _field(flag: str) -> str:
+    """``--section.field[=value]`` or ``--section.no-field`` -> ``section.field`` (dashes as _)."""
+    name = flag[2:].split("=", 1)[0].replace("-", "_")
+    section, _, field = name.partition(".")
+    return f"{section}.{field[3:] if field.startswith('no_') else field}"
+
+
+def shadowed_flags(args: list[str], items: list[str]) -> list[str]:
+    """The fields that the command line sets and the short phase's items set again (the items come
+    last, so they win in the short phase): named in a warning, since a user who passes
+    ``--training.steps 100`` with a curriculum would otherwise not know it ran 9000 there."""
+    mine = {_field(i) for i in items}
+    return sorted({_field(a) for a in args if a.startswith("--") and "." in a} & mine)
+
+
 def wants_driver(args: list[str]) -> bool:
     """Whether ``nsa-train args`` runs a whole curriculum: the TOML lists a short phase and no
     ``--curriculum.phase`` (nor ``--preflight``) is given. Reads the TOML only (no torch)."""
@@ -91,6 +106,10 @@ def phase_args(args: list[str]) -> list[str]:
     items = short_items(jc.curriculum.short)
     if not items:
         raise UserError(f"--curriculum.phase {phase}: the config lists no [curriculum] short phase")
+    overridden = shadowed_flags(args, items) if phase == "short" else []
+    if overridden:
+        print(f"nsa-train: curriculum: the short phase's [curriculum] short sets {', '.join(overridden)}; "
+              "the command line's values apply to the long phase only", file=sys.stderr, flush=True)
     # the short phase always saves its final checkpoint: the long phase starts from it
     short = args + ["--job.dump_folder", os.path.join(jc.job.dump_folder, jc.curriculum.short_folder),
                     "--checkpoint.enable"] + items

@@ -78,3 +78,18 @@ def test_two_phases_end_to_end_and_resume(tmp_path):
         assert any("retrieval/passkey_answer_loss" in r for r in rs)
     again = subprocess.run(cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "curriculum: short phase done" in again.stdout
+
+
+def test_command_line_fields_the_short_phase_sets_again_are_named(tmp_path, capsys):
+    """The short phase's items come after the command line (they define the phase): a field both
+    set is named in a warning, so --training.steps 100 does not silently run the items' steps."""
+    base = ["--job.config_file", _toml(tmp_path), "--training.steps", "100", "--training.seq-len=64",
+            "--debug.seed", "1"]
+    curriculum.phase_args(base + ["--curriculum.phase", "short"])
+    err = capsys.readouterr().err
+    assert "sets training.seq_len, training.steps;" in err and "long phase only" in err
+    assert "debug.seed" not in err
+    (tmp_path / "run" / "short" / "checkpoint" / "step-3").mkdir(parents=True)
+    curriculum.phase_args(base + ["--curriculum.phase", "long"])
+    assert capsys.readouterr().err == ""
+    assert curriculum.shadowed_flags(["--compile.no-enable"], ["--compile.enable"]) == ["compile.enable"]
