@@ -6,7 +6,10 @@ teacher-forced passkey answer loss and exact answers by step and by tokens, as o
 OUT: the gate's output folder (OUT/<variant>/metrics.jsonl, or, for a run cut before the copy,
 the console log OUT/<variant>/train.log: its "validate step: N  retrieval: passkey loss X exact Y%"
 lines). Writes DIR/gate.csv (variant, step, tokens, answer_loss, exact, val_loss) and DIR/gate.png,
-and prints the first step where each variant reached 50% and 95% exact.
+and prints the first step where each variant reached 50% and 95% exact. Where the final evaluation
+ran (OUT/<variant>/needle/needle.csv), also DIR/gate_depth.csv: per variant and needle depth the
+prompts answered right and the mean selection recall of the needle's block at the question (NSA:
+whether the answers come from the selection or only from the window).
 """
 
 import argparse
@@ -42,6 +45,24 @@ def read_variant(folder: str) -> list[dict]:
     return [rows[s] for s in sorted(rows) if "answer_loss" in rows[s]]
 
 
+def depth_rows(folder: str, name: str) -> list[dict]:
+    """Per depth of OUT/<variant>/needle/needle.csv: prompts, correct, mean sel_recall ('' without)."""
+    path = os.path.join(folder, "needle", "needle.csv")
+    if not os.path.isfile(path):
+        return []
+    by: dict[float, list[dict]] = {}
+    for r in csv.DictReader(open(path)):
+        by.setdefault(float(r["depth"]), []).append(r)
+    out = []
+    for depth in sorted(by):
+        rs = by[depth]
+        rec = [float(r["sel_recall"]) for r in rs if r.get("sel_recall") not in (None, "")]
+        out.append({"variant": name, "depth": f"{depth:g}", "prompts": len(rs),
+                    "correct": sum(r["correct"] in ("1", "True", "true") for r in rs),
+                    "sel_recall": f"{sum(rec) / len(rec):.3f}" if rec else ""})
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("run", help="the gate's OUT folder")
@@ -60,6 +81,15 @@ def main(argv=None) -> int:
             for r in rows:
                 w.writerow([n, r["step"], r["step"] * a.tokens_per_step, f"{r['answer_loss']:.4f}",
                             f"{r['exact']:.4f}", f"{r['val_loss']:.4f}" if "val_loss" in r else ""])
+    depths = [r for n in names for r in depth_rows(os.path.join(a.run, n), n)]
+    if depths:
+        with open(os.path.join(out, "gate_depth.csv"), "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(depths[0]))
+            w.writeheader()
+            w.writerows(depths)
+        for r in depths:
+            print(f"{r['variant']:24s} depth {r['depth']:>4s}%: {r['correct']}/{r['prompts']} right"
+                  + (f", selection recall {r['sel_recall']}" if r["sel_recall"] else ""))
     for n, rows in curves.items():
         first = {t: next((r["step"] for r in rows if r["exact"] >= t), None) for t in (0.5, 0.95)}
         last = rows[-1] if rows else {}

@@ -48,3 +48,25 @@ def test_gate_script_needs_a_short_phase(tmp_path):
     assert r.returncode == 2 and "has no training.seq_len in [curriculum] short" in r.stderr
     r = subprocess.run(["bash", str(ROOT / "experiments/retrieval_gate.sh")], capture_output=True, text=True)
     assert r.returncode != 0 and "usage: retrieval_gate.sh OUT DATA" in r.stderr
+
+
+def test_report_tables_the_final_evaluation_by_depth(tmp_path, capsys):
+    """OUT/<variant>/needle/needle.csv -> gate_depth.csv: right answers and the mean selection
+    recall per depth (full attention has no recall); a variant without an evaluation is left out."""
+    for name, rows in (("nsa", [(0, 0, 1.0), (0, 0, 1.0), (100, 1, 1.0), (100, 0, 0.5)]),
+                       ("full", [(0, 1, ""), (100, 1, "")])):
+        d = tmp_path / name / "needle"
+        d.mkdir(parents=True)
+        lines = ["kind,length,depth,trial,correct,answer,expected,sel_recall,needle_forced"]
+        lines += [f"passkey,2048,{dep},{i},{c}, 1.,1,{rec},0" for i, (dep, c, rec) in enumerate(rows)]
+        (d / "needle.csv").write_text("\n".join(lines) + "\n")
+        (tmp_path / name / "train.log").write_text(
+            "validate step: 100  retrieval: passkey loss 1.0 exact 50%\n")
+    (tmp_path / "cut").mkdir()
+    (tmp_path / "cut" / "train.log").write_text("validate step: 100  retrieval: passkey loss 3.0 exact 0%\n")
+    assert gr.main([str(tmp_path)]) == 0
+    assert "nsa                      depth  100%: 1/2 right, selection recall 0.750" in capsys.readouterr().out
+    rows = list(csv.DictReader(open(tmp_path / "gate_depth.csv")))
+    assert [(r["variant"], r["depth"], r["prompts"], r["correct"], r["sel_recall"]) for r in rows] == [
+        ("full", "0", "1", "1", ""), ("full", "100", "1", "1", ""),
+        ("nsa", "0", "2", "0", "1.000"), ("nsa", "100", "2", "1", "0.750")]
