@@ -94,3 +94,17 @@ def test_plot_command_and_its_errors(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.startswith("python -m nsa_flex.plot: error:") and "no metrics.jsonl" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_retrieval_panels_draw_the_near_and_far_exact_answers(tmp_path):
+    run = _write_run(tmp_path / "nsa", 4, telemetry=False)
+    recs = [{"step": s, "retrieval/passkey_answer_loss": 3.0 - s, "retrieval/passkey_exact": 0.1 * s,
+             "retrieval/passkey_exact_near": 0.2 * s, "retrieval/passkey_exact_far": 0.0} for s in (2, 4)]
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in recs))
+    fig = plot.plot([str(run)], str(tmp_path / "x.png"))
+    titles = [ax.get_title() for ax in fig.axes]
+    exact = fig.axes[titles.index("retrieval: exact answers (validation)")]
+    assert sorted(l.get_label() for l in exact.get_lines()) == ["passkey", "passkey far", "passkey near"]
+    loss = fig.axes[titles.index("retrieval: answer loss (validation)")]
+    assert len(loss.get_lines()) == 1

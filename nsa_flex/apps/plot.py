@@ -120,7 +120,9 @@ def plot(paths: list[str], out: str | None = None):
         panels.append(("NSA selected-block distance", "mean distance (blocks)", [(SEL_DIST, "")]))
     for metric, title, ylabel in (("answer_loss", "retrieval: answer loss (validation)", "nats per answer token"),
                                   ("exact", "retrieval: exact answers (validation)", "share of documents")):
-        keys = [(f"retrieval/{k}_{metric}", k) for k in RETRIEVAL_KINDS if has(f"retrieval/{k}_{metric}")]
+        keys = [(f"retrieval/{k}_{metric}{part}", k + part.replace("_", " ")) for k in RETRIEVAL_KINDS
+                for part in ("", *(("_near", "_far") if metric == "exact" else ()))
+                if has(f"retrieval/{k}_{metric}{part}")]
         if keys:
             panels.append((title, ylabel, keys))
     rows = row_sizes(len(panels))

@@ -8,7 +8,10 @@ validation ``seq_len``: passkey documents (synthetic filler) for ``dataset = "pa
 ``pysource``. Each asks once, at its end. Per kind the metrics are
 ``retrieval/<kind>_answer_loss`` (mean NLL of the answer's tokens, " 12345." with its space and
 period), ``retrieval/<kind>_exact`` (share of documents whose every answer token is the argmax)
-and ``retrieval/<kind>_digits`` (share of answer tokens that are the argmax).
+and ``retrieval/<kind>_digits`` (share of answer tokens that are the argmax); with ``far_from`` (the
+model's sliding window), also ``retrieval/<kind>_exact_far`` and ``_exact_near``: exact answers of
+the documents whose needle lies more / not more than ``far_from`` tokens before the answer (a model
+whose window learned the copy alone answers only the near ones).
 """
 
 import torch
@@ -51,12 +54,23 @@ def probe_documents(corpus, n: int) -> list[tuple[str, list[int], int]]:
     return [(kind(g), *corpus.document(g)[:2]) for g in range(n)]
 
 
+def needle_distance(toks: list[int], ans: int) -> int | None:
+    """Tokens from the needle's key to the answer: ``ans`` minus the first position before ``ans``
+    where the answer's key tokens (``toks[ans:-2]``, the answer without its period and EOS) occur;
+    None if they occur nowhere before it."""
+    key = toks[ans:len(toks) - 2]
+    n = len(key)
+    return next((ans - i for i in range(ans - n + 1) if toks[i:i + n] == key), None) if n else None
+
+
 @torch.no_grad()
-def score(logits_of, docs: list[tuple[str, list[int], int]], batch_size: int, device) -> dict[str, float]:
+def score(logits_of, docs: list[tuple[str, list[int], int]], batch_size: int, device,
+          far_from: int | None = None) -> dict[str, float]:
     """The metrics of ``docs`` under ``logits_of`` (tokens [B, T] -> logits [B, T, V]), in batches
     of ``batch_size`` (the last one padded with its first document, so every call has one shape)."""
     sums = {k: [0.0, 0, 0, 0] for k in KINDS}  # nll, answer tokens, right tokens, exact documents
     docs_of = {k: 0 for k in KINDS}
+    by_reach = {(k, far): [0, 0] for k in KINDS for far in (True, False)}  # documents, exact
     for i in range(0, len(docs), batch_size):
         batch = docs[i:i + batch_size]
         rows = [d[1][:-1] for d in batch]
@@ -72,17 +86,32 @@ def score(logits_of, docs: list[tuple[str, list[int], int]], batch_size: int, de
             s[2] += int(right.sum())
             s[3] += int(right.all())
             docs_of[kind] += 1
+            dist = needle_distance(toks, ans) if far_from is not None else None
+            if dist is not None:
+                r = by_reach[kind, dist > far_from]
+                r[0] += 1
+                r[1] += int(right.all())
     out = {}
     for kind, (nll, n, good, exact) in sums.items():
         if docs_of[kind]:
             out[f"retrieval/{kind}_answer_loss"] = nll / n
             out[f"retrieval/{kind}_exact"] = exact / docs_of[kind]
             out[f"retrieval/{kind}_digits"] = good / n
+        for far, name in ((True, "far"), (False, "near")):
+            n_docs, n_exact = by_reach[kind, far]
+            if n_docs:
+                out[f"retrieval/{kind}_exact_{name}"] = n_exact / n_docs
     return out
 
 
 def summary(metrics: dict[str, float]) -> str:
-    """One console line: "passkey loss 0.123 exact 94% | multikey ..."."""
-    parts = [f"{k} loss {metrics[f'retrieval/{k}_answer_loss']:.3f} exact {100 * metrics[f'retrieval/{k}_exact']:.0f}%"
-             for k in KINDS if f"retrieval/{k}_answer_loss" in metrics]
+    """One console line: "passkey loss 0.123 exact 94% (near 100%, far 90%) | multikey ..."."""
+    parts = []
+    for k in KINDS:
+        if f"retrieval/{k}_answer_loss" not in metrics:
+            continue
+        reach = [f"{name} {100 * metrics[f'retrieval/{k}_exact_{name}']:.0f}%" for name in ("near", "far")
+                 if f"retrieval/{k}_exact_{name}" in metrics]
+        parts.append(f"{k} loss {metrics[f'retrieval/{k}_answer_loss']:.3f} exact "
+                     f"{100 * metrics[f'retrieval/{k}_exact']:.0f}%" + (f" ({', '.join(reach)})" if reach else ""))
     return " | ".join(parts)

@@ -75,8 +75,10 @@ class NSAValidator(Validator):
         for m in model_parts:
             m.eval()
         try:
+            # near / far from the model's sliding window (its masks: full attention's too)
+            window = getattr(getattr(model_parts[0], "model_args", None), "window", None)
             return retrieval.score(logits_of, self.retrieval_docs, self.job_config.validation.local_batch_size,
-                                   utils.device_type)
+                                   utils.device_type, far_from=window)
         finally:
             for m in model_parts:
                 m.train()

@@ -93,3 +93,24 @@ def test_retrieval_docs_range_is_checked():
     for bad in (-1, 5000, 2.5, True, "8"):
         with pytest.raises(DatasetError, match=r"validation.retrieval_docs=.*must be an integer in \[0, 1024\]"):
             retrieval.check_docs(bad)
+
+
+def test_exact_answers_split_by_the_needles_distance_from_the_window():
+    """far_from (the model's window): documents whose needle is more than that many tokens before
+    the answer count in _exact_far, the others in _exact_near; a model right only on the near ones
+    (its window copies, nothing else) shows 100% near and 0% far."""
+    docs = _docs(12, seq=400)
+    dists = [retrieval.needle_distance(toks, ans) for _, toks, ans in docs]
+    assert all(d is not None and 0 < d < 400 for d in dists)
+    for _, toks, ans in docs:  # the key's first occurrence is the needle's
+        d = retrieval.needle_distance(toks, ans)
+        assert toks[ans - d:ans - d + 5] == toks[ans:ans + 5]
+    far_from = sorted(dists)[len(dists) // 2]
+    near_only = lambda toks, ans, t: t >= ans and retrieval.needle_distance(toks, ans) > far_from  # noqa: E731
+    m = retrieval.score(_oracle(docs, near_only)[0], docs, 4, "cpu", far_from=far_from)
+    n_far = sum(d > far_from for d in dists)
+    assert 0 < n_far < len(docs)
+    assert m["retrieval/passkey_exact_near"] == 1.0 and m["retrieval/passkey_exact_far"] == 0.0
+    assert m["retrieval/passkey_exact"] == pytest.approx(1 - n_far / len(docs))
+    assert "(near 100%, far 0%)" in retrieval.summary(m)
+    assert "retrieval/passkey_exact_far" not in retrieval.score(_oracle(docs)[0], docs, 4, "cpu")
