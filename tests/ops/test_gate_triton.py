@@ -67,10 +67,9 @@ def _interpreter_main():
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable")
 def test_op_matches_reference_under_interpreter():
-    from tests.ops.triton_harness import run_interpreted
+    from tests.ops.triton_harness import assert_interpreted_ok
 
-    r = run_interpreted(__file__, timeout=600)
-    assert r.returncode == 0 and "OK 6 cases" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
+    assert_interpreted_ok(__file__, "OK 6 cases", timeout=600)
 
 
 @pytest.mark.skipif(not HAS_TRITON or triton_interpreted(), reason="needs triton, not interpreted")

@@ -46,10 +46,9 @@ def _interpreter_main():
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable")
 def test_shard_scores_and_picks_match_whole_sequence_under_interpreter():
-    from tests.ops.triton_harness import run_interpreted
+    from tests.ops.triton_harness import assert_interpreted_ok
 
-    r = run_interpreted(__file__, timeout=300)
-    assert r.returncode == 0 and "OK 5 shards" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
+    assert_interpreted_ok(__file__, "OK 5 shards", timeout=300)
 
 
 if __name__ == "__main__":

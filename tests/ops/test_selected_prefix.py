@@ -94,10 +94,9 @@ def _interpreter_main():
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable")
 def test_prefix_bit_identical_under_interpreter():
-    from tests.ops.triton_harness import run_interpreted
+    from tests.ops.triton_harness import assert_interpreted_ok
 
-    r = run_interpreted(__file__, timeout=300)
-    assert r.returncode == 0 and "OK prefix" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
+    assert_interpreted_ok(__file__, "OK prefix", timeout=300)
 
 
 @pytest.mark.gpu

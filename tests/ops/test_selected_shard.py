@@ -96,10 +96,9 @@ def _interpreter_main():
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable")
 def test_shard_matches_whole_sequence_under_interpreter():
-    from tests.ops.triton_harness import run_interpreted
+    from tests.ops.triton_harness import assert_interpreted_ok
 
-    r = run_interpreted(__file__, timeout=600)
-    assert r.returncode == 0 and "OK 7 shards" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
+    assert_interpreted_ok(__file__, "OK 7 shards", timeout=600)
 
 
 @pytest.mark.gpu

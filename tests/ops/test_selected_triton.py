@@ -164,10 +164,9 @@ def _interpreter_main():
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable")
 def test_op_matches_reference_and_is_causal_under_interpreter():
-    from tests.ops.triton_harness import run_interpreted
+    from tests.ops.triton_harness import assert_interpreted_ok
 
-    r = run_interpreted(__file__, timeout=900)
-    assert r.returncode == 0 and "OK 15 cases" in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
+    assert_interpreted_ok(__file__, "OK 15 cases", timeout=900)
 
 
 @pytest.mark.skipif(not HAS_TRITON or triton_interpreted(), reason="needs triton, not interpreted")

@@ -78,6 +78,13 @@ def run_interpreted(script: str, *args: str, timeout: int = 600):
                           capture_output=True, text=True, timeout=timeout)
 
 
+def assert_interpreted_ok(script: str, expect: str, timeout: int = 600) -> None:
+    """`run_interpreted(script)` exits 0 and prints `expect` (the script's own count of the cases it
+    checked); else the assertion shows the ends of its output."""
+    r = run_interpreted(script, timeout=timeout)
+    assert r.returncode == 0 and expect in r.stdout, r.stdout[-3000:] + r.stderr[-6000:]
+
+
 def written_args(kernel, args: tuple, kw: dict) -> list[str]:
     """The tensor arguments torch's Triton mutation analysis (TTIR, what triton_op/wrap_triton
     functionalize with) says one recorded launch writes, analysed for sm_90 without a GPU. When the
