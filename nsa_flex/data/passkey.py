@@ -71,7 +71,7 @@ def _words_passage(rng: random.Random, n: int | None = None) -> str:
 
 # [training] passkey_filler: the kind of passage the generated documents repeat
 SYNTHETIC_FILLERS = ("sentences", "words", "far_words")
-# far_words: tokens per pseudo-word (gpt2 ~2.2, bytes ~7.5 with the space), for the passage's length
+# far_words: the shortest passage in tokens (the longest is half the document)
 _FAR_MIN_TOKENS = 16
 
 
@@ -96,7 +96,7 @@ def synthetic_filler(tokenizer, n: int, seed: str, kind: str = "sentences") -> l
         unit = _words_passage(rng)
     elif kind == "far_words":
         target = rng.randint(_FAR_MIN_TOKENS, max(_FAR_MIN_TOKENS, n // 2))
-        per_word = len(tokenizer.encode(_words_passage(random.Random(0), 64))) / 64
+        per_word = len(tokenizer.encode(_words_passage(random.Random(0), 64))) / 64  # tokens a word
         unit = _words_passage(rng, max(2, round(target / per_word)))
     else:
         unit = "".join(_sentence(rng) for _ in range(int(math.exp(rng.uniform(math.log(3), math.log(100))))))

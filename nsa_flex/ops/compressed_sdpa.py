@@ -29,6 +29,7 @@ from torch import Tensor
 from torch.library import custom_op
 
 from ..rules import num_cmp
+from .utils import merge_parts
 
 
 def group_rows(x: Tensor, d: int) -> Tensor:
@@ -116,17 +117,8 @@ class PrefixCausal(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k0, v0, k1, v1, scale: float):
-        parts = [_fused_fwd(q, k0, v0, scale, causal=False), _fused_fwd(q, k1, v1, scale)]
-        acc = torch.promote_types(q.dtype, torch.float32)
-        lse = torch.stack([p[1] for p in parts]).to(acc)
-        m = lse.amax(0)
-        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-        w = torch.exp(lse - m)
-        den = w.sum(0)
-        w = w / den.clamp_min(torch.finfo(acc).tiny)
-        out = (w[0].unsqueeze(-1) * parts[0][0].to(acc) + w[1].unsqueeze(-1) * parts[1][0].to(acc)
-               ).to(q.dtype).contiguous()
-        lse = (torch.log(den) + m).to(_lse_dtype(q))
+        out, lse = merge_parts([_fused_fwd(q, k0, v0, scale, causal=False), _fused_fwd(q, k1, v1, scale)])
+        out = out.contiguous()
         ctx.save_for_backward(q, k0, v0, k1, v1, out, lse)
         ctx.scale = scale
         ctx.mark_non_differentiable(lse)
