@@ -38,14 +38,34 @@ filler = items.get('training.passkey_filler', c['training'].get('passkey_filler'
 print(items['training.seq_len'], 'synthetic' if filler == 'sentences' else filler)" "$TOML") \
   || { echo "retrieval_gate.sh: $TOML has no training.seq_len in [curriculum] short" >&2; exit 2; }
 
-variant() {  # GPU MASKS NAME [EXTRA_TRAIN_ARGS...]
+# per_gpu_toml TOML N: TOML with the short phase's training/validation local batch sizes divided by
+# N (the same global batch on N data-parallel GPUs); exits 2 where one does not divide
+per_gpu_toml() {
+  $PY - "$1" "$2" <<'PY'
+import re, sys
+text, n = open(sys.argv[1]).read(), int(sys.argv[2])
+def per_gpu(m):
+    if int(m[2]) % n:
+        sys.exit(f"retrieval_gate.sh: {m[1]}.local_batch_size={m[2]} is not divisible by {n} GPUs")
+    return f'"{m[1]}.local_batch_size={int(m[2]) // n}"'
+print(re.sub(r'"(training|validation)\.local_batch_size=(\d+)"', per_gpu, text), end="")
+PY
+}
+
+variant() {  # GPUS MASKS NAME [EXTRA_TRAIN_ARGS...]; GPUS "0", or "0,1" for data parallel
   local gpu=$1 masks=$2 name=$3; shift 3
-  local d=$OUT/$name dump=$RUNS/$name
+  local d=$OUT/$name dump=$RUNS/$name toml=$TOML launch=(-m nsa_flex.titan.cli)
+  local n=$(( $(tr -cd , <<< "$gpu" | wc -c) + 1 ))
   mkdir -p "$d"
+  if [ "$n" -gt 1 ]; then
+    toml=$RUNS/$name.toml
+    per_gpu_toml "$TOML" "$n" > "$toml" 2> "$d/toml.err" || { progress "$name: $(cat "$d/toml.err")"; return; }
+    launch=(-m torch.distributed.run --standalone --nproc_per_node "$n" -m nsa_flex.titan.train)
+  fi
   local t=$(( TRAIN_S - ($(date +%s) - START) ))
   if [ "$t" -lt 60 ]; then progress "$name: no time left to train"; return; fi
-  progress "$name: training (masks $masks $*) for at most ${t}s"
-  CUDA_VISIBLE_DEVICES=$gpu timeout -s TERM -k 150 "$t" $PY -m nsa_flex.titan.cli --job.config_file "$TOML" \
+  progress "$name: training (masks $masks $*, GPUs $gpu) for at most ${t}s"
+  CUDA_VISIBLE_DEVICES=$gpu timeout -s TERM -k 150 "$t" $PY "${launch[@]}" --job.config_file "$toml" \
     --job.dump_folder "$dump" --nsa.masks "$masks" --curriculum.phase short "$@" > "$d/train.log" 2>&1
   local rc=$?
   cp "$dump/short/metrics.jsonl" "$d/" 2>/dev/null

@@ -50,6 +50,31 @@ def test_gate_script_needs_a_short_phase(tmp_path):
     assert r.returncode != 0 and "usage: retrieval_gate.sh OUT DATA" in r.stderr
 
 
+def _gate(tmp_path, gpus, **env):
+    return subprocess.run(["bash", str(ROOT / "experiments/retrieval_gate.sh"), str(tmp_path / "o"), str(tmp_path)],
+                          env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "RUNS": str(tmp_path / "runs"),
+                               "GPUS": gpus, "PLAN": "nsa nsa_dp", **env},
+                          capture_output=True, text=True, cwd=ROOT)
+
+
+def test_gate_entry_over_several_gpus_keeps_the_global_batch(tmp_path):
+    """An entry's GPUs "0,1": the short phase's local batch sizes halved in RUNS/NAME.toml (the
+    same global batch), everything else as the TOML has it; a count that does not divide them is
+    named and nothing trains. TRAIN_S=0: the script stops before launching."""
+    r = _gate(tmp_path, "0,1", TRAIN_S="0")
+    assert r.returncode == 0, r.stderr
+    toml = (tmp_path / "runs" / "nsa_dp.toml").read_text()
+    orig = (ROOT / "titan_configs/quality_curriculum.toml").read_text()
+    assert '"training.local_batch_size=8"' in toml and '"validation.local_batch_size=8"' in toml
+    assert '"training.local_batch_size=16"' in orig
+    assert toml == orig.replace("local_batch_size=16", "local_batch_size=8")
+    assert "no time left to train" in (tmp_path / "o" / "progress.txt").read_text()
+    r = _gate(tmp_path, "0,1,2", TRAIN_S="600")
+    progress = (tmp_path / "o" / "progress.txt").read_text()
+    assert "training.local_batch_size=16 is not divisible by 3 GPUs" in progress
+    assert not (tmp_path / "o" / "nsa_dp" / "train.log").exists()
+
+
 def test_report_tables_the_final_evaluation_by_depth(tmp_path, capsys):
     """OUT/<variant>/needle/needle.csv -> gate_depth.csv: right answers and the mean selection
     recall per depth (full attention has no recall); a variant without an evaluation is left out."""
