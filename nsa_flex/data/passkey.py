@@ -142,6 +142,13 @@ def cue_free(filler: list[int], cue: int) -> list[int]:
     return [t for t in filler if t != cue]
 
 
+def check_keys(keys) -> int:
+    """``[training] passkey_keys``: an int in [1, len(MULTIKEY_NAMES)], else DatasetError."""
+    if isinstance(keys, bool) or not isinstance(keys, int) or not 1 <= keys <= len(MULTIKEY_NAMES):
+        raise DatasetError(f"training.passkey_keys={keys!r}: must be an integer in [1, {len(MULTIKEY_NAMES)}]")
+    return keys
+
+
 def check_questions(questions) -> int:
     """``[training] passkey_questions``: an int in [1, MAX_QUESTIONS], else DatasetError."""
     if isinstance(questions, bool) or not isinstance(questions, int) or not 1 <= questions <= MAX_QUESTIONS:

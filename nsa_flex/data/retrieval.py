@@ -1,12 +1,18 @@
-"""Retrieval documents with real-text filler, to mix into a text corpus (``[training] passkey_mix``).
+"""Retrieval documents of passkey and multi-key needles: over real text (``pysource``), or over the
+synthetic filler of :mod:`nsa_flex.data.passkey` (``[training] passkey_keys`` > 1).
 
 Document g (seeded by the corpus seed, the split and g) is either a passkey document
 (:meth:`PasskeyCorpus.build`) or, with probability ``multikey_share``, a multi-key document
 (:func:`multikey_document`: ``n_keys`` needles naming different people, the question asks for one),
-both of exactly ``length`` tokens, their haystack a stretch of real text of the same split: the
+both of exactly ``length`` tokens. Their haystack is a stretch of real text of the same split (the
 filler of document g starts at a text drawn by g and goes on through the next texts until it is
-long enough. ``questions`` = q > 1 asks q times (``[training] passkey_questions``): q - 1 extra
-question + answer pairs after the needles (a multi-key document asks for random ones of its names). The interface is PasskeyCorpus's (``length``, ``seed``, ``document(g)``), so
+long enough) or, with ``synthetic`` set, a synthetic filler of that kind. ``questions`` = q > 1 asks
+q times (``[training] passkey_questions``): q - 1 extra question + answer pairs after the needles.
+A multi-key document's questions name different people while names remain: an answer's nearest
+earlier copy of its key is then its own needle, at any distance, where in a single-key document
+every answer after the first copies the previous answer, which lies near (with 8 questions at
+2048 tokens, 97% of the answers within 512 tokens of an earlier copy: a sliding window learns
+them all). The interface is PasskeyCorpus's (``length``, ``seed``, ``document(g)``), so
 PackedTokenDataset mixes either.
 """
 
@@ -14,7 +20,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .passkey import MULTIKEY_NAMES, PasskeyCorpus, cue_free, multikey_document
+from .passkey import MULTIKEY_NAMES, PasskeyCorpus, check_filler, cue_free, multikey_document, synthetic_filler
 
 
 @dataclass(eq=False)
@@ -22,20 +28,24 @@ class RetrievalCorpus:
     """Passkey and multi-key documents of ``length`` tokens over real-text filler.
 
     ``texts(i, max_chars)``: the text of unit i (at least its first ``max_chars`` characters),
-    ``n_texts`` units."""
+    ``n_texts`` units; or ``texts`` None and ``synthetic`` a synthetic filler kind
+    (:data:`nsa_flex.data.passkey.SYNTHETIC_FILLERS`)."""
 
     tokenizer: Any
     length: int
-    texts: Callable[[int, int], str]
+    texts: Callable[[int, int], str] | None
     n_texts: int
     seed: int = 0
     split: str = "train"
     multikey_share: float = 0.5
     n_keys: int = 4
     questions: int = 1
+    synthetic: str | None = None
     passkey: PasskeyCorpus = field(init=False, repr=False)
 
     def __post_init__(self):
+        if self.synthetic is not None:
+            check_filler(self.synthetic)
         self.passkey = PasskeyCorpus(self.tokenizer, self.length, seed=self.seed, split=self.split,
                                      questions=self.questions)
         if self.multikey_share > 0:  # the longest names must fit: fail now, not at the first multi-key document
@@ -45,7 +55,11 @@ class RetrievalCorpus:
                               [0] * self.length, extra)
 
     def filler(self, rng: random.Random, n: int) -> list[int]:
-        """At least ``n`` tokens of real text without the cue token, from a unit drawn by ``rng`` on."""
+        """At least ``n`` tokens of filler without the cue token: real text from a unit drawn by
+        ``rng`` on, or the synthetic filler of a seed drawn by ``rng``."""
+        if self.synthetic is not None:
+            seed = f"retrieval:{self.split}:{self.seed}:{rng.getrandbits(64)}"
+            return cue_free(synthetic_filler(self.tokenizer, n, seed, self.synthetic), self.passkey.cue)
         i, toks = rng.randrange(self.n_texts), []
         for _ in range(self.n_texts):
             need = n - len(toks)
@@ -74,6 +88,28 @@ class RetrievalCorpus:
         names = rng.sample(MULTIKEY_NAMES, self.n_keys)
         keys = rng.sample(range(10000, 100000), self.n_keys)
         depths = [rng.random() for _ in range(self.n_keys)]
-        extra = [(rng.randrange(self.n_keys), rng.random()) for _ in range(self.questions - 1)]
+        extra = [(i, rng.random()) for i in extra_names(rng, self.n_keys, self.questions - 1)]
         toks, ans = multikey_document(self.tokenizer, self.length, names, keys, depths, filler, extra)
         return toks, ans, keys[0]
+
+
+def extra_names(rng: random.Random, n_keys: int, n: int) -> list[int]:
+    """The names (indices) of a multi-key document's ``n`` extra questions: names 1 .. n_keys - 1
+    in a random order, each once before any twice (name 0 is the final question's), then again."""
+    out: list[int] = []
+    while len(out) < n:
+        cycle = list(range(1, n_keys)) or [0]
+        rng.shuffle(cycle)
+        out += cycle
+    return out[:n]
+
+
+def synthetic_retrieval(tokenizer, length: int, seed: int = 0, split: str = "train", questions: int = 1,
+                        filler: str = "sentences", keys: int = 1):
+    """The generated retrieval documents of ``[training] passkey_keys`` = ``keys``: single-key passkey
+    documents (:class:`PasskeyCorpus`) for 1; for more, half of them multi-key documents with
+    ``keys`` needles (a RetrievalCorpus over the synthetic ``filler``)."""
+    if keys == 1:
+        return PasskeyCorpus(tokenizer, length, seed=seed, split=split, questions=questions, filler=filler)
+    return RetrievalCorpus(tokenizer, length, None, 0, seed=seed, split=split, multikey_share=0.5,
+                           n_keys=keys, questions=questions, synthetic=filler)

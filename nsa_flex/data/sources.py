@@ -18,8 +18,9 @@ from datasets import IterableDataset, load_dataset
 from .errors import DatasetError
 from .files import LOCAL_FORMATS, looks_local, resolve_local_files
 from .hub_probe import hub_unreachable
-from .passkey import PasskeyCorpus, PasskeySource
+from .passkey import PasskeySource
 from .pysource import pysource_source
+from .retrieval import synthetic_retrieval
 from .records import SCAN_BYTES, SCAN_MIN_BYTES, check_local_file, read_records
 from .text_source import HFTextSource
 
@@ -79,6 +80,7 @@ def build_source(
     passkey_questions: int = 1,
     skip_bad: bool = False,
     passkey_filler: str = "sentences",
+    passkey_keys: int = 1,
 ):
     """The document source of dataset ``name`` (see the module docstring); validates name and path."""
     name = name.lower()
@@ -87,8 +89,9 @@ def build_source(
     if name == "passkey":
         if path:
             raise DatasetError("dataset 'passkey' is generated: leave dataset_path unset")
-        return PasskeySource(PasskeyCorpus(tokenizer, seq_len + 1, seed=seed, split=split,
-                                           questions=passkey_questions, filler=passkey_filler))
+        return PasskeySource(synthetic_retrieval(tokenizer, seq_len + 1, seed=seed, split=split,
+                                                 questions=passkey_questions, filler=passkey_filler,
+                                                 keys=passkey_keys))
     if name == "pysource":
         return pysource_source(tokenizer, split, seed, path, skip_bad)
     if name == "local" and not path:

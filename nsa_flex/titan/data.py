@@ -16,7 +16,8 @@ from torchtitan.tools.logging import logger
 
 from nsa_flex.data.errors import DatasetError
 from nsa_flex.data.packing import PackedTokenDataset
-from nsa_flex.data.passkey import PasskeyCorpus, check_filler, check_questions
+from nsa_flex.data.passkey import check_filler, check_keys, check_questions
+from nsa_flex.data.retrieval import synthetic_retrieval
 from nsa_flex.data.pysource import pysource_retrieval
 from nsa_flex.data.sources import DATASET_CHOICES, build_source
 
@@ -45,6 +46,7 @@ def _build(section, job_config, dp_world_size, dp_rank, tokenizer, infinite, spl
             "dataset 'passkey' is all passkey already: set passkey_mix = 0 or pick a text dataset")
     seed = getattr(training, "dataset_seed", 0)
     filler = check_filler(getattr(training, "passkey_filler", "sentences"))
+    keys = check_keys(getattr(training, "passkey_keys", 1))
     source = build_source(
         section.dataset,
         section.dataset_path,
@@ -57,6 +59,7 @@ def _build(section, job_config, dp_world_size, dp_rank, tokenizer, infinite, spl
         passkey_questions=questions,
         skip_bad=bool(getattr(training, "skip_bad_records", False)),
         passkey_filler=filler,
+        passkey_keys=keys,
     )
     passkey = None
     if mix > 0 and section.dataset.lower() == "pysource":
@@ -65,8 +68,8 @@ def _build(section, job_config, dp_world_size, dp_rank, tokenizer, infinite, spl
         logger.info(f"Dataset pysource: {100 * mix:g}% of the sequences are retrieval documents (passkey "
                     f"and {passkey.n_keys}-key needles, half each, in source-code filler)")
     elif mix > 0:
-        passkey = PasskeyCorpus(tokenizer, section.seq_len + 1, seed=seed, split=split, questions=questions,
-                                filler=filler)
+        passkey = synthetic_retrieval(tokenizer, section.seq_len + 1, seed=seed, split=split,
+                                      questions=questions, filler=filler, keys=keys)
         logger.info(f"Dataset {section.dataset}: {100 * mix:g}% of the sequences are passkey documents")
     ds = PackedTokenDataset(source, section.seq_len, dp_rank, dp_world_size, infinite=infinite,
                             restart_each_iter=split == "validation", passkey=passkey, passkey_mix=mix)

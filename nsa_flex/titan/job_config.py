@@ -102,6 +102,13 @@ class Training:
     window sees most repeats) | far_words (the same words, passages of 16 .. half the document
     tokens: repeats at every distance, beyond the window too); training, validation and retrieval
     metrics alike"""
+    passkey_keys: int = 1
+    """generated retrieval documents (dataset passkey, passkey_mix of a text dataset): 1 = single-key
+    passkey documents; K in 2..16 = half of them multi-key documents with K needles naming different
+    people (the needle evaluation's multikey format), whose questions name different people, so
+    each answer's nearest earlier copy of its key is its own needle, at any distance (in a
+    single-key document every answer after the first copies the previous answer, nearby);
+    training, validation and retrieval metrics alike"""
 
 
 @dataclass

@@ -154,6 +154,8 @@ def config_problems(jc) -> list[str]:
         probs.append("training.passkey_mix > 0 needs a text dataset (fineweb_edu, local), not 'passkey'")
     if not 1 <= t.passkey_questions <= 16:
         probs.append(f"training.passkey_questions={t.passkey_questions!r}: must be in [1, 16]")
+    if not 1 <= getattr(t, "passkey_keys", 1) <= 16:
+        probs.append(f"training.passkey_keys={t.passkey_keys!r}: must be in [1, 16]")
     for name, v in (("training.mixed_precision_param", t.mixed_precision_param),
                     ("training.mixed_precision_reduce", t.mixed_precision_reduce), ("training.dtype", t.dtype)):
         if v not in DTYPES:

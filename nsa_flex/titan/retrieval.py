@@ -3,8 +3,9 @@ retrieval documents (``[validation] retrieval_docs``), so a run shows whether an
 retrieval without waiting for the end-of-run evaluation.
 
 The documents are the validation split of the training data's own retrieval documents at the
-validation ``seq_len``: passkey documents (synthetic filler) for ``dataset = "passkey"`` or a
-``passkey_mix`` of a text dataset, passkey and multi-key needles in held-out source code for
+validation ``seq_len``: passkey documents (synthetic filler; with ``passkey_keys`` > 1 multi-key
+documents too) for ``dataset = "passkey"`` or a ``passkey_mix`` of a text dataset, passkey and
+multi-key needles in held-out source code for
 ``pysource``. Each asks once, at its end. Per kind the metrics are
 ``retrieval/<kind>_answer_loss`` (mean NLL of the answer's tokens, " 12345." with its space and
 period), ``retrieval/<kind>_exact`` (share of documents whose every answer token is the argmax)
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from nsa_flex.data.errors import DatasetError
-from nsa_flex.data.passkey import PasskeyCorpus
+from nsa_flex.data.retrieval import synthetic_retrieval
 from nsa_flex.data.pysource import pysource_retrieval
 
 from .data import passkey_mix_of
@@ -43,8 +44,9 @@ def probe_corpus(job_config, tokenizer):
     if dataset == "pysource":
         return pysource_retrieval(tokenizer, seq_len + 1, "validation", seed, training.dataset_path)
     if dataset == "passkey" or passkey_mix_of(training) > 0:
-        return PasskeyCorpus(tokenizer, seq_len + 1, seed=seed, split="validation",
-                             filler=getattr(training, "passkey_filler", "sentences"))
+        return synthetic_retrieval(tokenizer, seq_len + 1, seed=seed, split="validation",
+                                   filler=getattr(training, "passkey_filler", "sentences"),
+                                   keys=getattr(training, "passkey_keys", 1))
     return None
 
 

@@ -24,7 +24,8 @@ SECTIONS = ("model", "nsa", "training", "optimizer", "lr_scheduler")
 MODEL_DATA = (
     "model.name", "model.flavor", "model.tokenizer", "nsa.*",
     "training.dataset", "training.dataset_path", "training.dataset_config", "training.dataset_text_column",
-    "training.dataset_seed", "training.passkey_mix", "training.passkey_questions", "training.seq_len",
+    "training.dataset_seed", "training.passkey_mix", "training.passkey_questions",
+    "training.passkey_filler", "training.passkey_keys", "training.seq_len",
     "training.local_batch_size", "training.global_batch_size",
 )
 # [nsa] fields that choose how the same function is computed (executors, recomputation, chunking)
