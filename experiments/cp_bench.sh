@@ -67,7 +67,8 @@ case $PLAN in
     for seq in 32768 65536; do run nsa_cp2_$seq 0,1 2 $seq; report; done ;;
   long)  # NSA over 2 GPUs, climbing until a length fails; fewer steps (a 512k step takes seconds;
     # a run the budget cuts is recorded: redo it alone with ONLY=nsa_cp2_524288)
-    STEPS=${STEPS_LONG:-8}
+    # a run may take the whole budget: 128k's first step (compile) took more than 200 s on 2 H100s
+    STEPS=${STEPS_LONG:-8}; CAP=${CAP_LONG:-$BUDGET}
     for seq in 131072 262144 524288; do
       run nsa_cp2_$seq 0,1 2 $seq; rc=$?; report
       [ $rc -ne 0 ] && break

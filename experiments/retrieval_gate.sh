@@ -56,6 +56,9 @@ variant() {  # GPUS MASKS NAME [EXTRA_TRAIN_ARGS...]; GPUS "0", or "0,1" for dat
   local gpu=$1 masks=$2 name=$3; shift 3
   local d=$OUT/$name dump=$RUNS/$name toml=$TOML launch=(-m nsa_flex.titan.cli)
   local n=$(( $(tr -cd , <<< "$gpu" | wc -c) + 1 ))
+  # a fresh record of this run: an earlier run's copies in OUT would pass for this one's if this
+  # one is cut before its own copy (its training resumes from RUNS/NAME where that holds a run)
+  rm -rf "$d/metrics.jsonl" "$d/needle" "$d/needle.log"
   mkdir -p "$d"
   if [ "$n" -gt 1 ]; then
     toml=$RUNS/$name.toml

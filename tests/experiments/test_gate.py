@@ -25,7 +25,8 @@ def test_report_reads_logs_and_metrics_and_finds_the_thresholds(tmp_path, capsys
     jl.parent.mkdir()
     recs = [{"step": 100, "retrieval/passkey_answer_loss": 4.0, "retrieval/passkey_exact": 0.0},
             {"step": 100, "validation_metrics/loss": 2.0},
-            {"step": 200, "retrieval/passkey_answer_loss": 1.0, "retrieval/passkey_exact": 0.6}]
+            {"step": 200, "retrieval/passkey_answer_loss": 1.0, "retrieval/passkey_exact": 0.6,
+             "retrieval/passkey_exact_near": 1.0, "retrieval/passkey_exact_far": 0.2}]
     jl.write_text("\n".join(map(json.dumps, recs)) + "\n{\"step\": 3\n")  # a cut last line: skipped
     assert gr.main([str(tmp_path), "--tokens-per-step", "10"]) == 0
     out = capsys.readouterr().out
@@ -36,6 +37,8 @@ def test_report_reads_logs_and_metrics_and_finds_the_thresholds(tmp_path, capsys
         ("full", "100", "1000", "0.0000"), ("full", "200", "2000", "0.4000"), ("full", "300", "3000", "0.9600"),
         ("nsa", "100", "1000", "0.0000"), ("nsa", "200", "2000", "0.6000")]
     assert rows[0]["val_loss"] == "1.5000" and rows[3]["val_loss"] == "2.0000" and rows[4]["val_loss"] == ""
+    assert (rows[4]["exact_near"], rows[4]["exact_far"]) == ("1.0000", "0.2000")  # beyond the window apart
+    assert rows[0]["exact_far"] == "" and rows[3]["exact_far"] == ""  # a log, a record without them
     assert (tmp_path / "gate.png").stat().st_size > 1000
 
 
