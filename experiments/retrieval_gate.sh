@@ -9,8 +9,10 @@
 #     DATA  folder with tiktoken_cache/ (used even where TIKTOKEN_CACHE_DIR is set: the device
 #           machines set one without gpt2)
 # PLAN: one entry per GPU, "MASKS NAME [EXTRA TRAIN FLAGS]" separated by ";". Default: "nsa nsa;
-# full_causal full_causal; nsa nsa_seed1 --debug.seed=1; sliding_only sliding_only". The documents'
-# filler is the TOML's (training.passkey_filler in [curriculum] short; the evaluation's follows).
+# full_causal full_causal; nsa nsa_seed1 --debug.seed=1; nsa nsa_phi_mlp --nsa.phi=mlp" (the
+# paper's learned compression beside mean pooling: if NSA retrieves only within its window, whether
+# the selection's scores of one-token matches are the limit). The documents' filler is the TOML's
+# (training.passkey_filler in [curriculum] short; the evaluation's follows).
 # Other knobs: TRAIN_S (seconds of training before the halt, 1440: NSA's 9000 steps at 2048 x 16
 # take ~22 min on an H100 after a ~2 min compile, full attention's ~14 min; SIGTERM makes the
 # trainer save a checkpoint and exit 4; the evaluation then reads that checkpoint), TOML, RUNS (/tmp/nsa_gate_runs), DEPTHS (0,25,50,75,100), TRIALS (20), GPUS (the
@@ -21,7 +23,7 @@ DATA=${2:?usage: retrieval_gate.sh OUT DATA}
 TOML=${TOML:-titan_configs/quality_curriculum.toml}
 RUNS=${RUNS:-/tmp/nsa_gate_runs}
 TRAIN_S=${TRAIN_S:-1440}
-PLAN=${PLAN:-nsa nsa; full_causal full_causal; nsa nsa_seed1 --debug.seed=1; sliding_only sliding_only}
+PLAN=${PLAN:-nsa nsa; full_causal full_causal; nsa nsa_seed1 --debug.seed=1; nsa nsa_phi_mlp --nsa.phi=mlp}
 DEPTHS=${DEPTHS:-0,25,50,75,100}
 TRIALS=${TRIALS:-20}
 PY=${PYTHON:-python}
@@ -76,7 +78,10 @@ variant() {  # GPUS MASKS NAME [EXTRA_TRAIN_ARGS...]; GPUS "0", or "0,1" for dat
   ck=$(ls -d "$dump"/short/checkpoint/step-* 2>/dev/null | sort -t- -k2 -n | tail -1)
   progress "$name: training rc=$rc (0 done, 4 halted at the time limit), checkpoint ${ck:+$(basename "$ck")}"
   if [ -z "$ck" ]; then grep -E "Error|error:" "$d/train.log" | tail -3; return; fi
-  CUDA_VISIBLE_DEVICES=$gpu $PY -m nsa_flex.eval --config "$TOML" --override="--nsa.masks=$masks" \
+  # the model's own [nsa] flags (e.g. --nsa.phi=mlp) build the evaluated model too
+  local ov=(--override="--nsa.masks=$masks") f
+  for f in "$@"; do [[ $f == --nsa.* ]] && ov+=(--override="$f"); done
+  CUDA_VISIBLE_DEVICES=${gpu%%,*} $PY -m nsa_flex.eval --config "$TOML" "${ov[@]}" \
     --checkpoint "$ck" --lengths "$SEQ" --depths "$DEPTHS" --trials "$TRIALS" --kinds passkey \
     --filler "$FILLER" --dtype bfloat16 --tag "$name" --out "$d/needle" > "$d/needle.log" 2>&1
   progress "$name: needle rc=$? $(grep -E "length +[0-9]+:" "$d/needle.log" | tail -1)"

@@ -41,7 +41,8 @@ class CheckpointNotFound(UserError, FileNotFoundError):
 
 
 class CheckpointKeysError(UserError, KeyError):
-    """The checkpoint lacks the model's keys (another model, or not a training checkpoint)."""
+    """The checkpoint's model keys are not the model's: it lacks some (another model, or not a
+    training checkpoint) or holds more (a model trained with other settings, e.g. ``[nsa] phi``)."""
 
 
 def resolve_checkpoint(path: str) -> str:
@@ -92,6 +93,15 @@ def load_checkpoint(model: torch.nn.Module, checkpoint: str) -> str:
     if missing and not all(f"model.{k}" in keys for k in sd):
         raise CheckpointKeysError(f"--checkpoint {path!r} lacks model keys {missing[:5]}... (has e.g. "
                                   f"{sorted(keys)[:5]})")
+    # DCP loads the keys the model asks for and ignores the rest: a checkpoint of a model with more
+    # parameters under the same modules (other [nsa] settings) would load without a word
+    held = {k[len("model."):] for k in keys if k.startswith("model.")} if missing else keys
+    roots = {k.split(".", 1)[0] for k in sd}
+    extra = sorted(k for k in held if k.split(".", 1)[0] in roots and k not in sd)
+    if extra:
+        raise CheckpointKeysError(f"--checkpoint {path!r} holds model keys this model lacks {extra[:5]}: it was "
+                                  "trained with other model settings (flavor, [nsa] phi, ...); pass the run's "
+                                  "TOML and the flags it was trained with (--override)")
     with warnings.catch_warnings():  # one process, no process group: what DCP warns about is the intent
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         dcp.load({"model": sd} if missing else sd, checkpoint_id=path)

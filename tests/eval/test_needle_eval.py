@@ -266,6 +266,30 @@ def test_checkpoint_is_loaded(tmp_path):
     assert [r["answer"] for r in c["rows"]] != [r["answer"] for r in b["rows"]]
 
 
+def test_checkpoint_of_a_model_with_more_parameters_is_refused(tmp_path):
+    """A checkpoint trained with other [nsa] settings (phi = "mlp": more parameters under the same
+    modules) into a model built without them: DCP alone loads the common keys and ignores the rest;
+    refused, naming an extra key and the remedy. Optimizer state beside the model's keys is fine."""
+    import torch.distributed.checkpoint as dcp
+
+    from nsa_flex.apps.generate import CheckpointKeysError, build_model, load_checkpoint, load_job_config
+
+    cfg = str(ROOT / "titan_configs" / "debug_nsa.toml")
+    mlp, _ = build_model(load_job_config(cfg, ["--nsa.phi=mlp"]))
+    avg, _ = build_model(load_job_config(cfg))
+    extra = sorted(set(mlp.state_dict()) - set(avg.state_dict()))
+    assert extra and all(".phi_" in k for k in extra)
+    dcp.save(dict(mlp.state_dict()), checkpoint_id=str(tmp_path / "mlp"))
+    with pytest.raises(CheckpointKeysError, match=r"holds model keys this model lacks .*phi_.*--override"):
+        load_checkpoint(avg, str(tmp_path / "mlp"))
+    load_checkpoint(mlp, str(tmp_path / "mlp"))  # the matching model loads
+    sd = {k: v for k, v in avg.state_dict().items()}
+    dcp.save({**sd, "optimizer.state.0.exp_avg": torch.zeros(3)}, checkpoint_id=str(tmp_path / "full"))
+    load_checkpoint(avg, str(tmp_path / "full"))
+    dcp.save({"model": sd}, checkpoint_id=str(tmp_path / "nested"))  # nested under "model"
+    load_checkpoint(avg, str(tmp_path / "nested"))
+
+
 def test_collect_ablation_table(tmp_path):
     for run, acc in (("nsa", [1, 1, 0]), ("full_causal", [1, 0, 0])):
         d = tmp_path / run
