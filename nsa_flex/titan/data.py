@@ -61,6 +61,9 @@ def _build(section, job_config, dp_world_size, dp_rank, tokenizer, infinite, spl
         passkey_filler=filler,
         passkey_keys=keys,
     )
+    if keys > 1 and (section.dataset.lower() == "passkey" or (mix > 0 and section.dataset.lower() != "pysource")):
+        logger.info(f"Generated retrieval documents ({split}): half of them hold {keys} keys naming different "
+                    "people, each question another's (training.passkey_keys)")
     passkey = None
     if mix > 0 and section.dataset.lower() == "pysource":
         passkey = pysource_retrieval(tokenizer, section.seq_len + 1, split, seed, section.dataset_path,

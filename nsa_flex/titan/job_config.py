@@ -108,7 +108,8 @@ class Training:
     people (the needle evaluation's multikey format), whose questions name different people, so
     each answer's nearest earlier copy of its key is its own needle, at any distance (in a
     single-key document every answer after the first copies the previous answer, nearby);
-    training, validation and retrieval metrics alike"""
+    training, validation and retrieval metrics alike (pysource's retrieval documents are half 4-key
+    whatever this says)"""
 
 
 @dataclass
