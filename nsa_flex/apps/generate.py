@@ -29,6 +29,7 @@ from torchtitan.config import ConfigManager
 from nsa_flex.errors import UserError, user_error
 from nsa_flex.inference.model import generate
 from nsa_flex.titan.args import nsa_flex_args
+from nsa_flex.titan.checkpoint import extra_model_keys
 from nsa_flex.titan.model import NSATransformer
 from nsa_flex.titan.tokenizer import build_tokenizer
 
@@ -93,11 +94,7 @@ def load_checkpoint(model: torch.nn.Module, checkpoint: str) -> str:
     if missing and not all(f"model.{k}" in keys for k in sd):
         raise CheckpointKeysError(f"--checkpoint {path!r} lacks model keys {missing[:5]}... (has e.g. "
                                   f"{sorted(keys)[:5]})")
-    # DCP loads the keys the model asks for and ignores the rest: a checkpoint of a model with more
-    # parameters under the same modules (other [nsa] settings) would load without a word
-    held = {k[len("model."):] for k in keys if k.startswith("model.")} if missing else keys
-    roots = {k.split(".", 1)[0] for k in sd}
-    extra = sorted(k for k in held if k.split(".", 1)[0] in roots and k not in sd)
+    extra = extra_model_keys(sd, {k[len("model."):] for k in keys if k.startswith("model.")} if missing else keys)
     if extra:
         raise CheckpointKeysError(f"--checkpoint {path!r} holds model keys this model lacks {extra[:5]}: it was "
                                   "trained with other model settings (flavor, [nsa] phi, ...); pass the run's "

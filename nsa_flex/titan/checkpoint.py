@@ -214,6 +214,37 @@ def check_checksums(path: str) -> str | None:
     return None
 
 
+def extra_model_keys(model_keys, checkpoint_keys) -> list[str]:
+    """The checkpoint's keys under the model's own top-level modules that the model lacks (sorted).
+    DCP loads the keys a model asks for and ignores the rest, so a checkpoint of a model with more
+    parameters (a larger flavor, other [nsa] settings such as phi = "mlp") would load into this one
+    without a word; optimizer, data-loader and train-state entries are other roots and not counted."""
+    model_keys = set(model_keys)
+    roots = {k.split(".", 1)[0] for k in model_keys}
+    return sorted(k for k in checkpoint_keys if k.split(".", 1)[0] in roots and k not in model_keys)
+
+
+def check_initial_load(manager) -> None:
+    """``checkpoint.initial_load_path`` (the curriculum's long phase: the short phase's weights)
+    against the model: CheckpointError where it holds model keys the model lacks."""
+    path = getattr(manager, "initial_load_path", None)
+    if not path or getattr(manager, "initial_load_in_hf", False) or not os.path.isdir(path):
+        return  # torchtitan's own errors for a missing path
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        held = FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception:  # noqa: BLE001 -- an unreadable checkpoint: torchtitan's load says so
+        return
+    mine = {k.replace("_orig_mod.", "") for m in manager.states["model"].model for k in m.state_dict()}
+    extra = extra_model_keys(mine, held)
+    if extra:
+        raise CheckpointError(f"checkpoint.initial_load_path={path!r} holds model keys this model lacks "
+                              f"({', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''}): it was trained "
+                              "with other model settings (flavor, [nsa] phi, ...), and only the common weights "
+                              "would load; train with the settings it was saved with")
+
+
 def check_dcp_folder(path: str) -> str | None:
     """Why the DCP checkpoint folder ``path`` cannot be loaded, or None if it looks complete."""
     from torch.distributed.checkpoint import FileSystemReader
@@ -310,6 +341,7 @@ def load_checked(manager, original, step: int = -1) -> bool:
     if not getattr(manager, "load_only", False):
         check_free_space(manager)
     if not os.path.isdir(folder):
+        check_initial_load(manager)
         return original(manager, step)
     remove_partial(folder)
     if step != -1:

@@ -388,3 +388,27 @@ def test_a_checkpoint_folder_is_locked_across_dump_folders(tmp_path):
     finally:
         other.kill()
         other.wait()
+
+
+def test_initial_load_with_more_model_keys_is_refused(tmp_path):
+    """checkpoint.initial_load_path (the curriculum's long phase) holding parameters the model lacks
+    under its own modules (a run with other [nsa] settings): refused before DCP would load the
+    common weights alone; optimizer entries beside the model's keys and a matching checkpoint load."""
+    import torch.distributed.checkpoint as dcp
+
+    def manager(init):
+        m = _Manager(tmp_path / "new" / "checkpoint")
+        m.states["model"] = SimpleNamespace(model=[torch.nn.Sequential(torch.nn.Linear(4, 4))])
+        m.initial_load_path = str(init)
+        return m
+
+    sd = dict(torch.nn.Sequential(torch.nn.Linear(4, 4)).state_dict())
+    dcp.save({**sd, "0.phi.pos": torch.zeros(2)}, checkpoint_id=str(tmp_path / "more"))
+    loads = []
+    with pytest.raises(ck.CheckpointError, match=r"initial_load_path=.*more.* holds model keys this model lacks \(0\.phi\.pos\)"):
+        ck.load_checked(manager(tmp_path / "more"), lambda man, s: loads.append(s) or True)
+    assert loads == []
+    dcp.save({**sd, "optimizer.state.0": torch.zeros(2)}, checkpoint_id=str(tmp_path / "same"))
+    assert ck.load_checked(manager(tmp_path / "same"), lambda man, s: loads.append(s) or True) and loads == [-1]
+    assert ck.extra_model_keys({"layers.0.w", "norm.w"}, {"layers.0.w", "layers.0.phi", "optimizer.x", "norm.w"}) \
+        == ["layers.0.phi"]

@@ -151,3 +151,12 @@ def test_initial_load_path_is_loaded_into_a_new_dump_folder(tmp_path):
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
     assert f"Loading the checkpoint from {src}" in out and "checkpoint.folder exists" not in out
+    # weights of a model with other settings (phi = "mlp": more parameters): one error line, no load
+    mlp = tmp_path / "mlp"
+    r = subprocess.run(_cmd(mlp, 1, "--nsa.phi", "mlp"), cwd=ROOT, env=launch_env(), capture_output=True,
+                       text=True, timeout=240)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    r = subprocess.run(_cmd(tmp_path / "fourth", 1, "--checkpoint.initial_load_path", str(mlp / "checkpoint" / "step-1")),
+                       cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=240)
+    assert r.returncode != 0 and "holds model keys this model lacks" in r.stderr, (r.stdout + r.stderr)[-3000:]
+    assert "Loading the checkpoint from" not in r.stdout + r.stderr
