@@ -20,12 +20,13 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .errors import DatasetError
 from .passkey import MULTIKEY_NAMES, PasskeyCorpus, check_filler, cue_free, multikey_document, synthetic_filler
 
 
 @dataclass(eq=False)
 class RetrievalCorpus:
-    """Passkey and multi-key documents of ``length`` tokens over real-text filler.
+    """Passkey and multi-key documents of ``length`` tokens over real-text or synthetic filler.
 
     ``texts(i, max_chars)``: the text of unit i (at least its first ``max_chars`` characters),
     ``n_texts`` units; or ``texts`` None and ``synthetic`` a synthetic filler kind
@@ -46,6 +47,8 @@ class RetrievalCorpus:
     def __post_init__(self):
         if self.synthetic is not None:
             check_filler(self.synthetic)
+        elif self.texts is None or self.n_texts < 1:
+            raise DatasetError("retrieval documents need a filler: texts (and n_texts >= 1) or a synthetic kind")
         self.passkey = PasskeyCorpus(self.tokenizer, self.length, seed=self.seed, split=self.split,
                                      questions=self.questions)
         if self.multikey_share > 0:  # the longest names must fit: fail now, not at the first multi-key document

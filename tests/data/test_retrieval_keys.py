@@ -101,3 +101,8 @@ def test_passkey_keys_out_of_range_names_the_field(bad):
 def test_unknown_synthetic_filler_is_refused():
     with pytest.raises(DatasetError, match="passkey_filler"):
         RetrievalCorpus(ByteTokenizer(), 2049, None, 0, n_keys=2, synthetic="prose")
+
+
+def test_retrieval_corpus_needs_a_filler():
+    with pytest.raises(DatasetError, match="need a filler"):
+        RetrievalCorpus(ByteTokenizer(), 2049, None, 0, n_keys=2)
