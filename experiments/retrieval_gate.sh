@@ -16,7 +16,10 @@
 # Other knobs: TRAIN_S (seconds of training before the halt, 1440: NSA's 9000 steps at 2048 x 16
 # take ~22 min on an H100 after a ~2 min compile, full attention's ~14 min; SIGTERM makes the
 # trainer save a checkpoint and exit 4; the evaluation then reads that checkpoint), TOML, RUNS (/tmp/nsa_gate_runs), DEPTHS (0,25,50,75,100), TRIALS (20), GPUS (the
-# GPU of each plan entry, e.g. "1 3" beside other jobs on a larger host; default 0 1 2 ...).
+# GPUs of each plan entry, e.g. "1 3" beside other jobs on a larger host; default 0 1 2 ...; an entry
+# "0,1" trains that variant data-parallel over those GPUs under torchrun with the same global batch:
+# the short phase's local batch sizes divided by their number, in RUNS/NAME.toml; at 2048 on H100s
+# two GPUs gave NSA fewer tokens/s than one: experiments/NOTES.md 76 and 78).
 set -uo pipefail
 OUT=${1:?usage: retrieval_gate.sh OUT DATA}
 DATA=${2:?usage: retrieval_gate.sh OUT DATA}
