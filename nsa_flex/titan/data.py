@@ -38,9 +38,10 @@ def _build(section, job_config, dp_world_size, dp_rank, tokenizer, infinite, spl
     training = job_config.training
     mix = passkey_mix_of(training) if split == "train" else 0.0
     questions = check_questions(getattr(training, "passkey_questions", 1)) if split == "train" else 1
+    name = section.dataset.lower()
     if isinstance(mix, bool) or not isinstance(mix, (int, float)) or not 0.0 <= mix <= 1.0:
         raise DatasetError(f"training.passkey_mix={mix!r}: must be a number in [0, 1]")
-    if mix > 0 and section.dataset.lower() == "passkey":
+    if mix > 0 and name == "passkey":
         raise DatasetError(
             f"training.passkey_mix={mix} mixes passkey documents into a text dataset (fineweb_edu, local); "
             "dataset 'passkey' is all passkey already: set passkey_mix = 0 or pick a text dataset")
@@ -61,11 +62,11 @@ def _build(section, job_config, dp_world_size, dp_rank, tokenizer, infinite, spl
         passkey_filler=filler,
         passkey_keys=keys,
     )
-    if keys > 1 and (section.dataset.lower() == "passkey" or (mix > 0 and section.dataset.lower() != "pysource")):
+    if keys > 1 and name != "pysource" and (name == "passkey" or mix > 0):  # the generated documents
         logger.info(f"Generated retrieval documents ({split}): half of them hold {keys} keys naming different "
                     "people, each question another's (training.passkey_keys)")
     passkey = None
-    if mix > 0 and section.dataset.lower() == "pysource":
+    if mix > 0 and name == "pysource":
         passkey = pysource_retrieval(tokenizer, section.seq_len + 1, split, seed, section.dataset_path,
                                      questions=questions)
         logger.info(f"Dataset pysource: {100 * mix:g}% of the sequences are retrieval documents (passkey "
