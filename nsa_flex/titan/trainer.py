@@ -206,9 +206,14 @@ class NSATrainer(Trainer):
             self._group = None
         if self.halted_at is not None:
             ck = self.job_config.checkpoint
-            where = (f"checkpoint: {os.path.join(self.job_config.job.dump_folder, ck.folder, f'step-{self.halted_at}')}; "
-                     "rerun the same command to resume" if ck.enable
-                     else "no checkpoint ([checkpoint] enable = false): a rerun starts from the beginning")
+            path = os.path.join(self.job_config.job.dump_folder, ck.folder, f"step-{self.halted_at}")
+            if not ck.enable:
+                where = "no checkpoint ([checkpoint] enable = false): a rerun starts from the beginning"
+            elif os.path.isfile(os.path.join(path, ".metadata")):  # DCP writes .metadata last
+                where = f"checkpoint: {path}; rerun the same command to resume"
+            else:
+                where = (f"its checkpoint {path} was not written (see the error above); rerunning the same "
+                         "command resumes from the newest complete checkpoint")
             log.warning(f"ops: halted after step {self.halted_at} ({self.halt_reason}); {where}")
 
     # ------------------------------------------------------------------ the loop
@@ -241,6 +246,10 @@ class NSATrainer(Trainer):
             os.kill(os.getpid(), signum)
             return
         self.halt_requested = signal.Signals(signum).name
+        # sent to the process group (timeout, a scheduler, Ctrl-C), the signal also ends the data
+        # loader's workers; torch's SIGCHLD handler would then raise in the middle of the halt's save
+        if threading.current_thread() is threading.main_thread():
+            self._old_handlers.setdefault(signal.SIGCHLD, signal.signal(signal.SIGCHLD, signal.SIG_DFL))
         if signum == signal.SIGINT:
             log.warning("ops: Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again: stop at once)")
 

@@ -13,6 +13,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -234,6 +235,34 @@ def halted(tmp_path_factory):
                 p.kill()
                 p.wait()
     return d, log.read_text(), p.returncode, cmd
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_stop_signal_to_the_process_group_halts_with_a_checkpoint(tmp_path, sig):
+    """SIGTERM or SIGINT sent to the run's whole process group (what `timeout`, a scheduler and
+    Ctrl-C in a terminal do) while a data-loader worker runs: the run halts after the step with a
+    checkpoint of that step and exit code EXIT_HALTED, no traceback (a worker killed by the signal
+    made torch raise in the middle of that save)."""
+    cmd = _cmd(tmp_path, *CKPT, *SLOW, "--training.dataloader.num_workers", "1")
+    log, metrics = tmp_path / "log.txt", tmp_path / "metrics.jsonl"
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, cwd=ROOT, env=launch_env(), stdout=f, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+        try:
+            _wait_for(lambda: _max_step(metrics) >= 3, p, log, "step 3")
+            os.killpg(p.pid, sig)
+            p.wait(timeout=240)
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    text = log.read_text()
+    assert p.returncode == EXIT_HALTED, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    halted_at = int(re.search(rf"ops: halted after step (\d+) \({sig.name}\)", text)[1])
+    assert 3 <= halted_at < STEPS
+    assert (tmp_path / "checkpoint" / f"step-{halted_at}" / ".metadata").is_file()
 
 
 @pytest.mark.slow

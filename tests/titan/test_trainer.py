@@ -82,6 +82,24 @@ def test_halt_file_and_signals_stop_after_the_step_with_a_full_checkpoint(tmp_pa
         assert not tr2.should_continue_training() and jc.training.steps == 10
 
 
+def test_halt_message_names_the_checkpoint_only_once_it_is_written(tmp_path, caplog):
+    """The run's last line after a halt points to the halt step's checkpoint only where DCP
+    finished it (.metadata, written last); a save that failed says so and where a rerun resumes."""
+    jc = _jc(tmp_path)
+    path = tmp_path / "checkpoint" / "step-6"
+    for written in (False, True):
+        if written:
+            path.mkdir(parents=True)
+            (path / ".metadata").write_bytes(b"")
+        caplog.clear()
+        tr = _trainer(jc)
+        tr.halted_at, tr.halt_reason = 6, "SIGTERM"
+        tr.stop_run_control()
+        expect = (f"ops: halted after step 6 (SIGTERM); checkpoint: {path}; rerun the same command to resume"
+                  if written else f"ops: halted after step 6 (SIGTERM); its checkpoint {path} was not written")
+        assert expect in caplog.text, caplog.text
+
+
 def test_halt_file_left_from_before_the_run_is_removed_at_its_start(tmp_path, caplog):
     jc = _jc(tmp_path)
     (tmp_path / "HALT").write_text("")
