@@ -76,6 +76,24 @@ def gather_seq_nograd(x: Tensor, shard: SeqShard, dim: int) -> Tensor:
                                                        group=shard.group))
 
 
+def range_of_seq_nograd(x: Tensor, shard: SeqShard, start: int, stop: int, dim: int) -> Tensor:
+    """Positions [start, stop) of the whole sequence of x (this shard along `dim`), on every rank,
+    without gathering the rest (logits at a few positions: the whole sequence's would not fit).
+    Each rank writes its own positions of the range into zeros and one all-reduce sums them: exact,
+    every entry is one rank's value plus zeros. Every rank passes the same start and stop."""
+    if not shard.sharded:
+        return x.narrow(dim, start, stop - start)
+    n = x.shape[dim]
+    lo = shard.offset(n)
+    shape = list(x.shape)
+    shape[dim] = stop - start
+    out = x.new_zeros(shape)
+    a, b = max(start, lo), min(stop, lo + n)
+    if a < b:
+        out.narrow(dim, a - start, b - a).copy_(x.narrow(dim, a - lo, b - a))
+    return funcol.wait_tensor(funcol.all_reduce(out, "sum", group=shard.group))
+
+
 def split_seq(x: Tensor, shard: SeqShard, dim: int = 1) -> Tensor:
     """This rank's shard of a whole-sequence tensor along `dim` (its length divisible by size)."""
     if not shard.sharded:

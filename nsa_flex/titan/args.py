@@ -22,11 +22,12 @@ from .tokenizer import build_tokenizer
 _KNOBS = tuple(f for f in dataclasses.fields(NSAConfig) if f.name not in MODEL_DIMS)
 # [nsa] section fields that override model args (None = keep the flavor's value)
 NSA_SECTION_FIELDS = tuple(f.name for f in _KNOBS) + ("doc_masking",)
-def parallelism_problems(par, seq_len: int, l_sel: int, validation: bool) -> list[str]:
+def parallelism_problems(par, seq_len: int, l_sel: int, validation) -> list[str]:
     """What nsa_flex cannot run of [parallelism] (one message per field, naming the allowed
     values): data parallelism (FSDP2 / HSDP / DDP) and context parallelism
     (`nsa_flex.context_parallel`: contiguous shards of seq_len / N tokens, each a whole number of
-    selection blocks; no validation pass yet). The one place these rules live (args and
+    selection blocks, for training and, when `validation.enable`, for `validation.seq_len`;
+    `validation` is the [validation] section). The one place these rules live (args and
     preflight)."""
     probs = []
     for name in ("tensor_parallel_degree", "pipeline_parallel_degree"):
@@ -36,14 +37,15 @@ def parallelism_problems(par, seq_len: int, l_sel: int, validation: bool) -> lis
     cp = par.context_parallel_degree
     if cp < 1:
         probs.append(f"parallelism.context_parallel_degree={cp!r}: allowed 1 (off) or N >= 2")
-    elif cp > 1 and seq_len % (cp * l_sel):
-        probs.append(f"parallelism.context_parallel_degree={cp}: training.seq_len={seq_len} must be "
-                     f"a multiple of context_parallel_degree * nsa.l_sel = {cp * l_sel} (each rank "
-                     "holds a whole number of selection blocks)")
-    elif cp > 1 and validation:
-        probs.append(f"parallelism.context_parallel_degree={cp} with validation.enable = true: the "
-                     "validator does not shard sequences yet (allowed: validation.enable = false, "
-                     "or context_parallel_degree = 1)")
+    elif cp > 1:
+        lengths = [("training.seq_len", seq_len)]
+        if validation.enable:
+            lengths.append(("validation.seq_len", validation.seq_len))
+        for name, n in lengths:
+            if n % (cp * l_sel):
+                probs.append(f"parallelism.context_parallel_degree={cp}: {name}={n} must be a "
+                             f"multiple of context_parallel_degree * nsa.l_sel = {cp * l_sel} (each "
+                             "rank holds a whole number of selection blocks)")
     return probs
 
 
@@ -107,7 +109,7 @@ class NSAModelArgs(BaseModelArgs, _NSAFields):
                                        training=True)
 
         probs = parallelism_problems(job_config.parallelism, self.max_seq_len, self.l_sel,
-                                     job_config.validation.enable)
+                                     job_config.validation)
         if probs:
             raise NotImplementedError("; ".join(probs))
         if self.doc_masking and self.eos_id < 0:

@@ -7,9 +7,9 @@ memory_budget, with llama3's op save list, which already saves flex_attention), 
 ``apply_compile`` does (fullgraph=True), with ``[compile] combo_kernels`` passed to inductor
 (:func:`compile_blocks`). Context parallelism (``[parallelism] context_parallel_degree``) is ours,
 not torchtitan's ring attention: every layer gets this rank's contiguous sequence shard
-(`nsa_flex.context_parallel`, `set_seq_shard`), the trainer shards inputs and labels
-(`NSATrainer.post_dataloading_process`), FSDP shards over data and context ranks (torchtitan's
-"fsdp" mesh). Tensor and pipeline parallelism are not supported.
+(`nsa_flex.context_parallel`, `set_seq_shard`), the trainer and the validator shard inputs and
+labels (:func:`shard_batch`), FSDP shards over data and context ranks (torchtitan's "fsdp" mesh).
+Tensor and pipeline parallelism are not supported.
 
 Masks: what every layer shares (``nsa_flex.layer.StepMasks``: RoPE, documents, the compressed and
 window masks) is built once a step outside the blocks and is an input of each compiled block; the
@@ -30,7 +30,7 @@ from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list, apply_ddp, apply_fsdp
 from torchtitan.tools.logging import logger
 
-from nsa_flex.context_parallel import shard_of
+from nsa_flex.context_parallel import shard_of, split_seq
 from nsa_flex.errors import UserError
 
 from .model import set_seq_shard
@@ -102,6 +102,17 @@ def sum_reductions_on_gloo(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_force_sum_reduction_for_comms(True)
+
+
+def shard_batch(model: nn.Module, input_dict: dict, labels: torch.Tensor):
+    """Context parallelism's ``post_dataloading_process`` (the trainer's and the validator's): this
+    rank's contiguous shard (`model.seq_shard`) of the inputs and labels, as torchtitan's
+    (inputs, labels, extra_inputs, extra_kwargs); no position ids, no masks (the layers build
+    theirs) and none of torchtitan's zig-zag sharding. The layers all-gather the keys and values
+    they read."""
+    shard = model.seq_shard
+    extra_inputs = {k: v for k, v in input_dict.items() if k != "input"}
+    return split_seq(input_dict["input"], shard), split_seq(labels, shard), extra_inputs, {}
 
 
 def parallelize_nsa(model: nn.Module, parallel_dims: ParallelDims, job_config) -> nn.Module:

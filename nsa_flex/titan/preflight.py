@@ -160,7 +160,7 @@ def config_problems(jc) -> list[str]:
                     ("training.mixed_precision_reduce", t.mixed_precision_reduce), ("training.dtype", t.dtype)):
         if v not in DTYPES:
             probs.append(f"{name}={v!r}: choices {list(DTYPES)}")
-    probs.extend(parallelism_problems(par, t.seq_len, l_sel, jc.validation.enable))
+    probs.extend(parallelism_problems(par, t.seq_len, l_sel, jc.validation))
     if jc.activation_checkpoint.mode not in AC_MODES:
         probs.append(f"activation_checkpoint.mode={jc.activation_checkpoint.mode!r}: choices {list(AC_MODES)}")
     bad = [c for c in jc.compile.components if c not in ("model", "loss")]

@@ -68,8 +68,10 @@ def needle_distance(toks: list[int], ans: int) -> int | None:
 @torch.no_grad()
 def score(logits_of, docs: list[tuple[str, list[int], int]], batch_size: int, device,
           far_from: int | None = None) -> dict[str, float]:
-    """The metrics of ``docs`` under ``logits_of`` (tokens [B, T] -> logits [B, T, V]), in batches
-    of ``batch_size`` (the last one padded with its first document, so every call has one shape)."""
+    """The metrics of ``docs`` under ``logits_of`` ((tokens [B, T], start) -> the logits of
+    positions start .. T - 1, [B, T - start, V]; start is the batch's first position that predicts
+    an answer token, so only the documents' ends are asked for), in batches of ``batch_size`` (the
+    last one padded with its first document, so every call has one shape)."""
     sums = {k: [0.0, 0, 0, 0] for k in KINDS}  # nll, answer tokens, right tokens, exact documents
     docs_of = {k: 0 for k in KINDS}
     by_reach = {(k, far): [0, 0] for k in KINDS for far in (True, False)}  # documents, exact
@@ -77,10 +79,11 @@ def score(logits_of, docs: list[tuple[str, list[int], int]], batch_size: int, de
         batch = docs[i:i + batch_size]
         rows = [d[1][:-1] for d in batch]
         rows += [rows[0]] * (batch_size - len(rows))
-        logits = logits_of(torch.tensor(rows, dtype=torch.long, device=device)).float()
+        start = min(ans for _, _, ans in batch) - 1
+        logits = logits_of(torch.tensor(rows, dtype=torch.long, device=device), start).float()
         for b, (kind, toks, ans) in enumerate(batch):
             target = torch.tensor(toks[ans:-1], device=logits.device)  # the answer, EOS excluded
-            pred = logits[b, ans - 1:len(toks) - 2]  # logits[t] predicts token t + 1
+            pred = logits[b, ans - 1 - start:len(toks) - 2 - start]  # position t predicts token t + 1
             right = pred.argmax(-1) == target
             s = sums[kind]
             s[0] += F.cross_entropy(pred, target, reduction="sum").item()

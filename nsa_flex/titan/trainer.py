@@ -51,11 +51,11 @@ import torch
 from torchtitan.tools.logging import logger as log
 from torchtitan.train import Trainer
 
-from nsa_flex.context_parallel import split_seq
 from nsa_flex.errors import UserError
 
 from . import checkpoint, console, cpu
 from .ops import NONFINITE_DIR, NonFiniteError, OpsMonitor
+from .parallelize import shard_batch
 from .runlock import check_writable, lock_run
 
 TORCHTITAN_VERSION = "0.2.2"  # the Trainer methods overridden here and every patch target this version
@@ -230,9 +230,7 @@ class NSATrainer(Trainer):
         to the one-rank gradient."""
         if not self.parallel_dims.cp_enabled:
             return super().post_dataloading_process(input_dict, labels)
-        shard = self.model_parts[0].seq_shard
-        extra_inputs = {k: v for k, v in input_dict.items() if k != "input"}
-        return split_seq(input_dict["input"], shard), split_seq(labels, shard), extra_inputs, {}
+        return shard_batch(self.model_parts[0], input_dict, labels)
 
     def should_continue_training(self) -> bool:
         return self.halted_at is None and super().should_continue_training()

@@ -1,22 +1,35 @@
-"""Validator on nsa_flex's datasets.
+"""Validator on nsa_flex's datasets, with nsa_flex's context parallelism.
 
 torchtitan 0.2.2's ``Validator.__init__`` builds its loader with ``build_text_validation_dataloader``
 (torchtitan's own dataset table only), a builder the TrainSpec does not expose (pytorch/torchtitan
 PR 1362, "leaves this dataloader function unexposed to the train_spec"). So ``NSAValidator.__init__``
-sets the same state itself with nsa_flex's loader and inherits every other method;
-tests/titan/test_trainer.py fails when upstream's state or its loader call changes.
+sets the same state itself with nsa_flex's loader. Its ``validate`` is torchtitan's loop without
+two things nsa_flex cannot use under context parallelism: torchtitan's sharding (zig-zag shards
+and its ring-attention context; here each rank takes its contiguous shard, `shard_batch`, and the
+layers all-gather keys and values) and its token count taken after the split (here the whole
+batch's, so the ranks' loss shares sum to the one-process loss). Pipeline parallelism is refused
+(`args.parallelism_problems`). tests/titan/test_trainer.py fails when upstream's state, its loader
+call or its loop changes.
 
 Each validation also scores ``[validation] retrieval_docs`` held-out retrieval documents
 (:mod:`nsa_flex.titan.retrieval`); their metrics join the validation record (metrics.jsonl).
-Every rank scores the same documents, so FSDP's collectives stay in step.
+Every rank scores the same documents, so FSDP's collectives stay in step; under context
+parallelism each rank runs its shard of them and the logits of the answer positions reach every
+rank (`range_of_seq_nograd`: one all-reduce per batch).
 """
 
+import torch
+from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.validate import Validator
+from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools import utils
 from torchtitan.tools.logging import logger
 
+from nsa_flex.context_parallel import range_of_seq_nograd
+
 from . import retrieval
 from .data import build_validation_dataloader
+from .parallelize import shard_batch
 
 
 class NSAValidator(Validator):
@@ -60,28 +73,58 @@ class NSAValidator(Validator):
             logger.info(f"Validation scores retrieval on {n} held-out documents of {job_config.validation.seq_len} "
                         "tokens (answer loss, exact answers: retrieval/* in the validation records)")
 
+    def post_dataloading_process(self, input_dict, labels, model_parts):
+        """torchtitan's; with context parallelism this rank's contiguous shard (`shard_batch`)."""
+        if not self.parallel_dims.cp_enabled:
+            return super().post_dataloading_process(input_dict, labels, model_parts)
+        return shard_batch(model_parts[0], input_dict, labels)
+
+    @torch.no_grad()
     def validate(self, model_parts, step: int) -> None:
-        if self.retrieval_docs:
-            self.metrics_processor.validation_extra = self.score_retrieval(model_parts)
-        super().validate(model_parts, step)
+        """The retrieval metrics, then the validation loss: per batch each rank's loss sum over the
+        whole batch's token count (counted before the context split, summed over the data-parallel
+        ranks), averaged over the batches and summed over the loss mesh (data x context ranks)."""
+        (model,) = model_parts  # one part: pipeline parallelism is refused (args.parallelism_problems)
+        pd, device = self.parallel_dims, utils.device_type
+        model.eval()
+        try:
+            if self.retrieval_docs:
+                self.metrics_processor.validation_extra = self.score_retrieval(model_parts)
+            losses = []
+            for input_dict, labels in self.validation_dataloader:
+                if self.job_config.validation.steps != -1 and len(losses) >= self.job_config.validation.steps:
+                    break
+                self.metrics_processor.ntokens_since_last_log += labels.numel()
+                input_dict = {k: v.to(device) for k, v in input_dict.items()}
+                labels = labels.to(device)
+                tokens = (labels != IGNORE_INDEX).sum()
+                total = dist_utils.dist_sum(tokens, pd.get_mesh("batch")) if pd.dp_enabled else tokens.float()
+                inputs, labels, extra_inputs, extra_kwargs = self.post_dataloading_process(
+                    input_dict, labels, model_parts)
+                with self.validation_context(), self.maybe_enable_amp:
+                    loss_sum = self.loss_fn(model(inputs, **extra_inputs, **extra_kwargs), labels)
+                losses.append(loss_sum.detach() / total)
+            loss = torch.stack(losses).sum() / len(losses)
+            avg = dist_utils.dist_sum(loss, pd.get_optional_mesh("loss")) if pd.dp_cp_enabled else loss.item()
+            self.metrics_processor.log_validation(loss=avg, step=step)
+        finally:
+            model.train()
 
     def score_retrieval(self, model_parts) -> dict[str, float]:
-        def logits_of(tokens):
+        """The retrieval metrics of the held-out documents (the model in eval mode)."""
+        model = model_parts[0]
+
+        def logits_of(tokens, start):
             inputs, _, extra_inputs, extra_kwargs = self.post_dataloading_process(
                 {"input": tokens}, tokens, model_parts)
             with self.validation_context(), self.maybe_enable_amp:
-                return model_parts[0](inputs, **extra_inputs, **extra_kwargs)
+                logits = model(inputs, **extra_inputs, **extra_kwargs)
+            return range_of_seq_nograd(logits, model.seq_shard, start, tokens.shape[1], 1)
 
-        for m in model_parts:
-            m.eval()
-        try:
-            # near / far from the model's sliding window (its masks: full attention's too)
-            window = getattr(getattr(model_parts[0], "model_args", None), "window", None)
-            return retrieval.score(logits_of, self.retrieval_docs, self.job_config.validation.local_batch_size,
-                                   utils.device_type, far_from=window)
-        finally:
-            for m in model_parts:
-                m.train()
+        # near / far from the model's sliding window (its masks: full attention's too)
+        window = getattr(getattr(model, "model_args", None), "window", None)
+        return retrieval.score(logits_of, self.retrieval_docs, self.job_config.validation.local_batch_size,
+                               utils.device_type, far_from=window)
 
 
 def build_validator(job_config, dp_world_size, dp_rank, tokenizer, parallel_dims, loss_fn, validation_context,

@@ -2,9 +2,10 @@
 shard of the sequence, give the one-process output, input gradient and (summed over the ranks)
 parameter gradients, in fp32 on the reference backend, for every preset, with documents that
 cross the shard boundary and a compressed block that straddles it; the window reads its halo from
-the previous rank (or, longer than a shard, the whole sequence). Under Triton's interpreter the
-shards run the fast paths instead: the Triton scorer / top-n and the selection branch on our
-selected op, against one process on the torch scorer and the reference backend."""
+the previous rank (or, longer than a shard, the whole sequence); a range of positions reaches
+every rank exactly (`range_of_seq_nograd`, the validator's logits at the answers). Under Triton's
+interpreter the shards run the fast paths instead: the Triton scorer / top-n and the selection
+branch on our selected op, against one process on the torch scorer and the reference backend."""
 
 import contextlib
 import itertools
@@ -18,7 +19,7 @@ import torch.multiprocessing as mp
 
 from nsa_flex import NSAAttention, NSAConfig
 from nsa_flex.attention import BranchPlan
-from nsa_flex.context_parallel import SeqShard, split_seq
+from nsa_flex.context_parallel import SeqShard, range_of_seq_nograd, split_seq
 from nsa_flex.layer import window_halo
 from nsa_flex.ops import HAS_TRITON
 
@@ -120,6 +121,12 @@ def worker(rank: int, port: int):
             ref = one_process(layer_for(preset, extra), x, w, doc_ids)
             got = sharded(layer_for(preset, extra), x, w, doc_ids, shard, shared)
             assert_shard_equal(got, ref, shard, f"{preset} docs={docs} {extra} shared masks={shared}")
+        # a range of positions (logits at the answers) reaches every rank exactly: across the
+        # boundary, on one rank, on the other
+        whole = torch.randn(B, T, 5, generator=torch.Generator().manual_seed(0))
+        for start, stop in ((28, 40), (3, 9), (50, 64)):
+            got = range_of_seq_nograd(split_seq(whole, shard), shard, start, stop, 1)
+            assert torch.equal(got, whole[:, start:stop]), (start, stop)
 
 
 def test_two_shards_equal_one_process():

@@ -1,8 +1,9 @@
 """End-to-end context parallelism on the CPU (issue 42): `nsa-train` on debug_nsa.toml with
 `[parallelism] context_parallel_degree = 2` on two torchrun processes (gloo; FSDP over the two
-context ranks) gives the one-process run's losses and grad norms, both runs starting from one seed
-checkpoint (a sharded init draws other random numbers than one process). Plus the config rules:
-what cannot be combined with context parallelism is refused naming the field."""
+context ranks) gives the one-process run's losses and grad norms, and its validation loss and
+retrieval metrics, both runs starting from one seed checkpoint (a sharded init draws other random
+numbers than one process). Plus the config rules: what cannot be combined with context
+parallelism is refused naming the field."""
 
 import json
 import socket
@@ -37,32 +38,61 @@ def _run(args: list[str], log: Path, procs: int = 1) -> None:
     assert p.returncode == 0, log.read_text()[-4000:]
 
 
-def _losses(path: Path) -> dict[int, tuple[float, float]]:
-    out = {}
-    for line in path.read_text().splitlines():
-        rec = json.loads(line)
-        if "loss_metrics/global_avg_loss" in rec:
-            out[rec["step"]] = (rec["loss_metrics/global_avg_loss"], rec["grad_norm"])
-    return out
+def _records(path: Path, key: str) -> dict[int, dict]:
+    """The records of metrics.jsonl that hold `key`, by step."""
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    return {rec["step"]: rec for rec in recs if key in rec}
 
 
-@pytest.mark.slow
-def test_two_context_ranks_train_as_one_process(tmp_path):
-    seed = tmp_path / "seed"
-    _run(["--job.dump_folder", str(seed), "--training.steps", "1", "--checkpoint.enable",
-          "--checkpoint.create_seed_checkpoint"], tmp_path / "seed.log")
-    common = ["--training.steps", str(STEPS), "--metrics.log_freq", "1", "--checkpoint.enable",
-              "--checkpoint.initial_load_path", str(seed / "checkpoint" / "step-0"),
-              "--checkpoint.initial_load_model_only", "--checkpoint.interval", "1000",
-              "--nsa.doc_masking", "True"]
+@pytest.fixture(scope="module")
+def seed(tmp_path_factory) -> Path:
+    """A seed checkpoint of debug_nsa.toml's model, the start of every run here."""
+    folder = tmp_path_factory.mktemp("seed")
+    _run(["--job.dump_folder", str(folder), "--training.steps", "1", "--checkpoint.enable",
+          "--checkpoint.create_seed_checkpoint"], folder / "seed.log")
+    return folder / "checkpoint" / "step-0"
+
+
+def _one_and_cp(tmp_path: Path, seed: Path, steps: int, *args: str) -> tuple[Path, Path]:
+    """metrics.jsonl of one process and of two context ranks, the same run from `seed`."""
+    common = ["--training.steps", str(steps), "--metrics.log_freq", "1", "--checkpoint.enable",
+              "--checkpoint.initial_load_path", str(seed), "--checkpoint.initial_load_model_only",
+              "--checkpoint.interval", "1000", *args]
     _run(["--job.dump_folder", str(tmp_path / "one"), *common], tmp_path / "one.log")
     _run(["--job.dump_folder", str(tmp_path / "cp"), *common,
           "--parallelism.context_parallel_degree", "2",
           "--parallelism.data_parallel_shard_degree", "1"], tmp_path / "cp.log", procs=2)
-    one, cp = _losses(tmp_path / "one" / "metrics.jsonl"), _losses(tmp_path / "cp" / "metrics.jsonl")
+    return tmp_path / "one" / "metrics.jsonl", tmp_path / "cp" / "metrics.jsonl"
+
+
+@pytest.mark.slow
+def test_two_context_ranks_train_as_one_process(tmp_path, seed):
+    one, cp = _one_and_cp(tmp_path, seed, STEPS, "--nsa.doc_masking", "True")
+    key = "loss_metrics/global_avg_loss"
+    one, cp = _records(one, key), _records(cp, key)
     assert sorted(one) == sorted(cp) == list(range(1, STEPS + 1))
     for step in one:
-        assert cp[step] == pytest.approx(one[step], rel=2e-5), step
+        got, want = (cp[step][key], cp[step]["grad_norm"]), (one[step][key], one[step]["grad_norm"])
+        assert got == pytest.approx(want, rel=2e-5), step
+
+
+@pytest.mark.slow
+def test_two_context_ranks_validate_as_one_process(tmp_path, seed):
+    """Validation at steps 1 and 2: the loss of two batches of two rows, each rank its shard,
+    and the retrieval metrics of three documents (a padded batch; the answers on the last rank)."""
+    one, cp = _one_and_cp(tmp_path, seed, 2, "--nsa.doc_masking", "True", "--validation.enable",
+                          "--validation.freq", "2", "--validation.steps", "2",
+                          "--validation.local_batch_size", "2", "--validation.seq_len", "256",
+                          "--validation.retrieval_docs", "3")
+    key = "validation_metrics/loss"
+    one, cp = _records(one, key), _records(cp, key)
+    assert sorted(one) == sorted(cp) == [1, 2]
+    for step in one:
+        names = [k for k in one[step] if k == key or k.startswith("retrieval/")]
+        assert "retrieval/passkey_answer_loss" in names and "retrieval/passkey_exact" in names
+        assert sorted(k for k in cp[step] if k == key or k.startswith("retrieval/")) == sorted(names)
+        for k in names:
+            assert cp[step][k] == pytest.approx(one[step][k], rel=1e-5, abs=1e-6), (step, k)
 
 
 def _par(cp=1, tp=1, pp=1):
@@ -70,15 +100,21 @@ def _par(cp=1, tp=1, pp=1):
                            pipeline_parallel_degree=pp)
 
 
+def _val(enable=False, seq_len=2048):
+    return SimpleNamespace(enable=enable, seq_len=seq_len)
+
+
 def test_context_parallel_rules_name_the_field():
-    assert parallelism_problems(_par(cp=2), 4096, 64, False) == []
-    (msg,) = parallelism_problems(_par(cp=2), 4096 + 64, 64, False)
+    assert parallelism_problems(_par(cp=2), 4096, 64, _val()) == []
+    (msg,) = parallelism_problems(_par(cp=2), 4096 + 64, 64, _val())
     assert "training.seq_len=4160" in msg and "multiple of" in msg and "128" in msg
-    (msg,) = parallelism_problems(_par(cp=2), 4096, 64, True)
-    assert "validation.enable" in msg
-    (msg,) = parallelism_problems(_par(tp=2), 4096, 64, False)
+    assert parallelism_problems(_par(cp=2), 4096, 64, _val(True, 2048)) == []
+    (msg,) = parallelism_problems(_par(cp=2), 4096, 64, _val(True, 2048 + 64))
+    assert "validation.seq_len=2112" in msg and "multiple of" in msg and "128" in msg
+    assert parallelism_problems(_par(cp=2), 4096, 64, _val(False, 2048 + 64)) == []
+    (msg,) = parallelism_problems(_par(tp=2), 4096, 64, _val())
     assert "parallelism.tensor_parallel_degree=2" in msg and "allowed: 1" in msg
-    (msg,) = parallelism_problems(_par(pp=2), 4096, 64, False)
+    (msg,) = parallelism_problems(_par(pp=2), 4096, 64, _val())
     assert "parallelism.pipeline_parallel_degree=2" in msg
 
 

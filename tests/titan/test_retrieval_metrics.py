@@ -26,15 +26,15 @@ def _oracle(docs, wrong=lambda toks, ans, t: False):
     by_row = {tuple(toks[:-1]): (toks, ans) for _, toks, ans in docs}
     shapes = []
 
-    def logits_of(tokens):
-        shapes.append(tuple(tokens.shape))
+    def logits_of(tokens, start):
+        shapes.append((tuple(tokens.shape), start))
         out = torch.zeros(*tokens.shape, V)
         for b, row in enumerate(tokens.tolist()):
             toks, ans = by_row[tuple(row)]
             for t in range(len(toks) - 1):
                 nxt = toks[t + 1] if not wrong(toks, ans, t + 1) else (toks[t + 1] + 1) % V
                 out[b, t, nxt] = 20.0
-        return out
+        return out[:, start:]
 
     return logits_of, shapes
 
@@ -45,7 +45,10 @@ def test_exact_answers_and_loss_on_the_answer_tokens_only():
     m = retrieval.score(logits_of, docs, 2, "cpu")
     assert m["retrieval/passkey_exact"] == 1.0 and m["retrieval/passkey_digits"] == 1.0
     assert m["retrieval/passkey_answer_loss"] < 1e-6
-    assert shapes == [(2, 160)] * 3  # the last batch padded: one shape for a compiled model
+    # the last batch padded: one shape for a compiled model; only the positions from the batch's
+    # first answer-predicting one are asked for
+    assert [shape for shape, _ in shapes] == [(2, 160)] * 3
+    assert [start for _, start in shapes] == [min(ans for _, _, ans in docs[i:i + 2]) - 1 for i in (0, 2, 4)]
     assert "retrieval/multikey_exact" not in m
     # wrong everywhere but the answer: still exact; the answer's last token (".") wrong: not exact
     m = retrieval.score(_oracle(docs, lambda toks, ans, t: t < ans)[0], docs, 2, "cpu")
@@ -59,7 +62,7 @@ def test_exact_answers_and_loss_on_the_answer_tokens_only():
     m = retrieval.score(_oracle(docs, lambda toks, ans, t: t == len(toks) - 1)[0], docs, 2, "cpu")
     assert m["retrieval/passkey_exact"] == 1.0
     # uniform logits: ln V per token
-    m = retrieval.score(lambda x: torch.zeros(*x.shape, V), docs, 4, "cpu")
+    m = retrieval.score(lambda x, start: torch.zeros(x.shape[0], x.shape[1] - start, V), docs, 4, "cpu")
     assert m["retrieval/passkey_answer_loss"] == pytest.approx(math.log(V)) and m["retrieval/passkey_exact"] == 0
     assert "passkey loss" in retrieval.summary(m)
 

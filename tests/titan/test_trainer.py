@@ -202,6 +202,18 @@ def test_upstream_validator_reads_only_its_dataset_table():
     assert attrs(upstream) | {"retrieval_docs"} == attrs(ours)
 
 
+def test_upstream_validate_shards_its_own_way():
+    """validate.NSAValidator.validate replaces torchtitan's loop: under context parallelism
+    upstream's builds its ring-attention context (zig-zag shards, the model's freqs_cis) and
+    divides each rank's loss by the token count of its own shard, not the whole batch's."""
+    from torchtitan.components.validate import Validator
+
+    src = inspect.getsource(Validator.validate)
+    assert "create_context_parallel_ctx(" in src
+    assert src.index("self.post_dataloading_process(") < src.index("local_valid_tokens += (labels")
+    assert "prepare_context_parallel_input(" in inspect.getsource(Validator.post_dataloading_process)
+
+
 def test_upstream_model_log_line_and_no_cudagraphs_by_default():
     """console.ConsoleFilter rewrites torchtitan's "Building <model> <flavor>with {json}" line;
     parallelize.check_no_cudagraphs relies on inductor's cudagraphs being off by default and
