@@ -13,7 +13,8 @@
 # paper's learned compression beside mean pooling: if NSA retrieves only within its window, whether
 # the selection's scores of one-token matches are the limit). The documents' filler is the TOML's
 # (training.passkey_filler in [curriculum] short; the evaluation's follows).
-# Other knobs: TRAIN_S (seconds of training before the halt, 1440: NSA's 9000 steps at 2048 x 16
+# Other knobs: STEPS (the short phase's training.steps, e.g. 7000 where a session's device time is
+# short: the cosine then ends there; default the TOML's), TRAIN_S (seconds of training before the halt, 1440: NSA's 9000 steps at 2048 x 16
 # take ~22 min on an H100 after a ~2 min compile, full attention's ~14 min; SIGTERM makes the
 # trainer save a checkpoint and exit 4; the evaluation then reads that checkpoint), TOML, RUNS (/tmp/nsa_gate_runs), DEPTHS (0,25,50,75,100), TRIALS (20), GPUS (the
 # GPUs of each plan entry, e.g. "1 3" beside other jobs on a larger host; default 0 1 2 ...; an entry
@@ -43,17 +44,25 @@ filler = items.get('training.passkey_filler', c['training'].get('passkey_filler'
 print(items['training.seq_len'], 'synthetic' if filler == 'sentences' else filler)" "$TOML") \
   || { echo "retrieval_gate.sh: $TOML has no training.seq_len in [curriculum] short" >&2; exit 2; }
 
-# per_gpu_toml TOML N: TOML with the short phase's training/validation local batch sizes divided by
-# N (the same global batch on N data-parallel GPUs); exits 2 where one does not divide
-per_gpu_toml() {
-  $PY - "$1" "$2" <<'PY'
+# entry_toml TOML N STEPS: TOML with the short phase's training/validation local batch sizes divided
+# by N (the same global batch on N data-parallel GPUs) and, where STEPS is not empty, its
+# training.steps set to STEPS; exits 2 where a batch size does not divide or STEPS is no count
+entry_toml() {
+  $PY - "$1" "$2" "$3" <<'PY'
 import re, sys
-text, n = open(sys.argv[1]).read(), int(sys.argv[2])
+text, n, steps = open(sys.argv[1]).read(), int(sys.argv[2]), sys.argv[3]
 def per_gpu(m):
     if int(m[2]) % n:
         sys.exit(f"retrieval_gate.sh: {m[1]}.local_batch_size={m[2]} is not divisible by {n} GPUs")
     return f'"{m[1]}.local_batch_size={int(m[2]) // n}"'
-print(re.sub(r'"(training|validation)\.local_batch_size=(\d+)"', per_gpu, text), end="")
+text = re.sub(r'"(training|validation)\.local_batch_size=(\d+)"', per_gpu, text)
+if steps:
+    if not steps.isdigit() or int(steps) < 1:
+        sys.exit(f"retrieval_gate.sh: STEPS={steps!r}: allowed a whole number >= 1")
+    text, k = re.subn(r'"training\.steps=\d+"', f'"training.steps={int(steps)}"', text)
+    if k != 1:
+        sys.exit("retrieval_gate.sh: STEPS needs one \"training.steps=N\" item in [curriculum] short")
+print(text, end="")
 PY
 }
 
@@ -65,11 +74,11 @@ variant() {  # GPUS MASKS NAME [EXTRA_TRAIN_ARGS...]; GPUS "0", or "0,1" for dat
   # one is cut before its own copy (its training resumes from RUNS/NAME where that holds a run)
   rm -rf "$d/metrics.jsonl" "$d/needle" "$d/needle.log"
   mkdir -p "$d"
-  if [ "$n" -gt 1 ]; then
+  if [ "$n" -gt 1 ] || [ -n "${STEPS:-}" ]; then
     toml=$RUNS/$name.toml
-    per_gpu_toml "$TOML" "$n" > "$toml" 2> "$d/toml.err" || { progress "$name: $(cat "$d/toml.err")"; return; }
-    launch=(-m torch.distributed.run --standalone --nproc_per_node "$n" -m nsa_flex.titan.train)
+    entry_toml "$TOML" "$n" "${STEPS:-}" > "$toml" 2> "$d/toml.err" || { progress "$name: $(cat "$d/toml.err")"; return; }
   fi
+  [ "$n" -gt 1 ] && launch=(-m torch.distributed.run --standalone --nproc_per_node "$n" -m nsa_flex.titan.train)
   local t=$(( TRAIN_S - ($(date +%s) - START) ))
   if [ "$t" -lt 60 ]; then progress "$name: no time left to train"; return; fi
   progress "$name: training (masks $masks $*, GPUs $gpu) for at most ${t}s"
