@@ -9,6 +9,7 @@ passkey and multi-key documents in source-code filler, 0.15 when unset); ``skip_
 of stopping at the first. Each data-parallel rank reads its own shard of the documents.
 """
 
+import os
 from dataclasses import asdict
 
 from torchtitan.components.dataloader import ParallelAwareDataloader
@@ -32,6 +33,15 @@ def passkey_mix_of(training) -> float:
     if mix is None:
         return PYSOURCE_MIX if training.dataset.lower() == "pysource" else 0.0
     return mix
+
+
+def _worker_in_its_own_process_group(worker_id: int) -> None:
+    """A loader worker's start: a process group of its own, so a stop signal sent to the
+    training's group (``timeout``, Ctrl-C in a terminal) reaches the trainer alone, which halts
+    after the step with a checkpoint; a worker it ended would break that step's data fetch. The
+    worker still ends with the training process (torch's workers watch their parent) and at the
+    loader's shutdown (a SIGTERM to the worker itself)."""
+    os.setpgid(0, 0)
 
 
 def _build(section, job_config, dp_world_size, dp_rank, tokenizer, infinite, split):
@@ -77,7 +87,8 @@ def _build(section, job_config, dp_world_size, dp_rank, tokenizer, infinite, spl
         logger.info(f"Dataset {section.dataset}: {100 * mix:g}% of the sequences are passkey documents")
     ds = PackedTokenDataset(source, section.seq_len, dp_rank, dp_world_size, infinite=infinite,
                             restart_each_iter=split == "validation", passkey=passkey, passkey_mix=mix)
-    kwargs = {**asdict(section.dataloader), "batch_size": section.local_batch_size}
+    kwargs = {**asdict(section.dataloader), "batch_size": section.local_batch_size,
+              "worker_init_fn": _worker_in_its_own_process_group}
     return ParallelAwareDataloader(ds, dp_rank=dp_rank, dp_world_size=dp_world_size, **kwargs)
 
 

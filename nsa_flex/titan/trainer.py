@@ -244,8 +244,9 @@ class NSATrainer(Trainer):
             os.kill(os.getpid(), signum)
             return
         self.halt_requested = signal.Signals(signum).name
-        # sent to the process group (timeout, a scheduler, Ctrl-C), the signal also ends the data
-        # loader's workers; torch's SIGCHLD handler would then raise in the middle of the halt's save
+        # the loader's workers have a process group of their own (nsa_flex.titan.data), but a
+        # scheduler may signal every process of the job: a worker ended by it would make torch's
+        # SIGCHLD handler raise in the middle of the halt's save
         if threading.current_thread() is threading.main_thread():
             self._old_handlers.setdefault(signal.SIGCHLD, signal.signal(signal.SIGCHLD, signal.SIG_DFL))
         if signum == signal.SIGINT:

@@ -163,3 +163,20 @@ def test_passkey_filler_reaches_training_and_validation_documents():
     assert retrieval.probe_corpus(job, TOK).filler == "words"
     with pytest.raises(DatasetError, match="training.passkey_filler='prose': must be one of sentences, words"):
         texts("--training.passkey_filler", "prose")
+
+
+def test_loader_workers_run_in_their_own_process_group():
+    """A stop signal sent to the training's process group (``timeout``, Ctrl-C) must not end the
+    loader's workers: each runs in a group of its own, and still ends with the loader."""
+    import os
+
+    job = _job("--training.seq_len", "128", "--training.local_batch_size", "2",
+               "--training.dataloader.num_workers", "1")
+    it = iter(build_dataloader(1, 0, TOK, job))
+    batch, _ = next(it)
+    assert batch["input"].shape == (2, 128)
+    (worker,) = it._workers
+    assert os.getpgid(worker.pid) == worker.pid != os.getpgrp()
+    it._shutdown_workers()
+    worker.join(timeout=30)
+    assert not worker.is_alive()
