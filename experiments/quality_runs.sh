@@ -110,7 +110,7 @@ print(load_job_config(sys.argv[1], sys.argv[2:]).training.steps)" "$TOML" --nsa.
   note "train: steps $STEPS, resuming from ${ck:+$(basename "$ck")}${ck:-scratch}, SIGTERM after ${t}s"
   n=$(ls "$D"/train_*.log 2>/dev/null | wc -l)
   # shellcheck disable=SC2086
-  timeout -s TERM -k "$HALT_GRACE" "$t" $PY -m nsa_flex.titan.cli --job.config_file "$TOML" \
+  timeout --preserve-status -s TERM -k "$HALT_GRACE" "$t" $PY -m nsa_flex.titan.cli --job.config_file "$TOML" \
     --job.dump_folder "$DUMP" $DATA_ARGS --nsa.masks "$VARIANT" $TRAIN_ARGS > "$D/train_$n.log" 2>&1
   rc=$?
   [ -f "$DUMP/metrics.jsonl" ] && cp "$DUMP/metrics.jsonl" "$D/"

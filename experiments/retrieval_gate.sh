@@ -82,13 +82,13 @@ variant() {  # GPUS MASKS NAME [EXTRA_TRAIN_ARGS...]; GPUS "0", or "0,1" for dat
   local t=$(( TRAIN_S - ($(date +%s) - START) ))
   if [ "$t" -lt 60 ]; then progress "$name: no time left to train"; return; fi
   progress "$name: training (masks $masks $*, GPUs $gpu) for at most ${t}s"
-  CUDA_VISIBLE_DEVICES=$gpu timeout -s TERM -k 150 "$t" $PY "${launch[@]}" --job.config_file "$toml" \
+  CUDA_VISIBLE_DEVICES=$gpu timeout --preserve-status -s TERM -k 150 "$t" $PY "${launch[@]}" --job.config_file "$toml" \
     --job.dump_folder "$dump" --nsa.masks "$masks" --curriculum.phase short "$@" > "$d/train.log" 2>&1
   local rc=$?
   cp "$dump/short/metrics.jsonl" "$d/" 2>/dev/null
   local ck
   ck=$(ls -d "$dump"/short/checkpoint/step-* 2>/dev/null | sort -t- -k2 -n | tail -1)
-  progress "$name: training rc=$rc (0 done, 4 halted at the time limit), checkpoint ${ck:+$(basename "$ck")}"
+  progress "$name: training rc=$rc (0 done, 4 halted at the time limit with its checkpoint, 137 killed), checkpoint ${ck:+$(basename "$ck")}"
   if [ -z "$ck" ]; then grep -E "Error|error:" "$d/train.log" | tail -3; return; fi
   # the model's own [nsa] flags (e.g. --nsa.phi=mlp) build the evaluated model too
   local ov=(--override="--nsa.masks=$masks") f
