@@ -5,8 +5,10 @@
 #   nsa_cp1_SEQ   NSA on one GPU (32k, 64k: the two runs side by side, one per GPU),
 #   nsa_cp2_SEQ   NSA, one sequence over both GPUs, 32k .. 512k (a length that fails ends the
 #                 climb: the longest that fits is the last ok row),
-#   full_cp2_SEQ  full attention (masks full_causal) over both GPUs through the same all-gather
-#                 path (torchtitan's ring attention is not wired to this model: docs/context_parallel.md).
+#   full_cp2_SEQ  the full-attention baseline over both GPUs: torchtitan's llama3 125M with its
+#                 own context parallelism (SDPA ring attention, zig-zag shards), nsa_flex's data and
+#                 tokenizer (--model.name nsa_flex_llama3, nsa_flex/titan/llama3_baseline.py; the same
+#                 TOML, its [nsa] rope_theta included).
 # Each run: STEPS steps logged every step, the first WARMUP (compile) left out; a run that fails
 # (OOM, timeout) is recorded as such and the sweep goes on. The runs' logs go to LOGS (default
 # /tmp/cp_bench_logs); after every run OUT gets three files (a device call returns 8 at most):
@@ -73,8 +75,8 @@ case $PLAN in
       run nsa_cp2_$seq 0,1 2 $seq; rc=$?; report
       [ $rc -ne 0 ] && break
     done ;;
-  full)  # full attention over 2 GPUs (the same all-gather path)
-    for seq in 65536 131072; do run full_cp2_$seq 0,1 2 $seq --nsa.masks full_causal; report; done ;;
+  full)  # the llama3 baseline over 2 GPUs (torchtitan's ring attention)
+    for seq in 65536 131072; do run full_cp2_$seq 0,1 2 $seq --model.name nsa_flex_llama3; report; done ;;
   *) echo "PLAN=$PLAN: allowed scaling, long, full"; exit 2 ;;
 esac
 echo "done $PLAN t=${SECONDS}s"

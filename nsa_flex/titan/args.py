@@ -16,7 +16,7 @@ from nsa_flex.errors import UserError
 from nsa_flex.flops import nsa_attention_flops
 
 from .flags import unknown_flavor
-from .tokenizer import build_tokenizer
+from .tokenizer import padded_vocab
 
 # NSAConfig's fields besides the decoder's own dims (MODEL_DIMS): the attention knobs
 _KNOBS = tuple(f for f in dataclasses.fields(NSAConfig) if f.name not in MODEL_DIMS)
@@ -94,10 +94,8 @@ class NSAModelArgs(BaseModelArgs, _NSAFields):
         """Vocab size (and EOS) from the tokenizer, seq len from [training], NSA knobs from [nsa]."""
         training = job_config.training
         self.max_seq_len = training.seq_len
-        tok = build_tokenizer(job_config)
-        m = max(1, self.vocab_multiple_of)
-        self.vocab_size = -(-tok.get_vocab_size() // m) * m
-        self.eos_id = tok.eos_id if tok.eos_id is not None else -1
+        self.vocab_size, eos = padded_vocab(job_config, self.vocab_multiple_of)
+        self.eos_id = eos if eos is not None else -1
 
         nsa = getattr(job_config, "nsa", None)
         if nsa is not None:
@@ -144,15 +142,19 @@ class FlavorError(UserError, KeyError):
 
 
 class Flavors(Mapping):
-    """Flavor name -> NSAModelArgs. Each lookup returns a fresh copy (update_from_config mutates it),
-    and an unknown flavor raises a KeyError that lists the choices."""
+    """Flavor name -> model args (NSAModelArgs; the llama3 baseline's, `model`). Each lookup
+    returns a fresh copy (update_from_config mutates it), and an unknown flavor raises a KeyError
+    that lists the choices."""
 
-    def __init__(self, table: dict[str, NSAModelArgs]):
+    def __init__(self, table: dict[str, BaseModelArgs], model: str | None = None):
         self._table = table
+        self.model = model  # the TrainSpec's name, when not the NSA model's
 
-    def __getitem__(self, name: str) -> NSAModelArgs:
+    def __getitem__(self, name: str) -> BaseModelArgs:
         if name not in self._table:
-            raise FlavorError(unknown_flavor(name))
+            raise FlavorError(unknown_flavor(name) if self.model is None else
+                              f"[model] flavor={name!r}: unknown flavor of model {self.model!r}; "
+                              f"allowed values are {sorted(self._table)}")
         return copy.deepcopy(self._table[name])
 
     def __iter__(self):
@@ -161,7 +163,7 @@ class Flavors(Mapping):
     def __len__(self) -> int:
         return len(self._table)
 
-    def add(self, name: str, args: NSAModelArgs) -> None:
+    def add(self, name: str, args: BaseModelArgs) -> None:
         """Register one more flavor (e.g. from a ``custom_import`` module); a name that exists
         keeps its args."""
         self._table.setdefault(name, args)

@@ -33,7 +33,7 @@ from torchtitan.tools.logging import logger
 from nsa_flex.context_parallel import shard_of, split_seq
 from nsa_flex.errors import UserError
 
-from .model import set_seq_shard
+from .model import NSATransformer, set_seq_shard
 
 
 class CompileConfigError(UserError, ValueError):
@@ -102,6 +102,14 @@ def sum_reductions_on_gloo(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_force_sum_reduction_for_comms(True)
+
+
+def owns_context_parallel(model: nn.Module) -> bool:
+    """Whose context parallelism shards ``model``'s inputs (the trainer's and the validator's rule):
+    nsa_flex's (:func:`shard_batch`) for the NSA model, whose layers all-gather keys and values;
+    torchtitan's (zig-zag shards and position ids for its ring attention) for any other model,
+    e.g. the llama3 baseline (`nsa_flex.titan.llama3_baseline`)."""
+    return isinstance(model, NSATransformer)
 
 
 def shard_batch(model: nn.Module, input_dict: dict, labels: torch.Tensor):

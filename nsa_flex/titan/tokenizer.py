@@ -156,3 +156,11 @@ def build_tokenizer_from_name(name: str) -> BaseTokenizer:
 def build_tokenizer(job_config) -> BaseTokenizer:
     """TrainSpec.build_tokenizer_fn: the tokenizer named by ``[model] tokenizer`` (default byte)."""
     return build_tokenizer_from_name(getattr(job_config.model, "tokenizer", "byte"))
+
+
+def padded_vocab(job_config, multiple: int) -> tuple[int, int | None]:
+    """(the tokenizer's vocab size padded up to a multiple of ``multiple``, its EOS id or None):
+    the embedding and output sizes of every nsa_flex model."""
+    tok = build_tokenizer(job_config)
+    m = max(1, multiple)
+    return -(-tok.get_vocab_size() // m) * m, tok.eos_id

@@ -1,4 +1,5 @@
-"""The ``nsa_flex`` TrainSpec, registered with torchtitan on import (its only side effect).
+"""The ``nsa_flex`` TrainSpec and the llama3 baseline's (``nsa_flex_llama3``,
+:mod:`nsa_flex.titan.llama3_baseline`), registered with torchtitan on import (its only side effect).
 
 Import this module through torchtitan's own hook: ``[experimental] custom_import =
 "nsa_flex.titan.train_spec"`` (the default once ``[job] custom_config_module =
@@ -15,6 +16,7 @@ import dataclasses
 from torchtitan.models.llama3 import get_train_spec as llama3_train_spec
 from torchtitan.protocols.train_spec import TrainSpec, register_train_spec
 
+from . import llama3_baseline
 from .args import nsa_flex_args
 from .data import build_dataloader
 from .metrics import build_metrics_processor
@@ -42,13 +44,16 @@ def get_train_spec() -> TrainSpec:
 
 
 def register() -> None:
-    """Register the spec as "nsa_flex" through torchtitan's public API; idempotent (torchtitan
-    raises ValueError "already registered" on a second registration, e.g. a re-import)."""
-    try:
-        register_train_spec(NAME, get_train_spec())
-    except ValueError as e:
-        if "already registered" not in str(e):
-            raise
+    """Register the specs as "nsa_flex" and "nsa_flex_llama3" through torchtitan's public API;
+    idempotent (torchtitan raises ValueError "already registered" on a second registration, e.g. a
+    re-import)."""
+    spec = get_train_spec()
+    for name, s in ((NAME, spec), (llama3_baseline.NAME, llama3_baseline.get_train_spec(spec))):
+        try:
+            register_train_spec(name, s)
+        except ValueError as e:
+            if "already registered" not in str(e):
+                raise
 
 
 register()

@@ -14,9 +14,10 @@ The training loop is torchtitan's (``Trainer.train``); this subclass overrides f
   * ``train_step``: after torchtitan's step (optimizer step done, checkpoint not yet saved),
     :meth:`end_of_step` decides whether to halt or to stop on a non-finite step;
   * ``should_continue_training``: False once halted (``training.steps`` is never changed);
-  * ``post_dataloading_process``: with context parallelism, this rank's contiguous shard of the
-    inputs and labels (:mod:`nsa_flex.context_parallel`) in place of torchtitan's (zig-zag
-    shards, position ids, ring attention).
+  * ``post_dataloading_process``: with context parallelism on the NSA model, this rank's
+    contiguous shard of the inputs and labels (:mod:`nsa_flex.context_parallel`) in place of
+    torchtitan's (zig-zag shards, position ids, ring attention), which the llama3 baseline
+    (:mod:`nsa_flex.titan.llama3_baseline`) keeps.
 
 Halt. ``<dump_folder>/<[ops] halt_file>`` (checked by every rank after every step), SIGTERM or a
 first SIGINT (Ctrl-C): the ranks agree (one MAX all-reduce of two flags on the gloo group when
@@ -55,7 +56,7 @@ from nsa_flex.errors import UserError
 
 from . import checkpoint, console, cpu
 from .ops import NONFINITE_DIR, NonFiniteError, OpsMonitor
-from .parallelize import shard_batch
+from .parallelize import owns_context_parallel, shard_batch
 from .runlock import check_writable, lock_run
 
 TORCHTITAN_VERSION = "0.2.2"  # the Trainer methods overridden here and every patch target this version
@@ -223,12 +224,13 @@ class NSATrainer(Trainer):
         self.end_of_step(self.step)
 
     def post_dataloading_process(self, input_dict, labels):
-        """torchtitan's, but with context parallelism nsa_flex's own sharding: the model's layers
-        all-gather the keys and values they read (`nsa_flex.context_parallel`), so this rank needs
-        only its contiguous shard of the inputs and labels. The loss of a shard is its tokens' sum
-        over the whole batch's token count (counted before sharding), so the ranks' gradients sum
-        to the one-rank gradient."""
-        if not self.parallel_dims.cp_enabled:
+        """torchtitan's, but with context parallelism on the NSA model nsa_flex's own sharding
+        (`owns_context_parallel`): the model's layers all-gather the keys and values they read
+        (`nsa_flex.context_parallel`), so this rank needs only its contiguous shard of the inputs
+        and labels. The loss of a shard is its tokens' sum over the whole batch's token count
+        (counted before sharding), so the ranks' gradients sum to the one-rank gradient. Any other
+        model (the llama3 baseline) takes torchtitan's sharding for its ring attention."""
+        if not (self.parallel_dims.cp_enabled and owns_context_parallel(self.model_parts[0])):
             return super().post_dataloading_process(input_dict, labels)
         return shard_batch(self.model_parts[0], input_dict, labels)
 

@@ -25,11 +25,11 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools import utils
 from torchtitan.tools.logging import logger
 
-from nsa_flex.context_parallel import range_of_seq_nograd
+from nsa_flex.context_parallel import NO_SHARD, range_of_seq_nograd
 
 from . import retrieval
 from .data import build_validation_dataloader
-from .parallelize import shard_batch
+from .parallelize import owns_context_parallel, shard_batch
 
 
 class NSAValidator(Validator):
@@ -74,8 +74,9 @@ class NSAValidator(Validator):
                         "tokens (answer loss, exact answers: retrieval/* in the validation records)")
 
     def post_dataloading_process(self, input_dict, labels, model_parts):
-        """torchtitan's; with context parallelism this rank's contiguous shard (`shard_batch`)."""
-        if not self.parallel_dims.cp_enabled:
+        """torchtitan's; with context parallelism on the NSA model this rank's contiguous shard
+        (`shard_batch`; the llama3 baseline validates without context parallelism)."""
+        if not (self.parallel_dims.cp_enabled and owns_context_parallel(model_parts[0])):
             return super().post_dataloading_process(input_dict, labels, model_parts)
         return shard_batch(model_parts[0], input_dict, labels)
 
@@ -119,7 +120,7 @@ class NSAValidator(Validator):
                 {"input": tokens}, tokens, model_parts)
             with self.validation_context(), self.maybe_enable_amp:
                 logits = model(inputs, **extra_inputs, **extra_kwargs)
-            return range_of_seq_nograd(logits, model.seq_shard, start, tokens.shape[1], 1)
+            return range_of_seq_nograd(logits, getattr(model, "seq_shard", NO_SHARD), start, tokens.shape[1], 1)
 
         # near / far from the model's sliding window (its masks: full attention's too)
         window = getattr(getattr(model, "model_args", None), "window", None)

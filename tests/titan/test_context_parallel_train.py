@@ -3,7 +3,13 @@
 context ranks) gives the one-process run's losses and grad norms, and its validation loss and
 retrieval metrics, both runs starting from one seed checkpoint (a sharded init draws other random
 numbers than one process). Plus the config rules: what cannot be combined with context
-parallelism is refused naming the field."""
+parallelism is refused naming the field.
+
+The full-attention baseline ("nsa_flex_llama3", `nsa_flex.titan.llama3_baseline`): it trains in
+one CPU process; the trainer and the validator shard its inputs as torchtitan does (ours for the
+NSA model); its two context ranks (torchtitan's SDPA ring attention, which has no CPU kernel: two
+GPUs, `gpu`) give the one-process losses.
+"""
 
 import json
 import socket
@@ -13,6 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from nsa_flex.titan.args import parallelism_problems
 from tests.titan.helpers import launch_env
@@ -44,13 +51,18 @@ def _records(path: Path, key: str) -> dict[int, dict]:
     return {rec["step"]: rec for rec in recs if key in rec}
 
 
+def _seed(folder: Path, *args: str) -> Path:
+    """A seed checkpoint of debug_nsa.toml's model (with `args`) in `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    _run(["--job.dump_folder", str(folder), "--training.steps", "1", "--checkpoint.enable",
+          "--checkpoint.create_seed_checkpoint", *args], folder / "seed.log")
+    return folder / "checkpoint" / "step-0"
+
+
 @pytest.fixture(scope="module")
 def seed(tmp_path_factory) -> Path:
-    """A seed checkpoint of debug_nsa.toml's model, the start of every run here."""
-    folder = tmp_path_factory.mktemp("seed")
-    _run(["--job.dump_folder", str(folder), "--training.steps", "1", "--checkpoint.enable",
-          "--checkpoint.create_seed_checkpoint"], folder / "seed.log")
-    return folder / "checkpoint" / "step-0"
+    """A seed checkpoint of debug_nsa.toml's model, the start of every NSA run here."""
+    return _seed(tmp_path_factory.mktemp("seed"))
 
 
 def _one_and_cp(tmp_path: Path, seed: Path, steps: int, *args: str) -> tuple[Path, Path]:
@@ -133,3 +145,114 @@ def test_preflight_estimates_a_shard_per_rank():
     assert two["logits"] == one["logits"]
     assert one["activations"] < two["activations"] < 1.2 * one["activations"]
     assert two["states"] == one["states"] / 2
+
+
+# ----------------------------------------------------------------------------- llama3 baseline
+BASELINE = ("--model.name", "nsa_flex_llama3")
+
+
+@pytest.mark.slow
+def test_llama3_baseline_trains_in_one_cpu_process(tmp_path):
+    """The baseline's spec builds torchtitan's llama3 on nsa_flex's byte tokenizer and passkey
+    data, and trains."""
+    _run(["--job.dump_folder", str(tmp_path), *BASELINE, "--training.steps", "3"], tmp_path / "run.log")
+    log = (tmp_path / "run.log").read_text()
+    assert "Model nsa_flex_llama3 debugmodel" in log
+    losses = _records(tmp_path / "metrics.jsonl", "loss_metrics/global_avg_loss")
+    assert sorted(losses) == [1, 2, 3]
+    assert all(0 < rec["loss_metrics/global_avg_loss"] < 10 for rec in losses.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_llama3_baseline_two_context_ranks_train_as_one_process(tmp_path):
+    """torchtitan's context parallelism (zig-zag shards, SDPA ring attention) on two GPUs gives
+    the one-process losses and grad norms (to 1e-3: the ring merges per-chunk attention by its
+    log-sum-exp, in another order than one kernel over the whole sequence)."""
+    seed = _seed(tmp_path / "seed", *BASELINE)
+    one, cp = _one_and_cp(tmp_path, seed, STEPS, *BASELINE)
+    key = "loss_metrics/global_avg_loss"
+    one, cp = _records(one, key), _records(cp, key)
+    assert sorted(one) == sorted(cp) == list(range(1, STEPS + 1))
+    for step in one:
+        got, want = (cp[step][key], cp[step]["grad_norm"]), (one[step][key], one[step]["grad_norm"])
+        assert got == pytest.approx(want, rel=1e-3), step
+
+
+def _llama3_and_nsa_models():
+    from torchtitan.models.llama3 import Transformer
+
+    from nsa_flex.titan.args import nsa_flex_args
+    from nsa_flex.titan.llama3_baseline import baseline_args
+    from nsa_flex.titan.model import NSATransformer
+
+    return Transformer(baseline_args["debugmodel"]), NSATransformer(nsa_flex_args["debugmodel"])
+
+
+def test_trainer_and_validator_shard_the_baseline_as_torchtitan_and_nsa_as_nsa_flex(monkeypatch):
+    """With context parallelism on, the llama3 baseline's batches go through torchtitan's
+    post_dataloading_process (its zig-zag shards for the ring attention), the NSA model's
+    through nsa_flex's `shard_batch`; without it both take torchtitan's."""
+    import torchtitan.components.validate as titan_validate
+    import torchtitan.train as titan_train
+
+    from nsa_flex.titan import trainer as nsa_trainer
+    from nsa_flex.titan import validate as nsa_validate
+    from nsa_flex.titan.parallelize import owns_context_parallel
+
+    llama, nsa = _llama3_and_nsa_models()
+    assert not owns_context_parallel(llama) and owns_context_parallel(nsa)
+    monkeypatch.setattr(titan_train.Trainer, "post_dataloading_process", lambda self, d, lab: "torchtitan")
+    monkeypatch.setattr(titan_validate.Validator, "post_dataloading_process",
+                        lambda self, d, lab, parts: "torchtitan")
+    monkeypatch.setattr(nsa_trainer, "shard_batch", lambda m, d, lab: "nsa_flex")
+    monkeypatch.setattr(nsa_validate, "shard_batch", lambda m, d, lab: "nsa_flex")
+    for cp, model, want in ((True, llama, "torchtitan"), (True, nsa, "nsa_flex"), (False, nsa, "torchtitan")):
+        tr = nsa_trainer.NSATrainer.__new__(nsa_trainer.NSATrainer)
+        tr.parallel_dims, tr.model_parts = SimpleNamespace(cp_enabled=cp), [model]
+        assert tr.post_dataloading_process({}, None) == want, (cp, type(model).__name__)
+        val = nsa_validate.NSAValidator.__new__(nsa_validate.NSAValidator)
+        val.parallel_dims = SimpleNamespace(cp_enabled=cp)
+        assert val.post_dataloading_process({}, None, [model]) == want, (cp, type(model).__name__)
+
+
+def _baseline_config(cp=1, validation=False, flavor="debugmodel"):
+    return SimpleNamespace(model=SimpleNamespace(name="nsa_flex_llama3", flavor=flavor, tokenizer="byte"),
+                           training=SimpleNamespace(seq_len=256), nsa=SimpleNamespace(rope_theta=None),
+                           parallelism=_par(cp=cp), validation=_val(validation))
+
+
+def test_llama3_baseline_spec_and_its_rules():
+    """The registered spec is torchtitan's llama3 with nsa_flex's data; "125M" has the NSA
+    125M's decoder dims; what it cannot run with context parallelism names the field."""
+    import copy
+
+    import torchtitan.protocols.train_spec as ts
+    from torchtitan.models.llama3 import Transformer
+
+    import nsa_flex.titan.train_spec  # noqa: F401  registers the specs
+    from nsa_flex.titan import llama3_baseline as bl
+    from nsa_flex.titan.args import FlavorError, nsa_flex_args
+    from nsa_flex.titan.data import build_dataloader
+    from nsa_flex.titan.tokenizer import build_tokenizer
+
+    spec = ts.get_train_spec("nsa_flex_llama3")
+    assert spec.model_cls is Transformer and spec.parallelize_fn is bl.parallelize_baseline
+    assert spec.build_dataloader_fn is build_dataloader and spec.build_tokenizer_fn is build_tokenizer
+    nsa, base = nsa_flex_args["125M"], spec.model_args["125M"]
+    for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "multiple_of", "ffn_dim_multiplier",
+                 "norm_eps", "max_seq_len", "rope_theta", "vocab_multiple_of"):
+        assert getattr(base, name) == getattr(nsa, name), name
+    with pytest.raises(FlavorError, match=r"flavor='1B'.*'nsa_flex_llama3'.*\['125M', 'debugmodel'\]"):
+        spec.model_args["1B"]
+
+    args = copy.deepcopy(bl.baseline_args["debugmodel"])
+    args.update_from_config(_baseline_config())
+    assert (args.vocab_size, args.eos_id) == (320, build_tokenizer(_baseline_config()).eos_id)
+    assert bl.context_parallel_problems(_baseline_config(cp=2), cuda=True) == []
+    (msg,) = bl.context_parallel_problems(_baseline_config(cp=2), cuda=False)
+    assert "parallelism.context_parallel_degree=2" in msg and "CUDA only" in msg
+    (msg,) = bl.context_parallel_problems(_baseline_config(cp=2, validation=True), cuda=True)
+    assert "validation.enable=True" in msg
+    assert bl.context_parallel_problems(_baseline_config(validation=True), cuda=False) == []
