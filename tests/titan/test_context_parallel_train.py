@@ -77,15 +77,19 @@ def _one_and_cp(tmp_path: Path, seed: Path, steps: int, *args: str) -> tuple[Pat
     return tmp_path / "one" / "metrics.jsonl", tmp_path / "cp" / "metrics.jsonl"
 
 
-@pytest.mark.slow
-def test_two_context_ranks_train_as_one_process(tmp_path, seed):
-    one, cp = _one_and_cp(tmp_path, seed, STEPS, "--nsa.doc_masking", "True")
+def _assert_same_training(one: Path, cp: Path, rel: float) -> None:
+    """The context-parallel run's losses and grad norms at every step equal one process's."""
     key = "loss_metrics/global_avg_loss"
     one, cp = _records(one, key), _records(cp, key)
     assert sorted(one) == sorted(cp) == list(range(1, STEPS + 1))
     for step in one:
         got, want = (cp[step][key], cp[step]["grad_norm"]), (one[step][key], one[step]["grad_norm"])
-        assert got == pytest.approx(want, rel=2e-5), step
+        assert got == pytest.approx(want, rel=rel), step
+
+
+@pytest.mark.slow
+def test_two_context_ranks_train_as_one_process(tmp_path, seed):
+    _assert_same_training(*_one_and_cp(tmp_path, seed, STEPS, "--nsa.doc_masking", "True"), rel=2e-5)
 
 
 @pytest.mark.slow
@@ -171,13 +175,7 @@ def test_llama3_baseline_two_context_ranks_train_as_one_process(tmp_path):
     the one-process losses and grad norms (to 1e-3: the ring merges per-chunk attention by its
     log-sum-exp, in another order than one kernel over the whole sequence)."""
     seed = _seed(tmp_path / "seed", *BASELINE)
-    one, cp = _one_and_cp(tmp_path, seed, STEPS, *BASELINE)
-    key = "loss_metrics/global_avg_loss"
-    one, cp = _records(one, key), _records(cp, key)
-    assert sorted(one) == sorted(cp) == list(range(1, STEPS + 1))
-    for step in one:
-        got, want = (cp[step][key], cp[step]["grad_norm"]), (one[step][key], one[step]["grad_norm"])
-        assert got == pytest.approx(want, rel=1e-3), step
+    _assert_same_training(*_one_and_cp(tmp_path, seed, STEPS, *BASELINE), rel=1e-3)
 
 
 def _llama3_and_nsa_models():
