@@ -27,7 +27,8 @@ world size > 1), the checkpoint of this step is forced to a full "last step" che
 last step is a finished run, 0). Rerunning the same command resumes from it. Rank 0 removes the
 halt file; a halt file found at the start (left from before this run) is removed with a warning.
 A second SIGTERM or SIGINT ends the process at once (the signal's default action), without a
-checkpoint.
+checkpoint; a repeat within :data:`SIGNAL_REPEAT_S` of the first is the same request (``timeout``
+and job schedulers signal the process and then its whole process group: two deliveries of one stop).
 
 Non-finite guard (``[ops] halt_on_nonfinite``, on by default). After every optimizer step each rank
 checks that its gradients are finite (one fused norm and one host sync per step; a non-finite loss
@@ -47,6 +48,7 @@ import re
 import shutil
 import signal
 import threading
+import time
 
 import torch
 from torchtitan.tools.logging import logger as log
@@ -62,6 +64,13 @@ from .runlock import check_writable, lock_run
 TORCHTITAN_VERSION = "0.2.2"  # the Trainer methods overridden here and every patch target this version
 TORCH_RANGE = ((2, 11), (2, 15))  # [low, high) as (major, minor), as in pyproject.toml
 
+
+# seconds within which a repeat of the stop signal is the same request (its group-wide copy)
+SIGNAL_REPEAT_S = 2.0
+
+
+def _ignore_signal(signum, frame) -> None:
+    """SIGCHLD once the run is stopping: a child's exit is no error then."""
 
 class VersionError(UserError, RuntimeError):
     """torchtitan or torch outside the versions nsa_flex's trainer is written for."""
@@ -140,6 +149,7 @@ class NSATrainer(Trainer):
         self.steps_run = 0  # steps trained by this process (0: the run was already at training.steps)
         self.rank, self.world = _dist_info()
         self._signals = 0
+        self._first_signal_at = 0.0
         self._old_handlers: dict = {}
         self._group = None
         self._locks: list = []  # the run locks (rank 0)
@@ -239,18 +249,25 @@ class NSATrainer(Trainer):
 
     # ------------------------------------------------------------------ halt / non-finite
     def on_signal(self, signum, frame) -> None:
-        """SIGTERM / SIGINT: halt after this step; a second one: the signal's default action, now."""
+        """SIGTERM / SIGINT: halt after this step; a second one (later than SIGNAL_REPEAT_S): the
+        signal's default action, now."""
+        now = time.monotonic()
+        if self._signals and now - self._first_signal_at < SIGNAL_REPEAT_S:
+            return  # the group-wide copy of the first signal
         self._signals += 1
         if self._signals > 1:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
+        self._first_signal_at = now
         self.halt_requested = signal.Signals(signum).name
         # the loader's workers have a process group of their own (nsa_flex.titan.data), but a
-        # scheduler may signal every process of the job: a worker ended by it would make torch's
-        # SIGCHLD handler raise in the middle of the halt's save
+        # signal to the whole group also ends inductor's compile workers: torch's SIGCHLD handler
+        # would then raise in the middle of the halt's save. A Python no-op, not SIG_DFL: a SIGCHLD
+        # already pending when this runs would find no Python handler and raise OSError ("Signal 17
+        # ignored due to race condition")
         if threading.current_thread() is threading.main_thread():
-            self._old_handlers.setdefault(signal.SIGCHLD, signal.signal(signal.SIGCHLD, signal.SIG_DFL))
+            self._old_handlers.setdefault(signal.SIGCHLD, signal.signal(signal.SIGCHLD, _ignore_signal))
         if signum == signal.SIGINT:
             log.warning("ops: Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again: stop at once)")
 

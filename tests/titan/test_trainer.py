@@ -11,7 +11,10 @@
 
 import dataclasses
 import inspect
+import os
 import signal
+import sys
+import time
 import types
 
 import pytest
@@ -238,3 +241,60 @@ def test_upstream_model_log_line_and_no_cudagraphs_by_default():
             check_no_cudagraphs("inductor")
     finally:
         inductor_config.triton.cudagraphs = saved
+
+
+def _keep_handlers(*sigs):
+    return {s: signal.getsignal(s) for s in sigs}
+
+
+def _restore(saved):
+    for s, h in saved.items():
+        signal.signal(s, h)
+
+
+def test_a_repeat_of_the_stop_signal_soon_after_it_is_the_same_request(tmp_path, monkeypatch):
+    """`timeout` and schedulers signal the trainer and then its process group: the second delivery
+    must not take the "second signal: stop at once" path (it killed a gate run at its halt)."""
+    from nsa_flex.titan import trainer as trainer_mod
+    saved = _keep_handlers(signal.SIGTERM, signal.SIGCHLD)
+    kills, now = [], [100.0]
+    monkeypatch.setattr(trainer_mod.os, "kill", lambda pid, sig: kills.append(sig))
+    monkeypatch.setattr(trainer_mod.time, "monotonic", lambda: now[0])
+    try:
+        tr = _trainer(_jc(tmp_path))
+        tr.on_signal(signal.SIGTERM, None)
+        now[0] += 0.01
+        tr.on_signal(signal.SIGTERM, None)  # the group-wide copy
+        assert kills == [] and tr.halt_requested == "SIGTERM"
+        now[0] += trainer_mod.SIGNAL_REPEAT_S
+        tr.on_signal(signal.SIGTERM, None)  # a real second request: stop at once
+        assert kills == [signal.SIGTERM]
+    finally:
+        _restore(saved)
+
+
+def test_a_child_exit_pending_with_the_stop_signal_raises_nothing(tmp_path, monkeypatch):
+    """SIGCHLD (a compile worker ended by the group's SIGTERM) pending when the stop signal's
+    handler runs: CPython runs the handlers in signal order (SIGTERM 15 first); one that set SIGCHLD
+    to SIG_DFL made the pending SIGCHLD raise OSError ("Signal 17 ignored due to race condition")
+    wherever the main thread was (CPython reports it as unraisable, a traceback on stderr, and goes on)."""
+    saved = _keep_handlers(signal.SIGTERM, signal.SIGCHLD)
+    children, unraisable = [], []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: unraisable.append(u.exc_value))
+    try:
+        signal.signal(signal.SIGCHLD, lambda s, f: children.append(s))  # as torch's loader installs
+        tr = _trainer(_jc(tmp_path))
+        signal.signal(signal.SIGTERM, tr.on_signal)
+        both = {signal.SIGTERM, signal.SIGCHLD}
+        signal.pthread_sigmask(signal.SIG_BLOCK, both)
+        try:
+            os.kill(os.getpid(), signal.SIGCHLD)
+            os.kill(os.getpid(), signal.SIGTERM)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, both)  # the handlers run here
+        for _ in range(3):  # let CPython's pending-signal check run
+            time.sleep(0.01)
+        assert tr.halt_requested == "SIGTERM"
+        assert unraisable == []
+    finally:
+        _restore(saved)
