@@ -68,8 +68,11 @@ class BaselineArgs(TransformerModelArgs):
 def context_parallel_problems(job_config, cuda: bool) -> list[str]:
     """What the baseline cannot run with context parallelism, one message per field: CPU processes
     (torch's SDPA ring attention has no sharding rule for the CPU kernel,
-    ``aten._scaled_dot_product_flash_attention_for_cpu``) and validation (see the module's
-    docstring)."""
+    ``aten._scaled_dot_product_flash_attention_for_cpu``), float32 attention (context parallelism
+    wraps the model in FSDP, whose ``mixed_precision_param`` is the attention's dtype; torchtitan's
+    SDPA takes the cuDNN or flash kernel, bfloat16 / float16 only, else the math kernel, which the
+    ring attention cannot shard: "aten.add.Tensor got mixed torch.Tensor and DTensor") and
+    validation (see the module's docstring)."""
     cp = job_config.parallelism.context_parallel_degree
     if cp <= 1:
         return []
@@ -77,6 +80,12 @@ def context_parallel_problems(job_config, cuda: bool) -> list[str]:
     if not cuda:
         probs.append(f"parallelism.context_parallel_degree={cp}: model {NAME!r} runs context parallelism "
                      "on CUDA only (torch's SDPA ring attention has no CPU kernel); allowed on CPU: 1")
+    mp = job_config.training.mixed_precision_param
+    if mp not in ("bfloat16", "float16"):
+        probs.append(f"training.mixed_precision_param={mp!r} with parallelism.context_parallel_degree={cp}: "
+                     f"model {NAME!r}'s ring attention runs SDPA's cuDNN / flash kernels, which take "
+                     "bfloat16 or float16 (float32 falls back to the math kernel, which context "
+                     "parallelism cannot shard); allowed: 'bfloat16', 'float16'")
     if job_config.validation.enable:
         probs.append(f"validation.enable=True with parallelism.context_parallel_degree={cp}: model {NAME!r} "
                      "validates only without context parallelism (set validation.enable = false)")
