@@ -9,12 +9,13 @@
 #     DATA  folder with tiktoken_cache/ (used even where TIKTOKEN_CACHE_DIR is set: the device
 #           machines set one without gpt2)
 # PLAN: one entry per GPU, "MASKS NAME [EXTRA TRAIN FLAGS]" separated by ";". Default: "nsa nsa;
-# full_causal full_causal; nsa nsa_seed1 --debug.seed=1; nsa nsa_phi_mlp --nsa.phi=mlp" (the
-# paper's learned compression beside mean pooling: if NSA retrieves only within its window, whether
-# the selection's scores of one-token matches are the limit). The documents' filler is the TOML's
+# full_causal full_causal; nsa nsa_seed1 --debug.seed=1; nsa nsa_seed2 --debug.seed=2" (the copy
+# circuit formed in one of two NSA seeds of gate runs 5-6: how often it forms, beside full
+# attention). The documents' filler is the TOML's
 # (training.passkey_filler in [curriculum] short; the evaluation's follows).
 # Other knobs: STEPS (the short phase's training.steps, e.g. 7000 where a session's device time is
-# short: the cosine then ends there; default the TOML's), TRAIN_S (seconds of training before the halt, 1440: NSA's 9000 steps at 2048 x 16
+# short: the cosine then ends there; default the TOML's), VAL_FREQ (its validation.freq, e.g. 250:
+# each validation of 128 documents costs NSA ~1.5 s; default the TOML's), TRAIN_S (seconds of training before the halt, 1440: NSA's 9000 steps at 2048 x 16
 # take ~22 min on an H100 after a ~2 min compile, full attention's ~14 min; SIGTERM makes the
 # trainer save a checkpoint and exit 4; the evaluation then reads that checkpoint), TOML, RUNS (/tmp/nsa_gate_runs), DEPTHS (0,25,50,75,100), TRIALS (20), GPUS (the
 # GPUs of each plan entry, e.g. "1 3" beside other jobs on a larger host; default 0 1 2 ...; an entry
@@ -27,7 +28,7 @@ DATA=${2:?usage: retrieval_gate.sh OUT DATA}
 TOML=${TOML:-titan_configs/quality_curriculum.toml}
 RUNS=${RUNS:-/tmp/nsa_gate_runs}
 TRAIN_S=${TRAIN_S:-1440}
-PLAN=${PLAN:-nsa nsa; full_causal full_causal; nsa nsa_seed1 --debug.seed=1; nsa nsa_phi_mlp --nsa.phi=mlp}
+PLAN=${PLAN:-nsa nsa; full_causal full_causal; nsa nsa_seed1 --debug.seed=1; nsa nsa_seed2 --debug.seed=2}
 DEPTHS=${DEPTHS:-0,25,50,75,100}
 TRIALS=${TRIALS:-20}
 PY=${PYTHON:-python}
@@ -44,24 +45,26 @@ filler = items.get('training.passkey_filler', c['training'].get('passkey_filler'
 print(items['training.seq_len'], 'synthetic' if filler == 'sentences' else filler)" "$TOML") \
   || { echo "retrieval_gate.sh: $TOML has no training.seq_len in [curriculum] short" >&2; exit 2; }
 
-# entry_toml TOML N STEPS: TOML with the short phase's training/validation local batch sizes divided
-# by N (the same global batch on N data-parallel GPUs) and, where STEPS is not empty, its
-# training.steps set to STEPS; exits 2 where a batch size does not divide or STEPS is no count
+# entry_toml TOML N STEPS VAL_FREQ: TOML with the short phase's training/validation local batch
+# sizes divided by N (the same global batch on N data-parallel GPUs) and, where STEPS / VAL_FREQ
+# are not empty, its training.steps / validation.freq set to them; exits 2 where a batch size does
+# not divide or a value is no count
 entry_toml() {
-  $PY - "$1" "$2" "$3" <<'PY'
+  $PY - "$1" "$2" "$3" "$4" <<'PY'
 import re, sys
-text, n, steps = open(sys.argv[1]).read(), int(sys.argv[2]), sys.argv[3]
+text, n = open(sys.argv[1]).read(), int(sys.argv[2])
 def per_gpu(m):
     if int(m[2]) % n:
         sys.exit(f"retrieval_gate.sh: {m[1]}.local_batch_size={m[2]} is not divisible by {n} GPUs")
     return f'"{m[1]}.local_batch_size={int(m[2]) // n}"'
 text = re.sub(r'"(training|validation)\.local_batch_size=(\d+)"', per_gpu, text)
-if steps:
-    if not steps.isdigit() or int(steps) < 1:
-        sys.exit(f"retrieval_gate.sh: STEPS={steps!r}: allowed a whole number >= 1")
-    text, k = re.subn(r'"training\.steps=\d+"', f'"training.steps={int(steps)}"', text)
-    if k != 1:
-        sys.exit("retrieval_gate.sh: STEPS needs one \"training.steps=N\" item in [curriculum] short")
+for knob, item, value in (("STEPS", "training.steps", sys.argv[3]), ("VAL_FREQ", "validation.freq", sys.argv[4])):
+    if value:
+        if not value.isdigit() or int(value) < 1:
+            sys.exit(f"retrieval_gate.sh: {knob}={value!r}: allowed a whole number >= 1")
+        text, k = re.subn(rf'"{re.escape(item)}=\d+"', f'"{item}={int(value)}"', text)
+        if k != 1:
+            sys.exit(f"retrieval_gate.sh: {knob} needs one \"{item}=N\" item in [curriculum] short")
 print(text, end="")
 PY
 }
@@ -74,9 +77,9 @@ variant() {  # GPUS MASKS NAME [EXTRA_TRAIN_ARGS...]; GPUS "0", or "0,1" for dat
   # one is cut before its own copy (its training resumes from RUNS/NAME where that holds a run)
   rm -rf "$d/metrics.jsonl" "$d/needle" "$d/needle.log"
   mkdir -p "$d"
-  if [ "$n" -gt 1 ] || [ -n "${STEPS:-}" ]; then
+  if [ "$n" -gt 1 ] || [ -n "${STEPS:-}" ] || [ -n "${VAL_FREQ:-}" ]; then
     toml=$RUNS/$name.toml
-    entry_toml "$TOML" "$n" "${STEPS:-}" > "$toml" 2> "$d/toml.err" || { progress "$name: $(cat "$d/toml.err")"; return; }
+    entry_toml "$TOML" "$n" "${STEPS:-}" "${VAL_FREQ:-}" > "$toml" 2> "$d/toml.err" || { progress "$name: $(cat "$d/toml.err")"; return; }
   fi
   [ "$n" -gt 1 ] && launch=(-m torch.distributed.run --standalone --nproc_per_node "$n" -m nsa_flex.titan.train)
   local t=$(( TRAIN_S - ($(date +%s) - START) ))
