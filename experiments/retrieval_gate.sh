@@ -15,7 +15,9 @@
 # (training.passkey_filler in [curriculum] short; the evaluation's follows).
 # Other knobs: STEPS (the short phase's training.steps, e.g. 7000 where a session's device time is
 # short: the cosine then ends there; default the TOML's), VAL_FREQ (its validation.freq, e.g. 250:
-# each validation of 128 documents costs NSA ~1.5 s; default the TOML's), TRAIN_S (seconds of training before the halt, 1440: NSA's 9000 steps at 2048 x 16
+# each validation of 128 documents costs NSA ~0.7 s; default the TOML's), CKPT_EVERY (its
+# checkpoint.interval, e.g. 2000: each save of the 125M model and optimizer costs ~6 s; the halt
+# at TRAIN_S saves one anyway; default the TOML's), TRAIN_S (seconds of training before the halt, 1440: NSA's 9000 steps at 2048 x 16
 # take ~22 min on an H100 after a ~2 min compile, full attention's ~14 min; SIGTERM makes the
 # trainer save a checkpoint and exit 4; the evaluation then reads that checkpoint), TOML, RUNS (/tmp/nsa_gate_runs), DEPTHS (0,25,50,75,100), TRIALS (20), GPUS (the
 # GPUs of each plan entry, e.g. "1 3" beside other jobs on a larger host; default 0 1 2 ...; an entry
@@ -45,12 +47,13 @@ filler = items.get('training.passkey_filler', c['training'].get('passkey_filler'
 print(items['training.seq_len'], 'synthetic' if filler == 'sentences' else filler)" "$TOML") \
   || { echo "retrieval_gate.sh: $TOML has no training.seq_len in [curriculum] short" >&2; exit 2; }
 
-# entry_toml TOML N STEPS VAL_FREQ: TOML with the short phase's training/validation local batch
-# sizes divided by N (the same global batch on N data-parallel GPUs) and, where STEPS / VAL_FREQ
-# are not empty, its training.steps / validation.freq set to them; exits 2 where a batch size does
+# entry_toml TOML N STEPS VAL_FREQ CKPT_EVERY: TOML with the short phase's training/validation
+# local batch sizes divided by N (the same global batch on N data-parallel GPUs) and, where STEPS /
+# VAL_FREQ / CKPT_EVERY are not empty, its training.steps / validation.freq / checkpoint.interval
+# set to them; exits 2 where a batch size does
 # not divide or a value is no count
 entry_toml() {
-  $PY - "$1" "$2" "$3" "$4" <<'PY'
+  $PY - "$1" "$2" "$3" "$4" "$5" <<'PY'
 import re, sys
 text, n = open(sys.argv[1]).read(), int(sys.argv[2])
 def per_gpu(m):
@@ -58,7 +61,8 @@ def per_gpu(m):
         sys.exit(f"retrieval_gate.sh: {m[1]}.local_batch_size={m[2]} is not divisible by {n} GPUs")
     return f'"{m[1]}.local_batch_size={int(m[2]) // n}"'
 text = re.sub(r'"(training|validation)\.local_batch_size=(\d+)"', per_gpu, text)
-for knob, item, value in (("STEPS", "training.steps", sys.argv[3]), ("VAL_FREQ", "validation.freq", sys.argv[4])):
+for knob, item, value in (("STEPS", "training.steps", sys.argv[3]), ("VAL_FREQ", "validation.freq", sys.argv[4]),
+                          ("CKPT_EVERY", "checkpoint.interval", sys.argv[5])):
     if value:
         if not value.isdigit() or int(value) < 1:
             sys.exit(f"retrieval_gate.sh: {knob}={value!r}: allowed a whole number >= 1")
@@ -77,9 +81,9 @@ variant() {  # GPUS MASKS NAME [EXTRA_TRAIN_ARGS...]; GPUS "0", or "0,1" for dat
   # one is cut before its own copy (its training resumes from RUNS/NAME where that holds a run)
   rm -rf "$d/metrics.jsonl" "$d/needle" "$d/needle.log"
   mkdir -p "$d"
-  if [ "$n" -gt 1 ] || [ -n "${STEPS:-}" ] || [ -n "${VAL_FREQ:-}" ]; then
+  if [ "$n" -gt 1 ] || [ -n "${STEPS:-}${VAL_FREQ:-}${CKPT_EVERY:-}" ]; then
     toml=$RUNS/$name.toml
-    entry_toml "$TOML" "$n" "${STEPS:-}" "${VAL_FREQ:-}" > "$toml" 2> "$d/toml.err" || { progress "$name: $(cat "$d/toml.err")"; return; }
+    entry_toml "$TOML" "$n" "${STEPS:-}" "${VAL_FREQ:-}" "${CKPT_EVERY:-}" > "$toml" 2> "$d/toml.err" || { progress "$name: $(cat "$d/toml.err")"; return; }
   fi
   [ "$n" -gt 1 ] && launch=(-m torch.distributed.run --standalone --nproc_per_node "$n" -m nsa_flex.titan.train)
   local t=$(( TRAIN_S - ($(date +%s) - START) ))

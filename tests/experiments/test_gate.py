@@ -78,12 +78,13 @@ def test_gate_entry_over_several_gpus_keeps_the_global_batch(tmp_path):
     assert not (tmp_path / "o" / "nsa_dp" / "train.log").exists()
 
 
-def test_gate_steps_and_val_freq_set_the_short_phase(tmp_path):
-    """STEPS / VAL_FREQ: the short phase's training.steps (its cosine ends there) / validation.freq
-    in RUNS/NAME.toml, the rest as the TOML has it; a value that is no count is named and nothing
+def test_gate_steps_val_freq_and_ckpt_every_set_the_short_phase(tmp_path):
+    """STEPS / VAL_FREQ / CKPT_EVERY: the short phase's training.steps (its cosine ends there) /
+    validation.freq / checkpoint.interval in RUNS/NAME.toml, the rest as the TOML has it; a value that is no count is named and nothing
     trains."""
     orig = (ROOT / "titan_configs/quality_curriculum.toml").read_text()
     assert '"training.steps=9000"' in orig and '"validation.freq=100"' in orig
+    assert '"checkpoint.interval=500"' in orig
     r = _gate(tmp_path, "0", TRAIN_S="0", STEPS="7000")
     assert r.returncode == 0, r.stderr
     toml = (tmp_path / "runs" / "nsa_dp.toml").read_text()
@@ -92,7 +93,12 @@ def test_gate_steps_and_val_freq_set_the_short_phase(tmp_path):
     assert r.returncode == 0, r.stderr
     toml = (tmp_path / "runs" / "nsa_dp.toml").read_text()
     assert toml == orig.replace('"validation.freq=100"', '"validation.freq=250"')
-    for knob, bad in (("STEPS", "7k"), ("VAL_FREQ", "0")):
+    r = _gate(tmp_path, "0", TRAIN_S="0", CKPT_EVERY="2000", STEPS="8000")
+    assert r.returncode == 0, r.stderr
+    toml = (tmp_path / "runs" / "nsa_dp.toml").read_text()
+    assert toml == orig.replace('"checkpoint.interval=500"', '"checkpoint.interval=2000"').replace(
+        '"training.steps=9000"', '"training.steps=8000"')
+    for knob, bad in (("STEPS", "7k"), ("VAL_FREQ", "0"), ("CKPT_EVERY", "-5")):
         r = _gate(tmp_path, "0", TRAIN_S="600", **{knob: bad})
         assert f"{knob}='{bad}': allowed a whole number >= 1" in (tmp_path / "o" / "progress.txt").read_text()
         assert not (tmp_path / "o" / "nsa_dp" / "train.log").exists()
