@@ -8,7 +8,8 @@ one CSV and one PNG.
 OUT: the gate's output folder (OUT/<variant>/metrics.jsonl, or, for a run cut before the copy,
 the console log OUT/<variant>/train.log: its "validate step: N  retrieval: passkey loss X exact Y%"
 lines). Writes DIR/gate.csv (variant, step, tokens, answer_loss, exact, exact_near, exact_far,
-val_loss; near / far empty where the run did not log them) and DIR/gate.png,
+val_loss, sel_recall; near / far empty where the run did not log them, sel_recall where the run
+had no `[validation] retrieval_recall_docs`) and DIR/gate.png (a fourth panel with the recall),
 and prints the first step where each variant reached 50% and 95% exact. Where the final evaluation
 ran (OUT/<variant>/needle/needle.csv), also DIR/gate_depth.csv: per variant and needle depth the
 prompts answered right and the mean selection recall of the needle's block at the question (NSA:
@@ -38,6 +39,8 @@ def read_variant(folder: str) -> list[dict]:
                 for reach in ("near", "far"):
                     if f"retrieval/passkey_exact_{reach}" in r:
                         rows[step][f"exact_{reach}"] = r[f"retrieval/passkey_exact_{reach}"]
+                if "retrieval/passkey_sel_recall" in r:
+                    rows[step]["sel_recall"] = r["retrieval/passkey_sel_recall"]
                 if "validation_metrics/loss" in r:
                     rows[step]["val_loss"] = r["validation_metrics/loss"]
     else:
@@ -82,11 +85,13 @@ def main(argv=None) -> int:
     curves = {n: read_variant(os.path.join(a.run, n)) for n in names}
     with open(os.path.join(out, "gate.csv"), "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["variant", "step", "tokens", "answer_loss", "exact", "exact_near", "exact_far", "val_loss"])
+        w.writerow(["variant", "step", "tokens", "answer_loss", "exact", "exact_near", "exact_far", "val_loss",
+                    "sel_recall"])
         for n, rows in curves.items():
             for r in rows:
                 w.writerow([n, r["step"], r["step"] * a.tokens_per_step, f"{r['answer_loss']:.4f}", f"{r['exact']:.4f}"]
-                           + [f"{r[k]:.4f}" if k in r else "" for k in ("exact_near", "exact_far", "val_loss")])
+                           + [f"{r[k]:.4f}" if k in r else "" for k in ("exact_near", "exact_far", "val_loss",
+                                                                        "sel_recall")])
     depths = [r for n in names for r in depth_rows(os.path.join(a.run, n), n)]
     if depths:
         with open(os.path.join(out, "gate_depth.csv"), "w", newline="") as f:
@@ -106,21 +111,27 @@ def main(argv=None) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(17, 4.5))
+    recall = any("sel_recall" in r for rows in curves.values() for r in rows)
+    fig, axes = plt.subplots(1, 3 + recall, figsize=(17 + 5.5 * recall, 4.5))
+    ax1, ax2, ax3 = axes[:3]
     for n, rows in curves.items():
         tok = [r["step"] * a.tokens_per_step / 1e6 for r in rows]
         line, = ax1.plot(tok, [r["answer_loss"] for r in rows], label=n)
         ax2.plot(tok, [100 * r["exact"] for r in rows], label=n, color=line.get_color())
-        far = [(t, 100 * r["exact_far"]) for t, r in zip(tok, rows) if "exact_far" in r]
-        if far:
-            ax3.plot(*zip(*far), label=n, color=line.get_color())
+        for ax, key in [(ax3, "exact_far")] + ([(axes[3], "sel_recall")] if recall else []):
+            pts = [(t, 100 * r[key]) for t, r in zip(tok, rows) if key in r]
+            if pts:
+                ax.plot(*zip(*pts), label=n, color=line.get_color())
     ax1.set(xlabel="training tokens (M)", ylabel="nats per answer token", title="passkey answer loss (teacher-forced)")
     ax2.set(xlabel="training tokens (M)", ylabel="% exact", title="passkey exact answers (held-out documents)",
             ylim=(-2, 102))
     ax3.set(xlabel="training tokens (M)", ylabel="% exact",
             title="exact, needle beyond the sliding window", ylim=(-2, 102))
+    if recall:
+        axes[3].set(xlabel="training tokens (M)", ylabel="% of layers x KV groups",
+                     title="selection holds the far needle's block", ylim=(-2, 102))
     ax2.axhline(95, color="gray", ls=":", lw=1)
-    for ax in (ax1, ax2, ax3):
+    for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()

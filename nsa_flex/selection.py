@@ -123,3 +123,44 @@ MAX_CHUNKS = 8  # score chunks of the Triton scorer per call at most (its buffer
 # the Triton scorer's chunk buffer at most (bytes) where MAX_CHUNKS allows: one chunk at the 125M
 # shape up to 16k, two at 32k
 SCORE_BUFFER_MAX = 64 * 2**20
+
+
+class QuestionPicks:
+    """The blocks every selecting layer of ``model`` picks at each row's position ``lengths[b] - 1``
+    (a prompt's last position: the question's cue, where the answer's first token is predicted),
+    in the first forward of a batch: the layers' ``select_topn`` wrapped while the context is open
+    (the training code path). An eager forward: a compiled one traced the unwrapped function."""
+
+    def __init__(self, model, lengths: list[int]):
+        self.layers = [m for m in model.modules() if "sel" in getattr(m, "builders", ())]
+        self.saved = [a.select_topn for a in self.layers]
+        self.lengths = lengths
+        self.picks: dict[int, torch.Tensor] = {}  # layer -> [B, Hkv, n_sel] int64, CPU
+
+    def __enter__(self):
+        for i, att in enumerate(self.layers):
+            def wrapped(*a, _orig=att.select_topn, _i=i, **k):
+                idx = _orig(*a, **k)  # [B, Hkv, T, n_sel]
+                if _i not in self.picks:
+                    last = torch.tensor(self.lengths, device=idx.device) - 1
+                    self.picks[_i] = idx[torch.arange(idx.shape[0], device=idx.device), :, last].cpu()
+                return idx
+            att.select_topn = wrapped
+        return self
+
+    def __exit__(self, *exc):
+        for att, orig in zip(self.layers, self.saved):
+            att.select_topn = orig
+
+    def recall(self, b: int, needle: list[int]) -> tuple[float, int] | None:
+        """(the fraction of (layer, KV group) whose picks at row b's question hold a block of the
+        needle's key tokens, whether such a block is forced there: block 0 or a local block, picked
+        whatever the scores); None without a selecting layer."""
+        if not self.picks or not needle:
+            return None
+        cfg = self.layers[0].cfg
+        blocks = torch.tensor(sorted({p // cfg.l_sel for p in needle}))
+        t = self.lengths[b] - 1
+        _, forced = forced_and_valid(cfg, t + 1, torch.zeros(1, t + 1, dtype=torch.long), "cpu", t, t + 1)
+        hits = [torch.isin(p[b], blocks).any(-1).float().mean() for p in self.picks.values()]
+        return float(torch.stack(hits).mean()), int(bool(forced[0, 0, blocks].any()))

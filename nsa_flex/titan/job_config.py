@@ -13,7 +13,8 @@ Sections:
   [training]  + ``dataset_config``, ``dataset_text_column``, ``dataset_seed``, ``passkey_mix``, ``passkey_questions``,
               ``skip_bad_records``; default
               dataset "passkey".
-  [validation] default dataset "passkey" (validation stream uses its own seed); + ``retrieval_docs``.
+  [validation] default dataset "passkey" (validation stream uses its own seed); + ``retrieval_docs``,
+              ``retrieval_recall_docs``.
   [metrics]   + ``jsonl_file``: per-step metrics (full-precision loss, grad norm, tps, memory) as JSONL.
   [checkpoint] + ``allow_config_change`` (resume across a model / data-stream change).
   [experimental] default custom_import = "nsa_flex.titan.train_spec".
@@ -120,6 +121,13 @@ class Validation:
     seq_len) scored at every validation step: teacher-forced answer loss and exact answers per kind,
     logged as retrieval/* (0..1024; 0 = off; off too when the training data holds no retrieval
     documents)"""
+    retrieval_recall_docs: int = 0
+    """NSA's selection recall at every validation step: over the first this many of those documents
+    whose needle lies beyond the sliding window (and outside block 0), the share of (layer, KV
+    group) whose selection at the question holds the needle's block, logged as
+    retrieval/<kind>_sel_recall (0..1024; 0 = off). It runs the model eagerly (its compiled blocks'
+    graphs trace no probe; FlexAttention then materializes its scores: short sequences only, a
+    few seconds a validation at 2048)"""
 
 
 @dataclass

@@ -13,12 +13,19 @@ and ``retrieval/<kind>_digits`` (share of answer tokens that are the argmax); wi
 model's sliding window), also ``retrieval/<kind>_exact_far`` and ``_exact_near``: exact answers of
 the documents whose needle lies more / not more than ``far_from`` tokens before the answer (a model
 whose window learned the copy alone answers only the near ones).
+
+With ``[validation] retrieval_recall_docs`` (`selection_recall`), NSA's selection recall too:
+``retrieval/<kind>_sel_recall``, over the documents whose needle lies beyond the window and outside
+block 0 (picked whatever the scores), the share of (selecting layer, KV group) whose picks at the
+question (the position predicting the answer's first token) hold a block of the needle. Read beside
+``_exact_far``: misses with a high recall are the copy's, with a low one the selection's.
 """
 
 import torch
 import torch.nn.functional as F
 
 from nsa_flex.data.errors import DatasetError
+from nsa_flex.selection import QuestionPicks
 from nsa_flex.data.retrieval import synthetic_retrieval
 from nsa_flex.data.pysource import pysource_retrieval
 
@@ -26,12 +33,14 @@ from .data import passkey_mix_of
 
 MAX_DOCS = 1024
 KINDS = ("passkey", "multikey")
+RECALL_BATCH = 4  # rows per eager forward of `selection_recall` (eager flex holds [B, H, T, T] scores)
 
 
-def check_docs(n) -> int:
-    """``[validation] retrieval_docs``: an int in [0, MAX_DOCS], else DatasetError."""
+def check_docs(n, field: str = "retrieval_docs") -> int:
+    """``[validation] retrieval_docs`` / ``retrieval_recall_docs``: an int in [0, MAX_DOCS], else
+    DatasetError naming the field."""
     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_DOCS:
-        raise DatasetError(f"validation.retrieval_docs={n!r}: must be an integer in [0, {MAX_DOCS}] (0 = off)")
+        raise DatasetError(f"validation.{field}={n!r}: must be an integer in [0, {MAX_DOCS}] (0 = off)")
     return n
 
 
@@ -109,14 +118,50 @@ def score(logits_of, docs: list[tuple[str, list[int], int]], batch_size: int, de
     return out
 
 
+@torch.no_grad()
+def selection_recall(model, forward, docs: list[tuple[str, list[int], int]], far_from: int, n: int,
+                     device) -> dict[str, float]:
+    """``retrieval/<kind>_sel_recall`` of the first ``n`` documents of ``docs`` whose needle lies
+    more than ``far_from`` tokens before the answer and outside the forced blocks; ``forward``
+    (tokens [B, T] -> anything) runs ``model`` eagerly, ``RECALL_BATCH`` rows at a time (the last
+    batch padded with its first row). Empty without a selecting layer or such a document."""
+    if not QuestionPicks(model, []).layers:
+        return {}  # full attention, sliding window only: nothing selects
+    far = []
+    for kind, toks, ans in docs:
+        dist = needle_distance(toks, ans)
+        if dist is not None and dist > far_from:
+            start = ans - dist
+            far.append((kind, toks, ans, list(range(start, start + len(toks) - 2 - ans))))
+    sums = {k: [0.0, 0] for k in KINDS}
+    for i in range(0, min(len(far), n), RECALL_BATCH):
+        batch = far[i:min(i + RECALL_BATCH, n)]
+        rows = [d[1][:-1] for d in batch]
+        rows += [rows[0]] * (RECALL_BATCH - len(rows))
+        ends = [d[2] for d in batch] + [batch[0][2]] * (RECALL_BATCH - len(batch))
+        with QuestionPicks(model, ends) as picks:  # position ans - 1 predicts the answer's first token
+            forward(torch.tensor(rows, dtype=torch.long, device=device))
+        for b, (kind, _, _, needle) in enumerate(batch):
+            rec = picks.recall(b, needle)
+            if rec is None:
+                return {}
+            if not rec[1]:  # a forced block (block 0) is picked whatever the scores
+                sums[kind][0] += rec[0]
+                sums[kind][1] += 1
+    return {f"retrieval/{k}_sel_recall": s / c for k, (s, c) in sums.items() if c}
+
+
 def summary(metrics: dict[str, float]) -> str:
-    """One console line: "passkey loss 0.123 exact 94% (near 100%, far 90%) | multikey ..."."""
+    """One console line: "passkey loss 0.123 exact 94% (near 100%, far 90%)[ sel recall 0.71] |
+    multikey ..."."""
     parts = []
     for k in KINDS:
         if f"retrieval/{k}_answer_loss" not in metrics:
             continue
         reach = [f"{name} {100 * metrics[f'retrieval/{k}_exact_{name}']:.0f}%" for name in ("near", "far")
                  if f"retrieval/{k}_exact_{name}" in metrics]
+        rec = metrics.get(f"retrieval/{k}_sel_recall")
         parts.append(f"{k} loss {metrics[f'retrieval/{k}_answer_loss']:.3f} exact "
-                     f"{100 * metrics[f'retrieval/{k}_exact']:.0f}%" + (f" ({', '.join(reach)})" if reach else ""))
+                     f"{100 * metrics[f'retrieval/{k}_exact']:.0f}%" + (f" ({', '.join(reach)})" if reach else "")
+                     + (f" sel recall {rec:.2f}" if rec is not None else ""))
     return " | ".join(parts)

@@ -72,6 +72,13 @@ class NSAValidator(Validator):
         if self.retrieval_docs:
             logger.info(f"Validation scores retrieval on {n} held-out documents of {job_config.validation.seq_len} "
                         "tokens (answer loss, exact answers: retrieval/* in the validation records)")
+        self.recall_docs = retrieval.check_docs(getattr(job_config.validation, "retrieval_recall_docs", 0),
+                                                "retrieval_recall_docs") if self.retrieval_docs else 0
+        if self.recall_docs and parallel_dims.world_size > 1:
+            # the ranks would have to agree on a failure that turns it off (FSDP's collectives)
+            logger.warning("validation.retrieval_recall_docs: selection recall runs in one process only; "
+                           f"off with {parallel_dims.world_size} ranks")
+            self.recall_docs = 0
 
     def post_dataloading_process(self, input_dict, labels, model_parts):
         """torchtitan's; with context parallelism on the NSA model this rank's contiguous shard
@@ -124,8 +131,34 @@ class NSAValidator(Validator):
 
         # near / far from the model's sliding window (its masks: full attention's too)
         window = getattr(getattr(model, "model_args", None), "window", None)
-        return retrieval.score(logits_of, self.retrieval_docs, self.job_config.validation.local_batch_size,
-                               utils.device_type, far_from=window)
+        out = retrieval.score(logits_of, self.retrieval_docs, self.job_config.validation.local_batch_size,
+                              utils.device_type, far_from=window)
+        if self.recall_docs and window is not None:
+            out.update(self.selection_recall(model_parts, window))
+        return out
+
+    def selection_recall(self, model_parts, window: int) -> dict[str, float]:
+        """`retrieval.selection_recall` with the model run eagerly (the compiled blocks' graphs
+        trace no probe). A diagnostic: a failure (out of memory, say) logs a warning and turns it
+        off for the rest of the run, never stopping training."""
+        model = model_parts[0]
+
+        def forward(tokens):
+            inputs, _, extra_inputs, extra_kwargs = self.post_dataloading_process(
+                {"input": tokens}, tokens, model_parts)
+            with torch.compiler.set_stance("force_eager"), self.validation_context(), self.maybe_enable_amp:
+                model(inputs, **extra_inputs, **extra_kwargs)
+
+        try:
+            return retrieval.selection_recall(model, forward, self.retrieval_docs, window, self.recall_docs,
+                                              utils.device_type)
+        except Exception as e:  # noqa: BLE001 -- a metric must not end the run
+            logger.warning(f"validation.retrieval_recall_docs: selection recall failed ({type(e).__name__}: "
+                           f"{e}); off for the rest of this run")
+            self.recall_docs = 0
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            return {}
 
 
 def build_validator(job_config, dp_world_size, dp_rank, tokenizer, parallel_dims, loss_fn, validation_context,

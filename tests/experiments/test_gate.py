@@ -26,7 +26,8 @@ def test_report_reads_logs_and_metrics_and_finds_the_thresholds(tmp_path, capsys
     recs = [{"step": 100, "retrieval/passkey_answer_loss": 4.0, "retrieval/passkey_exact": 0.0},
             {"step": 100, "validation_metrics/loss": 2.0},
             {"step": 200, "retrieval/passkey_answer_loss": 1.0, "retrieval/passkey_exact": 0.6,
-             "retrieval/passkey_exact_near": 1.0, "retrieval/passkey_exact_far": 0.2}]
+             "retrieval/passkey_exact_near": 1.0, "retrieval/passkey_exact_far": 0.2,
+             "retrieval/passkey_sel_recall": 0.75}]
     jl.write_text("\n".join(map(json.dumps, recs)) + "\n{\"step\": 3\n")  # a cut last line: skipped
     assert gr.main([str(tmp_path), "--tokens-per-step", "10"]) == 0
     out = capsys.readouterr().out
@@ -39,6 +40,7 @@ def test_report_reads_logs_and_metrics_and_finds_the_thresholds(tmp_path, capsys
     assert rows[0]["val_loss"] == "1.5000" and rows[3]["val_loss"] == "2.0000" and rows[4]["val_loss"] == ""
     assert (rows[4]["exact_near"], rows[4]["exact_far"]) == ("1.0000", "0.2000")  # beyond the window apart
     assert rows[0]["exact_far"] == "" and rows[3]["exact_far"] == ""  # a log, a record without them
+    assert rows[4]["sel_recall"] == "0.7500" and rows[3]["sel_recall"] == ""  # with retrieval_recall_docs
     assert (tmp_path / "gate.png").stat().st_size > 1000
 
 

@@ -21,7 +21,7 @@ def _toml(tmp_path, short='["training.seq_len=192", "training.steps=3", "validat
     text = DEBUG.replace('dump_folder = "./outputs/debug_nsa"', f'dump_folder = "{tmp_path / "run"}"')
     text = text.replace("steps = 50", "steps = 3")
     text += ("\n[validation]\nenable = true\ndataset = \"passkey\"\nseq_len = 256\nlocal_batch_size = 4\n"
-             f"freq = 3\nsteps = 1\nretrieval_docs = 4\n\n[curriculum]\nshort = {short}\n")
+             f"freq = 3\nsteps = 1\nretrieval_docs = 4\nretrieval_recall_docs = 4\n\n[curriculum]\nshort = {short}\n")
     path = tmp_path / "cur.toml"
     path.write_text(text)
     return str(path)
@@ -74,8 +74,9 @@ def test_two_phases_end_to_end_and_resume(tmp_path):
     short, long = recs(run / "short" / "metrics.jsonl"), recs(run / "metrics.jsonl")
     first = lambda rs: next(r["loss_metrics/global_avg_loss"] for r in rs if "loss_metrics/global_avg_loss" in r)  # noqa: E731
     assert first(long) < first(short) - 0.2  # the long phase starts from trained weights
-    for rs in (short, long):
-        assert any("retrieval/passkey_answer_loss" in r for r in rs)
+    for rs in (short, long):  # the selection's recall of far needles beside (retrieval_recall_docs)
+        assert any("retrieval/passkey_answer_loss" in r and 0 <= r["retrieval/passkey_sel_recall"] <= 1
+                   for r in rs)
     again = subprocess.run(cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "curriculum: short phase done" in again.stdout
 

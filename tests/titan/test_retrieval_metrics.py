@@ -96,6 +96,8 @@ def test_retrieval_docs_range_is_checked():
     for bad in (-1, 5000, 2.5, True, "8"):
         with pytest.raises(DatasetError, match=r"validation.retrieval_docs=.*must be an integer in \[0, 1024\]"):
             retrieval.check_docs(bad)
+    with pytest.raises(DatasetError, match=r"validation.retrieval_recall_docs=-1: must be an integer"):
+        retrieval.check_docs(-1, "retrieval_recall_docs")
 
 
 def test_exact_answers_split_by_the_needles_distance_from_the_window():
@@ -117,3 +119,66 @@ def test_exact_answers_split_by_the_needles_distance_from_the_window():
     assert m["retrieval/passkey_exact"] == pytest.approx(1 - n_far / len(docs))
     assert "(near 100%, far 0%)" in retrieval.summary(m)
     assert "retrieval/passkey_exact_far" not in retrieval.score(_oracle(docs)[0], docs, 4, "cpu")
+
+
+def _debug_model(masks="nsa"):
+    import copy
+
+    from nsa_flex.titan.args import nsa_flex_args
+    from nsa_flex.titan.model import NSATransformer
+
+    args = copy.deepcopy(nsa_flex_args["debugmodel"])
+    args.masks = masks
+    torch.manual_seed(0)
+    model = NSATransformer(args)
+    with torch.no_grad():
+        model.init_weights()
+    return model.eval()
+
+
+def test_selection_recall_counts_far_unforced_needles_at_the_question():
+    """selection_recall: over the documents whose needle lies beyond far_from and outside block 0,
+    the share of (layer, KV group) whose picks at the position predicting the answer's first token
+    hold a needle block -- what each document alone gives, read from its own picks; batches of
+    RECALL_BATCH rows (the last one padded) change nothing; n caps the documents; no selecting
+    layer, no metric."""
+    from nsa_flex.selection import QuestionPicks
+
+    model = _debug_model()
+    cfg = model.nsa_config
+    docs = _docs(11, seq=200)
+    kind, toks, ans = docs[0]
+    key = toks[ans:len(toks) - 2]
+    docs.append((kind, toks[:2] + key + toks[2 + len(key):], ans))  # its needle's first copy in block 0
+    far_from = 140  # the needles lie 91-169 tokens back
+    counted = []
+    for kind, toks, ans in docs:
+        d = retrieval.needle_distance(toks, ans)
+        needle = list(range(ans - d, ans - d + len(toks) - 2 - ans))
+        if d > far_from and needle[0] // cfg.l_sel != 0:
+            counted.append((toks, ans, needle))
+    assert 3 <= len(counted) < len(docs) - 1  # some near, one in block 0: not counted
+    assert len(counted) % retrieval.RECALL_BATCH  # a padded last batch
+
+    def alone(toks, ans, needle):
+        with torch.no_grad(), QuestionPicks(model, [ans]) as qp:
+            model(torch.tensor([toks[:ans]]))
+        blocks = {p // cfg.l_sel for p in needle}
+        hits = [bool(set(p[0, g].tolist()) & blocks) for p in qp.picks.values() for g in range(p.shape[1])]
+        return sum(hits) / len(hits)
+
+    want = [alone(*c) for c in counted]
+    assert 0 < sum(want) < len(want)  # neither all nor no needle picked: the test can tell
+    calls = []
+
+    def forward(tokens):
+        calls.append(tuple(tokens.shape))
+        model(tokens)
+
+    m = retrieval.selection_recall(model, forward, docs, far_from, 100, "cpu")
+    assert m == {"retrieval/passkey_sel_recall": pytest.approx(sum(want) / len(want))}
+    assert set(calls) == {(retrieval.RECALL_BATCH, 200)}
+    m = retrieval.selection_recall(model, model, docs, far_from, 2, "cpu")
+    assert m["retrieval/passkey_sel_recall"] == pytest.approx(sum(want[:2]) / 2)
+    assert "sel recall" in retrieval.summary({**retrieval.score(_oracle(docs)[0], docs, 4, "cpu"), **m})
+    assert retrieval.selection_recall(_debug_model("full_causal"), lambda t: None, docs, far_from, 100, "cpu") == {}
