@@ -123,8 +123,9 @@ def selection_recall(model, forward, docs: list[tuple[str, list[int], int]], far
                      device) -> dict[str, float]:
     """``retrieval/<kind>_sel_recall`` of the first ``n`` documents of ``docs`` whose needle lies
     more than ``far_from`` tokens before the answer and outside the forced blocks; ``forward``
-    (tokens [B, T] -> anything) runs ``model`` eagerly, ``RECALL_BATCH`` rows at a time (the last
-    batch padded with its first row). Empty without a selecting layer or such a document."""
+    (tokens [B, T] -> anything) runs ``model``, here eagerly (``force_eager``: torch.compile'd
+    blocks run their Python, where the probe is), ``RECALL_BATCH`` rows at a time (the last batch
+    padded with its first row). Empty without a selecting layer or such a document."""
     if not QuestionPicks(model, []).layers:
         return {}  # full attention, sliding window only: nothing selects
     far = []
@@ -139,7 +140,8 @@ def selection_recall(model, forward, docs: list[tuple[str, list[int], int]], far
         rows = [d[1][:-1] for d in batch]
         rows += [rows[0]] * (RECALL_BATCH - len(rows))
         ends = [d[2] for d in batch] + [batch[0][2]] * (RECALL_BATCH - len(batch))
-        with QuestionPicks(model, ends) as picks:  # position ans - 1 predicts the answer's first token
+        # position ans - 1 predicts the answer's first token; eager: compiled blocks traced no probe
+        with QuestionPicks(model, ends) as picks, torch.compiler.set_stance("force_eager"):
             forward(torch.tensor(rows, dtype=torch.long, device=device))
         for b, (kind, _, _, needle) in enumerate(batch):
             rec = picks.recall(b, needle)

@@ -138,15 +138,14 @@ class NSAValidator(Validator):
         return out
 
     def selection_recall(self, model_parts, window: int) -> dict[str, float]:
-        """`retrieval.selection_recall` with the model run eagerly (the compiled blocks' graphs
-        trace no probe). A diagnostic: a failure (out of memory, say) logs a warning and turns it
+        """`retrieval.selection_recall` (which runs the model eagerly). A diagnostic: a failure (out of memory, say) logs a warning and turns it
         off for the rest of the run, never stopping training."""
         model = model_parts[0]
 
         def forward(tokens):
             inputs, _, extra_inputs, extra_kwargs = self.post_dataloading_process(
                 {"input": tokens}, tokens, model_parts)
-            with torch.compiler.set_stance("force_eager"), self.validation_context(), self.maybe_enable_amp:
+            with self.validation_context(), self.maybe_enable_amp:
                 model(inputs, **extra_inputs, **extra_kwargs)
 
         try:

@@ -182,3 +182,23 @@ def test_selection_recall_counts_far_unforced_needles_at_the_question():
     assert m["retrieval/passkey_sel_recall"] == pytest.approx(sum(want[:2]) / 2)
     assert "sel recall" in retrieval.summary({**retrieval.score(_oracle(docs)[0], docs, 4, "cpu"), **m})
     assert retrieval.selection_recall(_debug_model("full_causal"), lambda t: None, docs, far_from, 100, "cpu") == {}
+
+    # blocks compiled as training compiles them (fullgraph): the probe runs them eagerly -- the
+    # same recall, and no recompile (a wrapped select_topn fails the graphs' guards: recompiling
+    # every block at every validation)
+    compiles = []
+
+    def backend(gm, inputs):
+        compiles.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    for name, block in model.layers.named_children():
+        model.layers.register_module(name, torch.compile(block, backend=backend, fullgraph=True))
+    with torch.no_grad():
+        model(torch.tensor([docs[0][1][:-1]] * retrieval.RECALL_BATCH))
+    n = len(compiles)
+    assert n >= 1
+    m = retrieval.selection_recall(model, model, docs, far_from, 100, "cpu")
+    assert m == {"retrieval/passkey_sel_recall": pytest.approx(sum(want) / len(want))}
+    assert len(compiles) == n
