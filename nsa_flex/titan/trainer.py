@@ -27,8 +27,9 @@ world size > 1), the checkpoint of this step is forced to a full "last step" che
 last step is a finished run, 0). Rerunning the same command resumes from it. Rank 0 removes the
 halt file; a halt file found at the start (left from before this run) is removed with a warning.
 A second SIGTERM or SIGINT ends the process at once (the signal's default action), without a
-checkpoint; a repeat within :data:`SIGNAL_REPEAT_S` of the first is the same request (``timeout``
-and job schedulers signal the process and then its whole process group: two deliveries of one stop).
+checkpoint; a SIGTERM within :data:`SIGNAL_REPEAT_S` of the first is the same request (``timeout``
+and job schedulers signal the process and then its whole process group: two deliveries of one
+stop). A second Ctrl-C always counts (a terminal sends one SIGINT a key press).
 
 Non-finite guard (``[ops] halt_on_nonfinite``, on by default). After every optimizer step each rank
 checks that its gradients are finite (one fused norm and one host sync per step; a non-finite loss
@@ -65,7 +66,7 @@ TORCHTITAN_VERSION = "0.2.2"  # the Trainer methods overridden here and every pa
 TORCH_RANGE = ((2, 11), (2, 15))  # [low, high) as (major, minor), as in pyproject.toml
 
 
-# seconds within which a repeat of the stop signal is the same request (its group-wide copy)
+# seconds within which a repeated SIGTERM is the same request (its group-wide copy)
 SIGNAL_REPEAT_S = 2.0
 
 
@@ -249,10 +250,10 @@ class NSATrainer(Trainer):
 
     # ------------------------------------------------------------------ halt / non-finite
     def on_signal(self, signum, frame) -> None:
-        """SIGTERM / SIGINT: halt after this step; a second one (later than SIGNAL_REPEAT_S): the
-        signal's default action, now."""
+        """SIGTERM / SIGINT: halt after this step; a second one (a SIGTERM later than
+        SIGNAL_REPEAT_S): the signal's default action, now."""
         now = time.monotonic()
-        if self._signals and now - self._first_signal_at < SIGNAL_REPEAT_S:
+        if signum == signal.SIGTERM and self._signals and now - self._first_signal_at < SIGNAL_REPEAT_S:
             return  # the group-wide copy of the first signal
         self._signals += 1
         if self._signals > 1:

@@ -191,7 +191,8 @@ def test_upstream_main_takes_no_arguments():
 def test_upstream_validator_reads_only_its_dataset_table():
     """validate.NSAValidator sets Validator.__init__'s state itself: torchtitan's Validator builds
     its loader with build_text_validation_dataloader, unexposed to the TrainSpec (pytorch/torchtitan
-    PR 1362). The state must stay the same set of attributes (plus our retrieval documents)."""
+    PR 1362). The state must stay the same set of attributes (plus our retrieval documents and
+    recall count)."""
     import re
 
     from torchtitan.components.validate import Validator
@@ -202,7 +203,7 @@ def test_upstream_validator_reads_only_its_dataset_table():
     ours = inspect.getsource(NSAValidator.__init__)
     assert "build_text_validation_dataloader(" in upstream
     attrs = lambda src: set(re.findall(r"self\.(\w+) =", src))  # noqa: E731
-    assert attrs(upstream) | {"retrieval_docs"} == attrs(ours)
+    assert attrs(upstream) | {"retrieval_docs", "recall_docs"} == attrs(ours)
 
 
 def test_upstream_validate_shards_its_own_way():
@@ -269,6 +270,11 @@ def test_a_repeat_of_the_stop_signal_soon_after_it_is_the_same_request(tmp_path,
         now[0] += trainer_mod.SIGNAL_REPEAT_S
         tr.on_signal(signal.SIGTERM, None)  # a real second request: stop at once
         assert kills == [signal.SIGTERM]
+        tr2 = _trainer(_jc(tmp_path))
+        tr2.on_signal(signal.SIGINT, None)
+        now[0] += 0.05
+        tr2.on_signal(signal.SIGINT, None)  # Ctrl-C again, however soon: stop at once
+        assert kills == [signal.SIGTERM, signal.SIGINT]
     finally:
         _restore(saved)
 
