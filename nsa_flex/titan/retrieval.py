@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from nsa_flex.data.errors import DatasetError
-from nsa_flex.selection import QuestionPicks
 from nsa_flex.data.retrieval import synthetic_retrieval
 from nsa_flex.data.pysource import pysource_retrieval
+from nsa_flex.selection import QuestionPicks
 
 from .data import passkey_mix_of
 

@@ -73,6 +73,7 @@ SIGNAL_REPEAT_S = 2.0
 def _ignore_signal(signum, frame) -> None:
     """SIGCHLD once the run is stopping: a child's exit is no error then."""
 
+
 class VersionError(UserError, RuntimeError):
     """torchtitan or torch outside the versions nsa_flex's trainer is written for."""
 

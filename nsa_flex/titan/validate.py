@@ -138,8 +138,9 @@ class NSAValidator(Validator):
         return out
 
     def selection_recall(self, model_parts, window: int) -> dict[str, float]:
-        """`retrieval.selection_recall` (which runs the model eagerly). A diagnostic: a failure (out of memory, say) logs a warning and turns it
-        off for the rest of the run, never stopping training."""
+        """`retrieval.selection_recall` (which runs the model eagerly). A diagnostic: a failure
+        (out of memory, say) logs a warning and turns it off for the rest of the run, never
+        stopping training."""
         model = model_parts[0]
 
         def forward(tokens):
