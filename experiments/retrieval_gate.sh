@@ -17,9 +17,11 @@
 # short: the cosine then ends there; default the TOML's), VAL_FREQ (its validation.freq, e.g. 250:
 # each validation of 128 documents costs NSA ~0.7 s; default the TOML's), CKPT_EVERY (its
 # checkpoint.interval, e.g. 2000: each save of the 125M model and optimizer costs ~6 s; the halt
-# at TRAIN_S saves one anyway; default the TOML's), TRAIN_S (seconds of training before the halt, 1440: NSA's 9000 steps at 2048 x 16
-# take ~22 min on an H100 after a ~2 min compile, full attention's ~14 min; SIGTERM makes the
-# trainer save a checkpoint and exit 4; the evaluation then reads that checkpoint), TOML, RUNS (/tmp/nsa_gate_runs), DEPTHS (0,25,50,75,100), TRIALS (20), GPUS (the
+# at TRAIN_S saves one anyway; default the TOML's), TRAIN_S (seconds from the start before each
+# run's halt, 1440: SIGTERM makes the trainer save a checkpoint and exit 4, the evaluation then
+# reads it; on an H100 NSA's step at 2048 x 16 is ~0.16 s, full attention's ~0.09, start and
+# compile ~2-3 min: experiments/NOTES.md 83), TOML, RUNS (/tmp/nsa_gate_runs), DEPTHS
+# (0,25,50,75,100), TRIALS (20), GPUS (the
 # GPUs of each plan entry, e.g. "1 3" beside other jobs on a larger host; default 0 1 2 ...; an entry
 # "0,1" trains that variant data-parallel over those GPUs under torchrun with the same global batch:
 # the short phase's local batch sizes divided by their number, in RUNS/NAME.toml; at 2048 on H100s
@@ -83,7 +85,8 @@ variant() {  # GPUS MASKS NAME [EXTRA_TRAIN_ARGS...]; GPUS "0", or "0,1" for dat
   mkdir -p "$d"
   if [ "$n" -gt 1 ] || [ -n "${STEPS:-}${VAL_FREQ:-}${CKPT_EVERY:-}" ]; then
     toml=$RUNS/$name.toml
-    entry_toml "$TOML" "$n" "${STEPS:-}" "${VAL_FREQ:-}" "${CKPT_EVERY:-}" > "$toml" 2> "$d/toml.err" || { progress "$name: $(cat "$d/toml.err")"; return; }
+    entry_toml "$TOML" "$n" "${STEPS:-}" "${VAL_FREQ:-}" "${CKPT_EVERY:-}" > "$toml" 2> "$d/toml.err" \
+      || { progress "$name: $(cat "$d/toml.err")"; return; }
   fi
   [ "$n" -gt 1 ] && launch=(-m torch.distributed.run --standalone --nproc_per_node "$n" -m nsa_flex.titan.train)
   local t=$(( TRAIN_S - ($(date +%s) - START) ))

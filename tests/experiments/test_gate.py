@@ -82,8 +82,8 @@ def test_gate_entry_over_several_gpus_keeps_the_global_batch(tmp_path):
 
 def test_gate_steps_val_freq_and_ckpt_every_set_the_short_phase(tmp_path):
     """STEPS / VAL_FREQ / CKPT_EVERY: the short phase's training.steps (its cosine ends there) /
-    validation.freq / checkpoint.interval in RUNS/NAME.toml, the rest as the TOML has it; a value that is no count is named and nothing
-    trains."""
+    validation.freq / checkpoint.interval in RUNS/NAME.toml, the rest as the TOML has it; a value
+    that is no count is named and nothing trains."""
     orig = (ROOT / "titan_configs/quality_curriculum.toml").read_text()
     assert '"training.steps=9000"' in orig and '"validation.freq=100"' in orig
     assert '"checkpoint.interval=500"' in orig
