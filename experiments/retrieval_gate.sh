@@ -9,8 +9,8 @@
 #     DATA  folder with tiktoken_cache/ (used even where TIKTOKEN_CACHE_DIR is set: the device
 #           machines set one without gpt2)
 # PLAN: one entry per GPU, "MASKS NAME [EXTRA TRAIN FLAGS]" separated by ";". Default: "nsa nsa;
-# full_causal full_causal; nsa nsa_seed1 --debug.seed=1; nsa nsa_seed2 --debug.seed=2" (the copy
-# circuit formed in one of two NSA seeds of gate runs 5-6: how often it forms, beside full
+# full_causal full_causal; nsa nsa_seed1 --debug.seed=1; nsa nsa_seed2 --debug.seed=2" (whether
+# NSA forms the copy depends on the seed, experiments/NOTES.md 83: how often it does, beside full
 # attention). The documents' filler is the TOML's
 # (training.passkey_filler in [curriculum] short; the evaluation's follows).
 # Other knobs: STEPS (the short phase's training.steps, e.g. 7000 where a session's device time is

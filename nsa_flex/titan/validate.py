@@ -118,15 +118,19 @@ class NSAValidator(Validator):
         finally:
             model.train()
 
+    def run_tokens(self, model_parts, tokens):
+        """The model's output for a batch of tokens [B, T] (this rank's shard of them under context
+        parallelism), as validation runs it."""
+        inputs, _, extra_inputs, extra_kwargs = self.post_dataloading_process({"input": tokens}, tokens, model_parts)
+        with self.validation_context(), self.maybe_enable_amp:
+            return model_parts[0](inputs, **extra_inputs, **extra_kwargs)
+
     def score_retrieval(self, model_parts) -> dict[str, float]:
         """The retrieval metrics of the held-out documents (the model in eval mode)."""
         model = model_parts[0]
 
         def logits_of(tokens, start):
-            inputs, _, extra_inputs, extra_kwargs = self.post_dataloading_process(
-                {"input": tokens}, tokens, model_parts)
-            with self.validation_context(), self.maybe_enable_amp:
-                logits = model(inputs, **extra_inputs, **extra_kwargs)
+            logits = self.run_tokens(model_parts, tokens)
             return range_of_seq_nograd(logits, getattr(model, "seq_shard", NO_SHARD), start, tokens.shape[1], 1)
 
         # near / far from the model's sliding window (its masks: full attention's too)
@@ -141,17 +145,9 @@ class NSAValidator(Validator):
         """`retrieval.selection_recall` (which runs the model eagerly). A diagnostic: a failure
         (out of memory, say) logs a warning and turns it off for the rest of the run, never
         stopping training."""
-        model = model_parts[0]
-
-        def forward(tokens):
-            inputs, _, extra_inputs, extra_kwargs = self.post_dataloading_process(
-                {"input": tokens}, tokens, model_parts)
-            with self.validation_context(), self.maybe_enable_amp:
-                model(inputs, **extra_inputs, **extra_kwargs)
-
         try:
-            return retrieval.selection_recall(model, forward, self.retrieval_docs, window, self.recall_docs,
-                                              utils.device_type)
+            return retrieval.selection_recall(model_parts[0], lambda t: self.run_tokens(model_parts, t),
+                                              self.retrieval_docs, window, self.recall_docs, utils.device_type)
         except Exception as e:  # noqa: BLE001 -- a metric must not end the run
             logger.warning(f"validation.retrieval_recall_docs: selection recall failed ({type(e).__name__}: "
                            f"{e}); off for the rest of this run")

@@ -255,7 +255,8 @@ def _restore(saved):
 
 def test_a_repeat_of_the_stop_signal_soon_after_it_is_the_same_request(tmp_path, monkeypatch):
     """`timeout` and schedulers signal the trainer and then its process group: the second delivery
-    must not take the "second signal: stop at once" path (it killed a gate run at its halt)."""
+    must not take the "second signal: stop at once" path, which ends the run without its halt
+    checkpoint."""
     from nsa_flex.titan import trainer as trainer_mod
     saved = _keep_handlers(signal.SIGTERM, signal.SIGCHLD)
     kills, now = [], [100.0]
