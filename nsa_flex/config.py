@@ -6,11 +6,12 @@ groups, d_k=192, d_v=128, hidden size 2560.
 """
 
 import logging
+import math
 from dataclasses import asdict, dataclass, fields
 
 import torch
 
-from masks import PRESETS, import_builder_modules, list_mask_builders
+from masks import PRESETS, builder_info, import_builder_modules, list_mask_builders
 
 from .errors import UserError
 from .rules import LayerShape, knob
@@ -112,6 +113,11 @@ class NSAConfig(LayerShape):
                                   "compressed and window branches: the layer then keeps about what "
                                   "full attention keeps, the selected branch's K/V and output aside) "
                                   "| all (the three branches; the selection's block lists are kept)")
+    sel_distill: float = knob(0.0, "weight of the selection-distillation loss (not in the paper; "
+                                   "nsa_flex/distill.py): KL from the selected branch's dense "
+                                   "attention mass per selection block to the scorer's p_slc, "
+                                   "training only the compressed keys; 0 = off. Costs a dense "
+                                   "causal attention forward a layer: for short-context training")
     seed: int = knob(0, "seed of the random_selection ablation (a fresh draw per step, reproducible "
                         "per seed)")
 
@@ -171,6 +177,9 @@ class NSAConfig(LayerShape):
             errs.append(f"cmp_kernel={self.cmp_kernel!r}: allowed values are {CMP_KERNEL_CHOICES}")
         if self.recompute not in RECOMPUTE_CHOICES:
             errs.append(f"recompute={self.recompute!r}: allowed values are {RECOMPUTE_CHOICES}")
+        if (not isinstance(self.sel_distill, (int, float)) or isinstance(self.sel_distill, bool)
+                or not math.isfinite(self.sel_distill) or self.sel_distill < 0):
+            errs.append(f"sel_distill={self.sel_distill!r}: must be a finite number >= 0 (0 = off)")
         if not isinstance(self.rope_theta, (int, float)) or self.rope_theta <= 0:
             errs.append(f"rope_theta={self.rope_theta!r}: must be a positive number")
         # mask names are checked against the registry, after the user's builder modules have
@@ -192,6 +201,11 @@ class NSAConfig(LayerShape):
         if not errs and set(self.branch_masks().values()) == {"none"}:
             errs.append(f"cmp_mask={self.cmp_mask!r}, sel_mask={self.sel_mask!r}, win_mask={self.win_mask!r} "
                         f"with masks={self.masks!r}: every branch is 'none'; keep at least one branch")
+        if (not errs and self.sel_distill > 0
+                and not builder_info(self.branch_masks()["sel"]).scores):
+            errs.append(f"sel_distill={self.sel_distill}: needs a selection that reads the "
+                        f"compressed scores (the nsa preset's topn), got sel_mask "
+                        f"{self.branch_masks()['sel']!r} (masks={self.masks!r}); set sel_distill = 0")
         if errs:
             raise NSAConfigError("invalid NSAConfig:\n  - " + "\n  - ".join(errs), errs)
 

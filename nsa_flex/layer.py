@@ -21,6 +21,7 @@ from .attention import BranchPlan, mix_branches, plan_branch
 from .compression import PHI
 from .config import RECOMPUTED, NSAConfig
 from .context_parallel import NO_SHARD, SeqShard, gather_seq, gather_seq_nograd, with_halo
+from .distill import attach_loss, distill_kl
 from .kernel_options import install_flex_patches
 from .ops import DEFAULT_TUNING, SelectedTuning
 from .rope import apply_rope, rope_cos_sin
@@ -307,26 +308,40 @@ class NSAAttention(nn.Module):
         # compressed branch (§3.3.1): phi over blocks of l keys / values, attend; its lse feeds
         # the scorer. A scoring selection runs it for the compressed keys when the branch is off.
         if "cmp" in self.builders:
-            spec = mask("cmp")[0]
+            spec = cmp_spec = mask("cmp")[0]
             oc, lse_cmp, k_cmp = self.branch("cmp", spec, x, q, cos, sin, docs, shard)
             if names["cmp"] != "none":
                 out["cmp"], specs["cmp"] = oc, (spec, k_cmp.shape[2])
 
         # selected (§3.3.2) and sliding-window (§3.3.3, its keys a halo where one suffices)
+        keys = {}
         for b in ("sel", "win"):
             if b in self.builders:
                 specs[b] = mask(b)
-                out[b], _, _ = self.branch(b, specs[b][0], x, q, cos, sin, docs, shard,
-                                           halo if b == "win" else None)
+                out[b], _, keys[b] = self.branch(b, specs[b][0], x, q, cos, sin, docs, shard,
+                                                 halo if b == "win" else None)
 
         # gate (Eq. 5): per head, per branch sigmoid, mixing the branch outputs
         g = torch.sigmoid(self.gate(x)).view(B, Tq, -1, 3)  # [B, T, H, 3]
         on = [i for i, b in enumerate(BRANCHES) if b in out]
         o = mix_branches(g if len(on) == 3 else g[..., on], [out[BRANCHES[i]] for i in on],
                          cfg.backend)  # [B, T, H * d_v]
+        y = self.wo(o)
+
+        # optional (not in the paper): teach the compressed keys where the selected branch would
+        # look, through y's backward (nsa_flex.distill)
+        kl = None
+        if cfg.sel_distill > 0 and self.training and torch.is_grad_enabled():
+            if shard.sharded:
+                raise ValueError("NSAConfig.sel_distill > 0 does not run under context "
+                                 "parallelism (its dense target needs every query); set it to 0")
+            kc = self.phi_k(self.project_kv(x.detach(), "cmp", cos, sin)[0])
+            kl = distill_kl(q, kc, keys["sel"], cfg, cmp_spec,
+                            builder_info("causal").fn(ctx), masks.starts)
+            y = attach_loss(y, cfg.sel_distill * kl)
         if self.telemetry:
             with torch.no_grad():
                 enabled = tuple(b in out for b in BRANCHES)
                 self.telemetry_stats.copy_(layer_stats(g.permute(0, 2, 1, 3), enabled, specs,
-                                                       cfg.l_sel, Tq))
-        return self.wo(o)
+                                                       cfg.l_sel, Tq, kl))
+        return y

@@ -31,6 +31,8 @@ Quantities (per layer; branches ``cmp``, ``sel``, ``win``; only enabled branches
 * ``sel_dist/<bin>``: fraction of the selection branch's selected blocks (blocks of l' keys with at
   least one visible key) at a distance, in blocks, of 0, 1, 2-3, 4-7, ... from the query's own block
   (log2 bins, the last one open); ``sel_dist_mean`` is the mean distance.
+* ``sel_distill_kl``: the selection-distillation loss (``NSAConfig.sel_distill > 0``,
+  :mod:`nsa_flex.distill`) of the training forward; absent where it is off.
 * gate collapse: a branch whose gate mean stays above ``gate_collapse_threshold`` at every telemetry
   step over at least ``gate_collapse_steps`` training steps (from the first such step to the
   current one, inclusive) gets one warning; the streak re-arms once the mean drops back.
@@ -54,7 +56,8 @@ GATE_SHARE = slice(6, 9)
 READS = slice(9, 12)
 DIST_SUM, DIST_SQ, DIST_CNT = 12, 13, 14
 HIST = slice(15, 15 + N_BINS)
-STATS_SIZE = 15 + N_BINS
+DISTILL = 15 + N_BINS  # the selection-distillation KL (nsa_flex/distill.py); NaN where it is off
+STATS_SIZE = 16 + N_BINS
 
 
 def bin_labels() -> list[str]:
@@ -118,13 +121,13 @@ def selection_distance_counts(rows: Tensor, q_pos: Tensor, l_sel: int) -> Tensor
 
 
 def layer_stats(g: Tensor, enabled: tuple[bool, bool, bool], specs: dict, l_sel: int,
-                T: int) -> Tensor:
+                T: int, distill: Tensor | None = None) -> Tensor:
     """One layer's telemetry vector [STATS_SIZE] (float32).
 
     g: the sigmoid gates [B, H, T, 3] (branch order BRANCHES); enabled: which branches feed the
     output; specs: branch -> (MaskSpec, kv_len) of the enabled branches. A sequence shard
     (context parallelism): the statistics of its rows, whose positions are the spec's
-    (`MaskSpec.q_offset`)."""
+    (`MaskSpec.q_offset`). distill: the step's selection-distillation KL, None where it is off."""
     g = g.detach().float()
     B = g.shape[0]
     dev = g.device
@@ -149,14 +152,16 @@ def layer_stats(g: Tensor, enabled: tuple[bool, bool, bool], specs: dict, l_sel:
         reads.append(rows.sum(-1).float().mean())
         if name == "sel":
             dist = selection_distance_counts(rows, q_pos, l_sel)
-    return torch.cat([mean, ent, share, torch.stack(reads), dist[N_BINS:], dist[:N_BINS]])
+    kl = torch.full((1,), float("nan"), device=dev) if distill is None else distill.detach().float().view(1)
+    return torch.cat([mean, ent, share, torch.stack(reads), dist[N_BINS:], dist[:N_BINS], kl])
 
 
 # ---------------------------------------------------------------------- host side
 def telemetry_metrics(stats: Tensor, enabled: list[tuple[bool, bool, bool]]) -> dict[str, float]:
     """stats [L, STATS_SIZE] (one row per layer, DP-averaged) -> named scalars:
     ``nsa/layer{i}/{gate_mean,gate_entropy,gate_share,reads}/{branch}``, ``nsa/layer{i}/sel_dist/{bin}``
-    (fractions), ``nsa/layer{i}/sel_dist_mean``, and the means over layers ``nsa/{...}/{branch}``."""
+    (fractions), ``nsa/layer{i}/sel_dist_mean``, ``nsa/layer{i}/sel_distill_kl`` (where the
+    selection distillation runs), and the means over layers ``nsa/{...}/{branch}``."""
     stats = stats.detach().float().cpu()
     out: dict[str, float] = {}
     labels = bin_labels()
@@ -177,6 +182,9 @@ def telemetry_metrics(stats: Tensor, enabled: list[tuple[bool, bool, bool]]) -> 
                 out[f"nsa/layer{i}/sel_dist/{lab}"] = v
             out[f"nsa/layer{i}/sel_dist_mean"] = float(row[DIST_SUM]) / cnt
             sums.setdefault("nsa/sel_dist_mean", []).append(float(row[DIST_SUM]) / cnt)
+        if math.isfinite(float(row[DISTILL])):
+            out[f"nsa/layer{i}/sel_distill_kl"] = float(row[DISTILL])
+            sums.setdefault("nsa/sel_distill_kl", []).append(float(row[DISTILL]))
     for k, v in sums.items():
         out[k] = sum(v) / len(v)
     return out
@@ -196,6 +204,8 @@ def format_layer_line(i: int, row: Tensor, on: tuple[bool, bool, bool]) -> str:
         line += " | sel dist " + " ".join(f"{lab}:{100 * v:.0f}%" for lab, v in
                                            zip(bin_labels()[: last + 1], hist[: last + 1]))
         line += f" (mean {float(row[DIST_SUM]) / cnt:.1f} blocks)"
+    if math.isfinite(float(row[DISTILL])):
+        line += f" | distill KL {float(row[DISTILL]):.4g}"
     return line
 
 

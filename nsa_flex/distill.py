@@ -1,0 +1,112 @@
+"""Selection distillation (optional, `NSAConfig.sel_distill > 0`; not in the paper).
+
+The top-n selection (Eq. 8-11) has no gradient: the compressed keys learn where a query should
+look only through the compressed branch's own blurred output. DeepSeek's DSA trains its indexer
+with a KL loss toward the main attention's mass; here the same for NSA's scorer, per layer:
+
+    target[j] = what the selected branch's q and keys would put on selection block j under dense
+                causal attention (softmax over every visible key, summed over the block's keys,
+                Eq. 10's mean over the group's heads) -- no gradient;
+    pred[j]   = Eq. 8-10's p_slc from the compressed keys (q detached, the keys recomputed from the
+                layer's detached input: only the compressed keys' projection and phi learn from it);
+    loss      = KL(target || pred) over the blocks the scores choose among (valid, not forced:
+                block 0 and the local blocks are picked whatever the scores), each renormalized,
+                averaged over the (position, KV group) rows that have such blocks.
+
+Both sides are attention calls: block masses are an attention output whose values are each key's
+one-hot selection block (target; keys -> blocks) or Eq. 9's overlap weights (pred; compressed
+blocks -> blocks), so the flex backend runs them fused and never holds a [T, T] score matrix.
+The dense target costs a causal attention forward over the sequence (head dim of the values:
+the number of selection blocks, padded): meant for short-context training, e.g. a curriculum's
+short phase.
+
+The loss enters through the layer's output (`attach_loss`: an identity whose backward also seeds
+the loss), so the trainer's loss, its logs and validation are unchanged.
+"""
+
+import torch
+from torch import Tensor
+
+from masks import MaskSpec
+
+from .attention import attend_flex, attend_reference
+from .config import resolve_backend
+from .rules import forced_and_valid, map_to_selection_blocks
+
+EPS = 1e-6  # floor of pred's renormalized probabilities inside the log (bf16 underflow)
+
+
+def value_width(ns: int) -> int:
+    """The values' head dim for ns selection blocks: a power of two >= 16 (flex's tiles)."""
+    return max(16, 1 << (ns - 1).bit_length())
+
+
+def block_onehot(S: int, l_sel: int, width: int, device, dtype) -> Tensor:
+    """[S, width]: key s -> one-hot of its selection block s // l_sel."""
+    return torch.nn.functional.one_hot(torch.arange(S, device=device) // l_sel, width).to(dtype)
+
+
+def overlap_values(nc: int, ns: int, cfg, width: int, device, dtype) -> Tensor:
+    """[nc, width]: compressed block i -> Eq. 9's weights w[i, j] on the selection blocks j."""
+    w = map_to_selection_blocks(torch.eye(nc, device=device), ns, cfg.l, cfg.d, cfg.l_sel)
+    return torch.nn.functional.pad(w, (0, width - ns)).to(dtype)
+
+
+def block_mass(q: Tensor, k: Tensor, values: Tensor, spec: MaskSpec, backend: str) -> Tensor:
+    """Each query head's attention mass on the columns of `values` ([S, width], shared by every
+    batch row and KV head) -> [B, Hkv, T, width] fp32, the mean over each GQA group's heads."""
+    B, H, T, _ = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    v = values.expand(B, Hkv, S, values.shape[-1])
+    attend = attend_reference if resolve_backend(backend, q.device) == "reference" else attend_flex
+    out, _ = attend(q, k, v, spec)
+    return out.float().view(B, Hkv, H // Hkv, T, -1).mean(2)
+
+
+def distill_kl(q: Tensor, k_cmp: Tensor, k_sel: Tensor, cfg, cmp_spec: MaskSpec,
+               causal_spec: MaskSpec, starts: Tensor | None) -> Tensor:
+    """The layer's selection-distillation loss (module docstring), a scalar fp32.
+
+    q [B, H, T, d_qk] (after RoPE; detached here), k_cmp [B, Hkv, Nc, d_qk] (the one input with
+    a gradient), k_sel [B, Hkv, T, d_qk] (detached here); cmp_spec: the compressed branch's mask
+    (its documents included), causal_spec: causal over the selected branch's keys (documents
+    included); starts [B, T] each position's document start, None without documents."""
+    B, H, T, _ = q.shape
+    ns, nc = -(-T // cfg.l_sel), k_cmp.shape[2]
+    width, q = value_width(ns), q.detach()
+    if nc == 0:  # no compressed block yet: nothing to learn, and k_cmp stays in the graph
+        return k_cmp.sum().float() * 0
+    with torch.no_grad():
+        onehot = block_onehot(T, cfg.l_sel, width, q.device, q.dtype)
+        target = block_mass(q, k_sel.detach(), onehot, causal_spec, cfg.backend)[..., :ns]
+    pred = block_mass(q, k_cmp, overlap_values(nc, ns, cfg, width, q.device, q.dtype), cmp_spec,
+                      cfg.backend)[..., :ns]
+    if starts is None:
+        starts = torch.zeros(1, T, dtype=torch.long, device=q.device)
+    valid, forced = forced_and_valid(cfg, T, starts, q.device)
+    free = (valid & ~forced).unsqueeze(1).float()  # [B|1, 1, T, Ns]
+    target, pred = target * free, pred * free
+    tz = target.sum(-1, keepdim=True)
+    rows = (tz > 0).float()  # rows with free blocks (the target then puts mass on them)
+    t = target / tz.clamp_min(torch.finfo(torch.float32).tiny)
+    p = pred / pred.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    kl = (torch.special.xlogy(t, t) - t * torch.log(p.clamp_min(EPS))).sum(-1, keepdim=True)
+    return (kl * rows).sum() / rows.sum().clamp_min(1.0)
+
+
+class _AttachLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y: Tensor, loss: Tensor) -> Tensor:
+        ctx.save_for_backward(loss)
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (loss,) = ctx.saved_tensors
+        return grad, torch.ones_like(loss)
+
+
+def attach_loss(y: Tensor, loss: Tensor) -> Tensor:
+    """y unchanged; its backward also seeds `loss` (a scalar) with gradient 1, as if `loss` were
+    added to the trainer's loss (not scaled by a gradient accumulation's 1 / steps)."""
+    return _AttachLoss.apply(y, loss)

@@ -1,0 +1,224 @@
+"""Selection distillation (nsa_flex/distill.py, NSAConfig.sel_distill):
+
+* the loss equals a naive computation written from its definition (per-head dense softmaxes over
+  tokens and compressed blocks, Eq. 9 by overlap, forced blocks out, KL), with and without
+  documents;
+* its gradient reaches only the compressed keys' projection and phi (never q, the other branches,
+  the gate or the layer's input), it lowers the loss when followed, and it is absent where the
+  setting is 0, in eval mode and under no_grad (outputs bit-identical);
+* compiled (fullgraph, aot_eager) it gives the eager gradients; telemetry logs the KL;
+* the config's errors name the field; the flex path on the GPU equals the reference path.
+"""
+
+import math
+
+import pytest
+import torch
+
+from nsa_flex import NSAAttention, NSAConfig
+from nsa_flex import telemetry as tm
+from nsa_flex.config import NSAConfigError
+from nsa_flex.distill import attach_loss, distill_kl
+from nsa_flex.rules import cmp_visible, forced_and_valid, map_to_selection_blocks
+from masks import builder_info, doc_start, MaskContext
+
+DBG = dict(dim=64, n_heads=4, n_kv_heads=2, d_qk=16, d_v=16, l=8, d=4, l_sel=16, n_sel=4, window=32,
+           backend="reference", n_local=1)
+
+
+def _layer(seed=0, **kw):
+    torch.manual_seed(seed)
+    m = NSAAttention(NSAConfig(**{**DBG, **kw}))
+    m.init_weights()
+    return m
+
+
+def _docs(B, T, cuts):
+    d = torch.zeros(B, T, dtype=torch.long)
+    for c in cuts:
+        d[:, c:] += 1
+    return d
+
+
+def naive_kl(q, k_cmp, k_sel, cfg, doc_ids):
+    """The loss from its definition, dense, one head at a time."""
+    B, H, T, D = q.shape
+    Hkv, Nc = k_sel.shape[1], k_cmp.shape[2]
+    G, ns = H // Hkv, -(-T // cfg.l_sel)
+    docs = torch.zeros(B, T, dtype=torch.long) if doc_ids is None else doc_ids
+    starts = doc_start(docs)
+    t = torch.arange(T).view(T, 1)
+    s_ = torch.arange(T).view(1, T)
+    i = torch.arange(Nc).view(1, Nc)
+    total, rows = 0.0, 0
+    valid, forced = forced_and_valid(cfg, T, starts, "cpu")
+    for b in range(B):
+        tok_vis = (s_ <= t) & (docs[b].view(1, T) == docs[b].view(T, 1))
+        cmp_vis = cmp_visible(i, t, cfg.l, cfg.d) & (i * cfg.d >= starts[b].view(T, 1))
+        for h in range(Hkv):
+            tgt = torch.zeros(T, ns, dtype=torch.float64)
+            prd = torch.zeros(T, ns, dtype=torch.float64)
+            for g in range(G):
+                qq = q[b, h * G + g].double()
+                st = (qq @ k_sel[b, h].double().T) / math.sqrt(D)
+                p = torch.softmax(st.masked_fill(~tok_vis, -math.inf), -1)
+                tgt += torch.stack([p[:, j * cfg.l_sel:(j + 1) * cfg.l_sel].sum(-1) for j in range(ns)], -1)
+                sc = (qq @ k_cmp[b, h].double().T) / math.sqrt(D)
+                pc = torch.softmax(sc.masked_fill(~cmp_vis, -math.inf), -1).nan_to_num(0.0)
+                prd += map_to_selection_blocks(pc, ns, cfg.l, cfg.d, cfg.l_sel)
+            free = valid[min(b, valid.shape[0] - 1)] & ~forced[min(b, forced.shape[0] - 1)]
+            for r in range(T):
+                f = free[r]
+                if not f.any():
+                    continue
+                tt = tgt[r][f] / tgt[r][f].sum()
+                pp = prd[r][f] / prd[r][f].sum()
+                total += float((tt * (tt.log() - pp.clamp_min(1e-6).log())).sum())
+                rows += 1
+    return total / max(rows, 1)
+
+
+@pytest.mark.parametrize("cuts", [(), (45, 110)])
+def test_loss_equals_naive(cuts):
+    cfg = NSAConfig(**DBG, sel_distill=1.0)
+    B, H, Hkv, T, D = 2, 4, 2, 160, 16
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(B, H, T, D, generator=g) * 2
+    k_sel = torch.randn(B, Hkv, T, D, generator=g) * 2
+    Nc = cfg.num_cmp(T)
+    k_cmp = torch.randn(B, Hkv, Nc, D, generator=g) * 2
+    doc_ids = _docs(B, T, cuts) if cuts else None
+    ctx = MaskContext(cfg, B, T, "cpu", doc_ids=doc_ids)
+    cmp_spec = builder_info("compressed_causal").fn(ctx)
+    causal_spec = builder_info("causal").fn(ctx)
+    starts = None if doc_ids is None else doc_start(doc_ids)
+    got = distill_kl(q, k_cmp, k_sel, cfg, cmp_spec, causal_spec, starts)
+    want = naive_kl(q, k_cmp, k_sel, cfg, doc_ids)
+    assert want > 0.05  # random scores: the two distributions differ
+    assert abs(float(got) - want) < 1e-4 * max(1.0, want), (float(got), want)
+
+
+@pytest.mark.parametrize("phi", ["avg", "mlp"])
+def test_gradient_reaches_only_the_compressed_keys(phi):
+    m = _layer(sel_distill=1.0, phi=phi)
+    m.train()
+    x = torch.randn(2, 80, 64, requires_grad=True)
+    y = m(x)
+    (0 * y).sum().backward()  # the trainer's loss contributes nothing: only the distillation
+    got = {n for n, p in m.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    allowed = {"wk.cmp.weight"} | {f"phi_k.{n}" for n, _ in m.phi_k.named_parameters()}
+    assert "wk.cmp.weight" in got and got <= allowed, got
+    assert x.grad is None or not x.grad.abs().sum()
+
+
+def test_off_eval_and_no_grad_leave_the_layer_unchanged():
+    x = torch.randn(2, 80, 64)
+    base, on = _layer(), _layer(sel_distill=2.0)
+    on.load_state_dict(base.state_dict())
+    assert torch.equal(base(x), on(x))  # training forward: the output is unchanged
+    on.eval()
+    with torch.no_grad():
+        assert torch.equal(base(x), on(x))
+    on.train()
+    xb = x.clone().requires_grad_(True)
+    (base(xb) ** 2).sum().backward()
+    assert base.wk["cmp"].weight.grad is not None
+    g_base = base.wk["cmp"].weight.grad.clone()
+    xo = x.clone().requires_grad_(True)
+    (on(xo) ** 2).sum().backward()
+    assert not torch.allclose(on.wk["cmp"].weight.grad, g_base)  # the distillation adds its own
+    assert torch.allclose(on.wq.weight.grad, base.wq.weight.grad, atol=1e-6)
+    assert torch.allclose(xo.grad, xb.grad, atol=1e-6)
+
+
+def test_following_the_gradient_lowers_the_loss():
+    m = _layer(seed=3, sel_distill=1.0, phi="mlp")
+    x = torch.randn(2, 96, 64)
+    params = [m.wk["cmp"].weight, *m.phi_k.parameters()]
+    opt = torch.optim.Adam(params, lr=3e-3)
+
+    def kl():
+        m.telemetry = True
+        (0 * m(x)).sum().backward()
+        return float(m.telemetry_stats[tm.DISTILL])
+
+    first = kl()
+    for _ in range(60):
+        opt.zero_grad()
+        kl()
+        opt.step()
+    last = kl()
+    assert last < 0.7 * first, (first, last)
+
+
+def test_compiled_gradients_equal_eager():
+    x = torch.randn(2, 80, 64)
+    eager, comp = _layer(seed=5, sel_distill=1.0), _layer(seed=5, sel_distill=1.0)
+    (eager(x) ** 2).sum().backward()
+    c = torch.compile(comp, backend="aot_eager", fullgraph=True)
+    (c(x) ** 2).sum().backward()
+    for (n, a), (_, b) in zip(eager.named_parameters(), comp.named_parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-5, rtol=1e-4), n
+
+
+def test_attach_loss_seeds_the_loss():
+    y = torch.randn(3, requires_grad=True)
+    w = torch.tensor(2.0, requires_grad=True)
+    out = attach_loss(y * 1.0, (w - 1) ** 2 * 3)
+    assert torch.equal(out, y)
+    out.sum().backward()
+    assert torch.equal(y.grad, torch.ones(3)) and float(w.grad) == 6.0
+
+
+def test_telemetry_logs_the_kl():
+    m = _layer(sel_distill=1.0)
+    m.telemetry = True
+    m(torch.randn(1, 80, 64))
+    kl = float(m.telemetry_stats[tm.DISTILL])
+    assert kl > 0
+    on = (True, True, True)
+    metrics = tm.telemetry_metrics(m.telemetry_stats.view(1, -1), [on])
+    assert metrics["nsa/layer0/sel_distill_kl"] == pytest.approx(kl)
+    assert "distill KL" in tm.format_layer_line(0, m.telemetry_stats, on)
+    off = _layer()
+    off.telemetry = True
+    off(torch.randn(1, 80, 64))
+    assert math.isnan(float(off.telemetry_stats[tm.DISTILL]))
+    assert not any("distill" in k for k in tm.telemetry_metrics(off.telemetry_stats.view(1, -1), [on]))
+
+
+@pytest.mark.parametrize("kw, field", [(dict(sel_distill=-0.5), "sel_distill=-0.5"),
+                                       (dict(sel_distill=float("inf")), "sel_distill=inf"),
+                                       (dict(sel_distill=1.0, masks="sliding_only"), "sel_distill=1.0")])
+def test_config_errors_name_the_field(kw, field):
+    with pytest.raises(NSAConfigError, match=field):
+        NSAConfig(**{**DBG, **kw})
+
+
+@pytest.mark.gpu
+def test_flex_equals_reference_on_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    shape = dict(dim=256, n_heads=8, n_kv_heads=2, d_qk=64, d_v=64, l=32, d=16, l_sel=64, n_sel=8,
+                 window=256, sel_distill=1.0, phi="mlp")
+    torch.manual_seed(0)
+    ref = NSAAttention(NSAConfig(**shape, backend="reference")).cuda()
+    ref.init_weights()
+    flex = NSAAttention(NSAConfig(**shape, backend="flex")).cuda()
+    flex.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 1024, 256, device="cuda")
+    doc_ids = _docs(2, 1024, (300,)).cuda()
+    for m in (ref, flex):
+        m.telemetry = True
+        with torch.autocast("cuda", torch.bfloat16):
+            (0 * m(x, doc_ids)).sum().backward()
+    kl_ref, kl_flex = float(ref.telemetry_stats[tm.DISTILL]), float(flex.telemetry_stats[tm.DISTILL])
+    assert kl_ref > 0.01 and abs(kl_flex - kl_ref) < 0.03 * kl_ref, (kl_ref, kl_flex)
+    gr, gf = ref.wk["cmp"].weight.grad, flex.wk["cmp"].weight.grad
+    cos = torch.nn.functional.cosine_similarity(gr.flatten(), gf.flatten(), 0)
+    assert cos > 0.98, float(cos)
+    c = torch.compile(flex, fullgraph=True)
+    flex.zero_grad()
+    with torch.autocast("cuda", torch.bfloat16):
+        (0 * c(x, doc_ids)).sum().backward()
+    assert abs(float(flex.telemetry_stats[tm.DISTILL]) - kl_ref) < 0.03 * kl_ref
