@@ -204,6 +204,9 @@ def test_flex_equals_reference_on_gpu():
     torch.manual_seed(0)
     ref = NSAAttention(NSAConfig(**shape, backend="reference")).cuda()
     ref.init_weights()
+    with torch.no_grad():  # scores of std ~4: block masses far from uniform (the init's are ~flat)
+        for lin in (ref.wq, ref.wk["sel"], ref.wk["cmp"]):
+            lin.weight.normal_(0, 2 * 256 ** -0.5)
     flex = NSAAttention(NSAConfig(**shape, backend="flex")).cuda()
     flex.load_state_dict(ref.state_dict())
     x = torch.randn(2, 1024, 256, device="cuda")
@@ -213,7 +216,7 @@ def test_flex_equals_reference_on_gpu():
         with torch.autocast("cuda", torch.bfloat16):
             (0 * m(x, doc_ids)).sum().backward()
     kl_ref, kl_flex = float(ref.telemetry_stats[tm.DISTILL]), float(flex.telemetry_stats[tm.DISTILL])
-    assert kl_ref > 0.01 and abs(kl_flex - kl_ref) < 0.03 * kl_ref, (kl_ref, kl_flex)
+    assert kl_ref > 0.05 and abs(kl_flex - kl_ref) < 0.03 * kl_ref, (kl_ref, kl_flex)
     gr, gf = ref.wk["cmp"].weight.grad, flex.wk["cmp"].weight.grad
     cos = torch.nn.functional.cosine_similarity(gr.flatten(), gf.flatten(), 0)
     assert cos > 0.98, float(cos)
