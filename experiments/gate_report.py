@@ -9,7 +9,8 @@ OUT: the gate's output folder (OUT/<variant>/metrics.jsonl, or, for a run cut be
 the console log OUT/<variant>/train.log: its "validate step: N  retrieval: passkey loss X exact Y%"
 lines). Writes DIR/gate.csv (variant, step, tokens, answer_loss, exact, exact_near, exact_far,
 val_loss, sel_recall; near / far empty where the run did not log them, sel_recall where the run
-had no `[validation] retrieval_recall_docs`) and DIR/gate.png (a fourth panel with the recall),
+had no `[validation] retrieval_recall_docs`) and DIR/gate.png (panels for the recall and the
+validation loss where the runs logged them),
 and prints the first step where each variant reached 50% and 95% exact. Where the final evaluation
 ran (OUT/<variant>/needle/needle.csv), also DIR/gate_depth.csv: per variant and needle depth the
 prompts answered right and the mean selection recall of the needle's block at the question (NSA:
@@ -111,15 +112,17 @@ def main(argv=None) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    recall = any("sel_recall" in r for rows in curves.values() for r in rows)
-    fig, axes = plt.subplots(1, 3 + recall, figsize=(17 + 5.5 * recall, 4.5))
+    extra = [k for k in ("sel_recall", "val_loss") if any(k in r for rows in curves.values() for r in rows)]
+    fig, axes = plt.subplots(1, 3 + len(extra), figsize=(17 + 5.5 * len(extra), 4.5))
     ax1, ax2, ax3 = axes[:3]
+    panel = dict(zip(extra, axes[3:]))
     for n, rows in curves.items():
         tok = [r["step"] * a.tokens_per_step / 1e6 for r in rows]
         line, = ax1.plot(tok, [r["answer_loss"] for r in rows], label=n)
         ax2.plot(tok, [100 * r["exact"] for r in rows], label=n, color=line.get_color())
-        for ax, key in [(ax3, "exact_far")] + ([(axes[3], "sel_recall")] if recall else []):
-            pts = [(t, 100 * r[key]) for t, r in zip(tok, rows) if key in r]
+        for ax, key in [(ax3, "exact_far")] + [(ax, k) for k, ax in panel.items()]:
+            scale = 1 if key == "val_loss" else 100
+            pts = [(t, scale * r[key]) for t, r in zip(tok, rows) if key in r]
             if pts:
                 ax.plot(*zip(*pts), label=n, color=line.get_color())
     ax1.set(xlabel="training tokens (M)", ylabel="nats per answer token", title="passkey answer loss (teacher-forced)")
@@ -127,9 +130,12 @@ def main(argv=None) -> int:
             ylim=(-2, 102))
     ax3.set(xlabel="training tokens (M)", ylabel="% exact",
             title="exact, needle beyond the sliding window", ylim=(-2, 102))
-    if recall:
-        axes[3].set(xlabel="training tokens (M)", ylabel="% of layers x KV groups",
-                     title="selection holds the far needle's block", ylim=(-2, 102))
+    if "sel_recall" in panel:
+        panel["sel_recall"].set(xlabel="training tokens (M)", ylabel="% of layers x KV groups",
+                                title="selection holds the far needle's block", ylim=(-2, 102))
+    if "val_loss" in panel:  # the copy of the repeated filler: from ~4.4 before it forms to ~1.2
+        panel["val_loss"].set(xlabel="training tokens (M)", ylabel="nats per token",
+                              title="validation loss", ylim=(1.1, 1.6))
     ax2.axhline(95, color="gray", ls=":", lw=1)
     for ax in axes:
         ax.grid(alpha=0.3)

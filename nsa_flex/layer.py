@@ -336,7 +336,7 @@ class NSAAttention(nn.Module):
                 raise ValueError("NSAConfig.sel_distill > 0 does not run under context "
                                  "parallelism (its dense target needs every query); set it to 0")
             kc = self.phi_k(self.project_kv(x.detach(), "cmp", cos, sin)[0])
-            kl = distill_kl(q, kc, keys["sel"], cfg, cmp_spec,
+            kl = distill_kl(q, kc, keys[cfg.sel_distill_keys], cfg, cmp_spec,
                             builder_info("causal").fn(ctx), masks.starts)
             y = attach_loss(y, cfg.sel_distill * kl)
         if self.telemetry:

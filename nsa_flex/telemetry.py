@@ -56,7 +56,7 @@ GATE_SHARE = slice(6, 9)
 READS = slice(9, 12)
 DIST_SUM, DIST_SQ, DIST_CNT = 12, 13, 14
 HIST = slice(15, 15 + N_BINS)
-DISTILL = 15 + N_BINS  # the selection-distillation KL (nsa_flex/distill.py); NaN where it is off
+DISTILL = 15 + N_BINS  # the selection-distillation KL (nsa_flex/distill.py); -1 where it is off
 STATS_SIZE = 16 + N_BINS
 
 
@@ -152,7 +152,7 @@ def layer_stats(g: Tensor, enabled: tuple[bool, bool, bool], specs: dict, l_sel:
         reads.append(rows.sum(-1).float().mean())
         if name == "sel":
             dist = selection_distance_counts(rows, q_pos, l_sel)
-    kl = torch.full((1,), float("nan"), device=dev) if distill is None else distill.detach().float().view(1)
+    kl = torch.full((1,), -1.0, device=dev) if distill is None else distill.detach().float().view(1)
     return torch.cat([mean, ent, share, torch.stack(reads), dist[N_BINS:], dist[:N_BINS], kl])
 
 
@@ -182,7 +182,7 @@ def telemetry_metrics(stats: Tensor, enabled: list[tuple[bool, bool, bool]]) -> 
                 out[f"nsa/layer{i}/sel_dist/{lab}"] = v
             out[f"nsa/layer{i}/sel_dist_mean"] = float(row[DIST_SUM]) / cnt
             sums.setdefault("nsa/sel_dist_mean", []).append(float(row[DIST_SUM]) / cnt)
-        if math.isfinite(float(row[DISTILL])):
+        if float(row[DISTILL]) >= 0:
             out[f"nsa/layer{i}/sel_distill_kl"] = float(row[DISTILL])
             sums.setdefault("nsa/sel_distill_kl", []).append(float(row[DISTILL]))
     for k, v in sums.items():
@@ -204,7 +204,7 @@ def format_layer_line(i: int, row: Tensor, on: tuple[bool, bool, bool]) -> str:
         line += " | sel dist " + " ".join(f"{lab}:{100 * v:.0f}%" for lab, v in
                                            zip(bin_labels()[: last + 1], hist[: last + 1]))
         line += f" (mean {float(row[DIST_SUM]) / cnt:.1f} blocks)"
-    if math.isfinite(float(row[DISTILL])):
+    if float(row[DISTILL]) >= 0:
         line += f" | distill KL {float(row[DISTILL]):.4g}"
     return line
 
