@@ -278,6 +278,10 @@ class NSAAttention(nn.Module):
                                  "step's doc_ids)")
         B, Tq, _ = x.shape
         cfg, names, shard, halo = self.cfg, self.branch_names, masks.shard, masks.halo
+        distilling = cfg.sel_distill > 0 and self.training and torch.is_grad_enabled()
+        if distilling and shard.sharded:
+            raise ValueError("NSAConfig.sel_distill > 0 does not run under context parallelism "
+                             "(its dense target needs every query of the sequence); set it to 0")
         doc_ids, cos, sin = masks.doc_ids, masks.cos, masks.sin
         T, q0 = Tq * shard.size, shard.offset(Tq)  # the whole sequence; this shard's first position
         q = self.project_q(x, cos, sin)
@@ -328,13 +332,10 @@ class NSAAttention(nn.Module):
                          cfg.backend)  # [B, T, H * d_v]
         y = self.wo(o)
 
-        # optional (not in the paper): teach the compressed keys where the selected branch would
-        # look, through y's backward (nsa_flex.distill)
+        # optional (not in the paper): teach the compressed keys where a token branch's dense
+        # attention would look (sel_distill_keys), through y's backward (nsa_flex.distill)
         kl = None
-        if cfg.sel_distill > 0 and self.training and torch.is_grad_enabled():
-            if shard.sharded:
-                raise ValueError("NSAConfig.sel_distill > 0 does not run under context "
-                                 "parallelism (its dense target needs every query); set it to 0")
+        if distilling:
             kc = self.phi_k(self.project_kv(x.detach(), "cmp", cos, sin)[0])
             kl = distill_kl(q, kc, keys[cfg.sel_distill_keys], cfg, cmp_spec,
                             builder_info("causal").fn(ctx), masks.starts)

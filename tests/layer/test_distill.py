@@ -6,7 +6,8 @@
 * its gradient reaches only the compressed keys' projection and phi (never q, the other branches,
   the gate or the layer's input), it lowers the loss when followed, and it is absent where the
   setting is 0, in eval mode and under no_grad (outputs bit-identical);
-* compiled (fullgraph, aot_eager) it gives the eager gradients; telemetry logs the KL;
+* compiled (fullgraph, aot_eager) it gives the eager gradients; telemetry logs the KL; context
+  parallelism is refused by name;
 * the target reads the keys `sel_distill_keys` names; the config's errors name the field; the flex path on the GPU equals the reference path.
 """
 
@@ -159,6 +160,15 @@ def test_compiled_gradients_equal_eager():
     (c(x) ** 2).sum().backward()
     for (n, a), (_, b) in zip(eager.named_parameters(), comp.named_parameters()):
         assert torch.allclose(a.grad, b.grad, atol=1e-5, rtol=1e-4), n
+
+
+def test_context_parallelism_is_refused_by_name():
+    from nsa_flex.context_parallel import SeqShard
+
+    m = _layer(sel_distill=1.0)
+    m.shard = SeqShard(None, 0, 2)
+    with pytest.raises(ValueError, match="sel_distill > 0 does not run under context parallelism"):
+        m(torch.randn(1, 40, 64), torch.zeros(1, 80, dtype=torch.long))
 
 
 def test_attach_loss_seeds_the_loss():
