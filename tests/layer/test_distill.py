@@ -8,7 +8,8 @@
   setting is 0, in eval mode and under no_grad (outputs bit-identical);
 * compiled (fullgraph, aot_eager) it gives the eager gradients; telemetry logs the KL; context
   parallelism is refused by name;
-* the target reads the keys `sel_distill_keys` names; the config's errors name the field; the flex path on the GPU equals the reference path.
+* the target reads the keys `sel_distill_keys` names; the config's errors name the field; the
+  flex path on the GPU equals the reference path.
 """
 
 import math
