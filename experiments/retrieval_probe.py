@@ -48,6 +48,8 @@ p.add_argument("--n_eval", type=int, default=64)
 p.add_argument("--max_minutes", type=float, default=15.0)
 p.add_argument("--seed", type=int, default=0)
 p.add_argument("--out", default=None)
+p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+               help="a further override of titan_configs/debug_nsa.toml, e.g. nsa.sel_distill=1.0")
 args = p.parse_args()
 
 if args.flavor not in ("debugmodel",):
@@ -65,7 +67,7 @@ def log(s):
 
 jc = load_job_config("titan_configs/debug_nsa.toml",
                      [f"--nsa.masks={args.masks}", f"--model.flavor={args.flavor}",
-                      f"--training.seq_len={args.seq}"])
+                      f"--training.seq_len={args.seq}"] + [f"--{o}" for o in args.set])
 torch.manual_seed(args.seed)
 model, tok = build_model(jc)
 with torch.no_grad():
@@ -76,6 +78,7 @@ has_sel = attn[0].branch_names["sel"] == "topn"
 log(f"# {vars(args)}")
 log(f"# cfg: l={cfg.l} d={cfg.d} l_sel={cfg.l_sel} n_sel={cfg.n_sel} n_init={cfg.n_init} "
     f"n_local={cfg.n_local} window={cfg.window} H={cfg.n_heads} Hkv={cfg.n_kv_heads} "
+    f"sel_distill={cfg.sel_distill} ({cfg.sel_distill_keys}) "
     f"branches={attn[0].branch_names} params={sum(x.numel() for x in model.parameters())}")
 
 T, B = args.seq, args.batch
@@ -113,8 +116,8 @@ X = torch.tensor([d[0] for d in ev])
 CAP = {"on": False, "layer": None, "sel": {}, "gate": {}, "oracle": None}
 
 
-def _select(q, k_cmp, lse, cfg_, starts=None, chunk=None):
-    idx = select_topn(q, k_cmp, lse, cfg_, starts, chunk)
+def _select(q, k_cmp, lse, cfg_, starts=None, chunk=None, **kw):
+    idx = select_topn(q, k_cmp, lse, cfg_, starts, chunk, **kw)
     if CAP["on"]:
         CAP["sel"][CAP["layer"]] = (q, k_cmp, lse, idx.clone())
     if CAP["oracle"] is not None:  # [B] needle block, [B] first position to override
