@@ -78,7 +78,7 @@ has_sel = attn[0].branch_names["sel"] == "topn"
 log(f"# {vars(args)}")
 log(f"# cfg: l={cfg.l} d={cfg.d} l_sel={cfg.l_sel} n_sel={cfg.n_sel} n_init={cfg.n_init} "
     f"n_local={cfg.n_local} window={cfg.window} H={cfg.n_heads} Hkv={cfg.n_kv_heads} "
-    f"sel_distill={cfg.sel_distill} ({cfg.sel_distill_keys}) "
+    f"sel_distill={cfg.sel_distill} "
     f"branches={attn[0].branch_names} params={sum(x.numel() for x in model.parameters())}")
 
 T, B = args.seq, args.batch

@@ -17,7 +17,6 @@ from .errors import UserError
 from .rules import LayerShape, knob
 
 PHI_CHOICES = ("avg", "mlp")
-DISTILL_KEYS_CHOICES = ("sel", "win")
 BACKEND_CHOICES = ("auto", "flex", "reference")
 SCORER_CHOICES = ("auto", "torch", "triton")
 SEL_KERNEL_CHOICES = ("auto", "flex", "triton")
@@ -119,10 +118,6 @@ class NSAConfig(LayerShape):
                                    "attention mass per selection block to the scorer's p_slc, "
                                    "training only the compressed keys; 0 = off. Costs a dense "
                                    "causal attention forward a layer: for short-context training")
-    sel_distill_keys: str = knob("sel", "the distillation target's keys, read by the query over the "
-                                        "whole causal range: sel (the selected branch's: the branch "
-                                        "the selection feeds) | win (the sliding-window branch's: the "
-                                        "branch that learns to copy first, from near examples)")
     seed: int = knob(0, "seed of the random_selection ablation (a fresh draw per step, reproducible "
                         "per seed)")
 
@@ -206,18 +201,11 @@ class NSAConfig(LayerShape):
         if not errs and set(self.branch_masks().values()) == {"none"}:
             errs.append(f"cmp_mask={self.cmp_mask!r}, sel_mask={self.sel_mask!r}, win_mask={self.win_mask!r} "
                         f"with masks={self.masks!r}: every branch is 'none'; keep at least one branch")
-        if self.sel_distill_keys not in DISTILL_KEYS_CHOICES:
-            errs.append(f"sel_distill_keys={self.sel_distill_keys!r}: allowed values are "
-                        f"{DISTILL_KEYS_CHOICES}")
-        elif not errs and self.sel_distill > 0:  # what the distillation reads must run
-            names, b = self.branch_masks(), self.sel_distill_keys
-            if not builder_info(names["sel"]).scores:
-                errs.append(f"sel_distill={self.sel_distill}: needs a selection that reads the "
-                            f"compressed scores (the nsa preset's topn), got sel_mask "
-                            f"{names['sel']!r} (masks={self.masks!r}); set sel_distill = 0")
-            elif names[b] == "none":
-                errs.append(f"sel_distill_keys={b!r}: the {b} branch is off ({b}_mask resolves "
-                            f"to 'none' under masks={self.masks!r}); choose a branch that runs")
+        if (not errs and self.sel_distill > 0
+                and not builder_info(self.branch_masks()["sel"]).scores):
+            errs.append(f"sel_distill={self.sel_distill}: needs a selection that reads the "
+                        f"compressed scores (the nsa preset's topn), got sel_mask "
+                        f"{self.branch_masks()['sel']!r} (masks={self.masks!r}); set sel_distill = 0")
         if errs:
             raise NSAConfigError("invalid NSAConfig:\n  - " + "\n  - ".join(errs), errs)
 

@@ -6,10 +6,7 @@ with a KL loss toward the main attention's mass; here the same for NSA's scorer,
 
     target[j] = what q and the selected branch's keys would put on selection block j under dense
                 causal attention (softmax over every visible key, summed over the block's keys,
-                Eq. 10's mean over the group's heads) -- no gradient; `sel_distill_keys = "win"`
-                takes the sliding-window branch's keys instead, read over the whole causal range
-                (the window learns to copy first, from near examples: a teacher that can point at
-                a far key where the selected branch has not learned to copy yet);
+                Eq. 10's mean over the group's heads) -- no gradient;
     pred[j]   = Eq. 8-10's p_slc from the compressed keys (q detached, the keys recomputed from the
                 layer's detached input: only the compressed keys' projection and phi learn from it);
     loss      = KL(target || pred) over the blocks the scores choose among (valid, not forced:
@@ -66,12 +63,12 @@ def block_mass(q: Tensor, k: Tensor, values: Tensor, spec: MaskSpec, backend: st
     return out.float().view(B, Hkv, H // Hkv, T, -1).mean(2)
 
 
-def distill_kl(q: Tensor, k_cmp: Tensor, k_tgt: Tensor, cfg, cmp_spec: MaskSpec,
+def distill_kl(q: Tensor, k_cmp: Tensor, k_sel: Tensor, cfg, cmp_spec: MaskSpec,
                causal_spec: MaskSpec, starts: Tensor | None) -> Tensor:
     """The layer's selection-distillation loss (module docstring), a scalar fp32.
 
     q [B, H, T, d_qk] (after RoPE; detached here), k_cmp [B, Hkv, Nc, d_qk] (the one input with
-    a gradient), k_tgt [B, Hkv, T, d_qk] the target's keys (detached here); cmp_spec: the
+    a gradient), k_sel [B, Hkv, T, d_qk] the selected branch's keys (detached here); cmp_spec: the
     compressed branch's mask (its documents included), causal_spec: causal over the target's keys
     (documents included); starts [B, T] each position's document start, None without documents."""
     B, H, T, _ = q.shape
@@ -81,7 +78,7 @@ def distill_kl(q: Tensor, k_cmp: Tensor, k_tgt: Tensor, cfg, cmp_spec: MaskSpec,
         return k_cmp.sum().float() * 0
     with torch.no_grad():
         onehot = block_onehot(T, cfg.l_sel, width, q.device, q.dtype)
-        target = block_mass(q, k_tgt.detach(), onehot, causal_spec, cfg.backend)[..., :ns]
+        target = block_mass(q, k_sel.detach(), onehot, causal_spec, cfg.backend)[..., :ns]
     pred = block_mass(q, k_cmp, overlap_values(nc, ns, cfg, width, q.device, q.dtype), cmp_spec,
                       cfg.backend)[..., :ns]
     if starts is None:

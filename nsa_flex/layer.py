@@ -332,12 +332,12 @@ class NSAAttention(nn.Module):
                          cfg.backend)  # [B, T, H * d_v]
         y = self.wo(o)
 
-        # optional (not in the paper): teach the compressed keys where a token branch's dense
-        # attention would look (sel_distill_keys), through y's backward (nsa_flex.distill)
+        # optional (not in the paper): teach the compressed keys where the selected branch's dense
+        # attention would look, through y's backward (nsa_flex.distill)
         kl = None
         if distilling:
             kc = self.phi_k(self.project_kv(x.detach(), "cmp", cos, sin)[0])
-            kl = distill_kl(q, kc, keys[cfg.sel_distill_keys], cfg, cmp_spec,
+            kl = distill_kl(q, kc, keys["sel"], cfg, cmp_spec,
                             builder_info("causal").fn(ctx), masks.starts)
             y = attach_loss(y, cfg.sel_distill * kl)
         if self.telemetry:

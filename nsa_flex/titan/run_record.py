@@ -33,7 +33,7 @@ MODEL_DATA = (
 # resume may change them (e.g. recompute after an out-of-memory)
 NOT_MODEL = ("nsa.telemetry_every", "nsa.gate_collapse_threshold", "nsa.gate_collapse_steps",
              "nsa.backend", "nsa.scorer", "nsa.sel_kernel", "nsa.cmp_kernel", "nsa.recompute",
-             "nsa.score_chunk", "nsa.sel_distill", "nsa.sel_distill_keys")
+             "nsa.score_chunk", "nsa.sel_distill")
 
 
 def _plain(v):
