@@ -69,8 +69,8 @@ def distill_kl(q: Tensor, k_cmp: Tensor, k_sel: Tensor, cfg, cmp_spec: MaskSpec,
 
     q [B, H, T, d_qk] (after RoPE; detached here), k_cmp [B, Hkv, Nc, d_qk] (the one input with
     a gradient), k_sel [B, Hkv, T, d_qk] the selected branch's keys (detached here); cmp_spec: the
-    compressed branch's mask (its documents included), causal_spec: causal over the target's keys
-    (documents included); starts [B, T] each position's document start, None without documents."""
+    compressed branch's mask (its documents included), causal_spec: causal over the selected branch's
+    keys (documents included); starts [B, T] each position's document start, None without documents."""
     B, H, T, _ = q.shape
     ns, nc = -(-T // cfg.l_sel), k_cmp.shape[2]
     width, q = value_width(ns), q.detach()

@@ -318,12 +318,13 @@ class NSAAttention(nn.Module):
                 out["cmp"], specs["cmp"] = oc, (spec, k_cmp.shape[2])
 
         # selected (§3.3.2) and sliding-window (§3.3.3, its keys a halo where one suffices)
-        keys = {}
+        k_sel = None  # the selected branch's keys: the distillation's target reads them
         for b in ("sel", "win"):
             if b in self.builders:
                 specs[b] = mask(b)
-                out[b], _, keys[b] = self.branch(b, specs[b][0], x, q, cos, sin, docs, shard,
-                                                 halo if b == "win" else None)
+                out[b], _, k = self.branch(b, specs[b][0], x, q, cos, sin, docs, shard,
+                                           halo if b == "win" else None)
+                k_sel = k if b == "sel" else k_sel
 
         # gate (Eq. 5): per head, per branch sigmoid, mixing the branch outputs
         g = torch.sigmoid(self.gate(x)).view(B, Tq, -1, 3)  # [B, T, H, 3]
@@ -337,7 +338,7 @@ class NSAAttention(nn.Module):
         kl = None
         if distilling:
             kc = self.phi_k(self.project_kv(x.detach(), "cmp", cos, sin)[0])
-            kl = distill_kl(q, kc, keys["sel"], cfg, cmp_spec,
+            kl = distill_kl(q, kc, k_sel, cfg, cmp_spec,
                             builder_info("causal").fn(ctx), masks.starts)
             y = attach_loss(y, cfg.sel_distill * kl)
         if self.telemetry:
