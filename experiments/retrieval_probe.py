@@ -48,6 +48,9 @@ p.add_argument("--n_eval", type=int, default=64)
 p.add_argument("--max_minutes", type=float, default=15.0)
 p.add_argument("--seed", type=int, default=0)
 p.add_argument("--out", default=None)
+p.add_argument("--warm_steps", type=int, default=0,
+               help="dense warm-up: for the first N steps every layer selects --warm_n blocks")
+p.add_argument("--warm_n", type=int, default=0, help="n_sel during the warm-up (0: all blocks)")
 p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                help="a further override of titan_configs/debug_nsa.toml, e.g. nsa.sel_distill=1.0")
 args = p.parse_args()
@@ -82,6 +85,13 @@ log(f"# cfg: l={cfg.l} d={cfg.d} l_sel={cfg.l_sel} n_sel={cfg.n_sel} n_init={cfg
     f"branches={attn[0].branch_names} params={sum(x.numel() for x in model.parameters())}")
 
 T, B = args.seq, args.batch
+N_SEL = cfg.n_sel  # the selection evaluated (and trained after the warm-up)
+WARM_N = args.warm_n or -(-T // cfg.l_sel)
+
+
+def set_n_sel(n):
+    for a in attn:
+        a.cfg.n_sel = n
 train = PasskeyCorpus(tok, T + 1, seed=0, questions=args.questions)
 if args.no_intro:
     # data.py's build() drops the 147-token intro when the filler would be < 8 tokens, but then
@@ -150,6 +160,7 @@ def answer_metrics(logits):
 
 def evaluate():
     model.eval()
+    set_n_sel(N_SEL)
     res = {}
     with torch.no_grad():
         CAP["on"], CAP["sel"], CAP["gate"] = True, {}, {}
@@ -220,6 +231,7 @@ i = 0
 losses = []
 for step in range(args.steps + 1):
     x = torch.tensor([train.document(i + b)[0] for b in range(B)])
+    set_n_sel(WARM_N if step < args.warm_steps else N_SEL)
     i += B
     lr = args.lr * min(1.0, (step + 1) / 100)
     for gparam in opt.param_groups:

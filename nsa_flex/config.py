@@ -118,6 +118,12 @@ class NSAConfig(LayerShape):
                                    "attention mass per selection block to the scorer's p_slc, "
                                    "training only the compressed keys; 0 = off. Costs a dense "
                                    "causal attention forward a layer: for short-context training")
+    sel_dense_steps: int = knob(0, "dense warm-up of the selection (not in the paper): for the "
+                                   "first N training steps every selection holds every earlier "
+                                   "block, so the selected branch learns from every key (as full "
+                                   "attention does) before the top-n rule narrows it; with "
+                                   "sel_distill > 0 the scorer learns meanwhile where it looks. "
+                                   "Set by the trainer (nsa-train); 0 = off")
     seed: int = knob(0, "seed of the random_selection ablation (a fresh draw per step, reproducible "
                         "per seed)")
 
@@ -180,6 +186,9 @@ class NSAConfig(LayerShape):
         if (not isinstance(self.sel_distill, (int, float)) or isinstance(self.sel_distill, bool)
                 or not math.isfinite(self.sel_distill) or self.sel_distill < 0):
             errs.append(f"sel_distill={self.sel_distill!r}: must be a finite number >= 0 (0 = off)")
+        if (not isinstance(self.sel_dense_steps, int) or isinstance(self.sel_dense_steps, bool)
+                or self.sel_dense_steps < 0):
+            errs.append(f"sel_dense_steps={self.sel_dense_steps!r}: must be an integer >= 0 (0 = off)")
         if not isinstance(self.rope_theta, (int, float)) or self.rope_theta <= 0:
             errs.append(f"rope_theta={self.rope_theta!r}: must be a positive number")
         # mask names are checked against the registry, after the user's builder modules have
@@ -206,6 +215,11 @@ class NSAConfig(LayerShape):
             errs.append(f"sel_distill={self.sel_distill}: needs a selection that reads the "
                         f"compressed scores (the nsa preset's topn), got sel_mask "
                         f"{self.branch_masks()['sel']!r} (masks={self.masks!r}); set sel_distill = 0")
+        if (not errs and self.sel_dense_steps > 0
+                and not builder_info(self.branch_masks()["sel"]).scores):
+            errs.append(f"sel_dense_steps={self.sel_dense_steps}: warms up a selection that reads "
+                        f"the compressed scores (the nsa preset's topn), got sel_mask "
+                        f"{self.branch_masks()['sel']!r} (masks={self.masks!r}); set sel_dense_steps = 0")
         if errs:
             raise NSAConfigError("invalid NSAConfig:\n  - " + "\n  - ".join(errs), errs)
 

@@ -25,7 +25,7 @@ from .distill import attach_loss, distill_kl
 from .kernel_options import install_flex_patches
 from .ops import DEFAULT_TUNING, SelectedTuning
 from .rope import apply_rope, rope_cos_sin
-from .rules import BRANCHES, random_draw_step
+from .rules import BRANCHES, all_blocks, random_draw_step
 from .selection import select_topn
 from .telemetry import STATS_SIZE, layer_stats
 
@@ -182,6 +182,9 @@ class NSAAttention(nn.Module):
         # the top-n selection (Eq. 8-11, nsa_flex.selection): an instance attribute, so a probe
         # can wrap it for one layer (experiments/retrieval_probe.py records and overrides picks)
         self.select_topn = select_topn
+        # the dense warm-up (NSAConfig.sel_dense_steps): while set, a training forward selects every
+        # earlier block; the trainer sets it per step (`set_dense_selection`)
+        self.dense_selection = False
         # telemetry (nsa_flex/telemetry.py): set before the first (compiled) call; when on, every
         # forward writes its gate / mask statistics into this buffer (no state dict, no grad)
         self.telemetry = False
@@ -288,6 +291,10 @@ class NSAAttention(nn.Module):
         k_cmp = lse_cmp = None  # set by the compressed branch below, read by the scorer
 
         def topn():  # selection scorer (Eq. 8-10) and top-n over the whole sequence's blocks
+            if self.dense_selection and self.training:  # the warm-up: every block, no scores
+                starts = masks.starts if masks.starts is not None else torch.zeros(
+                    1, T, dtype=torch.long, device=x.device)
+                return all_blocks(cfg, B, T, starts, x.device, q0, q0 + Tq)
             kc = k_cmp
             if kc is None:  # the compressed branch is off: the whole sequence's keys, compressed
                 kc = self.phi_k(gather_seq_nograd(self.project_kv(x, "cmp", cos, sin)[0].detach(),

@@ -195,6 +195,15 @@ def pick_blocks(scores: Tensor, valid: Tensor, forced: Tensor, n: int) -> Tensor
     return torch.where(top < 0, -1, ns - 1 - (top & 0xFFFFFFFF))
 
 
+def all_blocks(cfg, B: int, T: int, starts: Tensor, device, t0: int = 0, t1: int | None = None
+               ) -> Tensor:
+    """Every valid block, forced first, [B, Hkv, t1-t0, Ns]: the selection of the dense warm-up
+    (`NSAConfig.sel_dense_steps`), under which the selected branch reads every earlier key."""
+    valid, forced = forced_and_valid(cfg, T, starts, device, t0, t1)
+    idx = pick_blocks(forced.float(), valid, forced, valid.shape[-1]).unsqueeze(1)
+    return idx.expand(B, cfg.n_kv_heads, -1, -1)
+
+
 # ---------------------------------------------------------------------- ablation draws
 def hash_uniform(B: int, H: int, T: int, N: int, step, device) -> Tensor:
     """Reproducible uniform [0, 1) numbers [B, H, T, N] from a counter hash of (index, step):

@@ -145,3 +145,15 @@ def set_seq_shard(model: NSATransformer, shard: SeqShard) -> None:
     model.seq_shard = shard
     for block in model.layers.values():
         block.attention.shard = shard
+
+
+def set_dense_selection(model: nn.Module, step: int) -> bool:
+    """The selection's dense warm-up (`NSAConfig.sel_dense_steps`): every NSA layer of `model`
+    selects every earlier block in training step `step` (1-based) iff step <= its sel_dense_steps.
+    Returns whether any layer is dense (False for a model without NSA layers)."""
+    dense = False
+    for m in model.modules():
+        if isinstance(m, NSAAttention):
+            m.dense_selection = step <= m.cfg.sel_dense_steps
+            dense = dense or m.dense_selection
+    return dense

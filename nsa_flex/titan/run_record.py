@@ -29,11 +29,12 @@ MODEL_DATA = (
     "training.local_batch_size", "training.global_batch_size",
 )
 # [nsa] fields that choose how the same function is computed (executors, recomputation, chunking),
-# what is logged, or a training-only loss (the selection distillation, like an optimizer setting): a
+# what is logged, or training-only settings (the selection distillation and dense warm-up, like
+# optimizer settings): a
 # resume may change them (e.g. recompute after an out-of-memory)
 NOT_MODEL = ("nsa.telemetry_every", "nsa.gate_collapse_threshold", "nsa.gate_collapse_steps",
              "nsa.backend", "nsa.scorer", "nsa.sel_kernel", "nsa.cmp_kernel", "nsa.recompute",
-             "nsa.score_chunk", "nsa.sel_distill")
+             "nsa.score_chunk", "nsa.sel_distill", "nsa.sel_dense_steps")
 
 
 def _plain(v):

@@ -11,8 +11,10 @@ The training loop is torchtitan's (``Trainer.train``); this subclass overrides f
     locks the dump and checkpoint folders (:mod:`nsa_flex.titan.runlock`), SIGTERM / SIGINT
     handlers, a gloo group for the ranks' agreement, the ``[ops]`` monitor (stall watchdog, SIGUSR1
     dumps, data wait);
-  * ``train_step``: after torchtitan's step (optimizer step done, checkpoint not yet saved),
-    :meth:`end_of_step` decides whether to halt or to stop on a non-finite step;
+  * ``train_step``: before torchtitan's step, the selection's dense warm-up
+    (``[nsa] sel_dense_steps``: :func:`nsa_flex.titan.model.set_dense_selection`); after it
+    (optimizer step done, checkpoint not yet saved), :meth:`end_of_step` decides whether to halt or
+    to stop on a non-finite step;
   * ``should_continue_training``: False once halted (``training.steps`` is never changed);
   * ``post_dataloading_process``: with context parallelism on the NSA model, this rank's
     contiguous shard of the inputs and labels (:mod:`nsa_flex.context_parallel`) in place of
@@ -58,6 +60,7 @@ from torchtitan.train import Trainer
 from nsa_flex.errors import UserError
 
 from . import checkpoint, console, cpu
+from .model import set_dense_selection
 from .ops import NONFINITE_DIR, NonFiniteError, OpsMonitor
 from .parallelize import owns_context_parallel, shard_batch
 from .runlock import check_writable, lock_run
@@ -148,6 +151,7 @@ class NSATrainer(Trainer):
         self.halt_requested: str | None = None  # the signal's name, set by SIGTERM / SIGINT
         self.halt_reason: str | None = None
         self.halted_at: int | None = None
+        self._dense_selection = False  # the selection's dense warm-up was on in the last step
         self.steps_run = 0  # steps trained by this process (0: the run was already at training.steps)
         self.rank, self.world = _dist_info()
         self._signals = 0
@@ -232,6 +236,12 @@ class NSATrainer(Trainer):
     # ------------------------------------------------------------------ the loop
     def train_step(self, data_iterator):
         self.steps_run += 1
+        dense = any([set_dense_selection(m, self.step) for m in self.model_parts])
+        if dense != self._dense_selection:  # at the first step and where the warm-up ends
+            self._dense_selection = dense
+            log.info(f"nsa: step {self.step}: " + ("dense selection warm-up ([nsa] sel_dense_steps): "
+                     "every layer selects every earlier block" if dense else
+                     "top-n selection (the model recompiles once where the warm-up ends)"))
         super().train_step(data_iterator)
         self.end_of_step(self.step)
 

@@ -134,13 +134,15 @@ def test_config_record_compare():
     json.dumps(old)
     new = run_record.record(_job(nsa__window=64, model__flavor="x", optimizer__lr=0.1, training__steps=99,
                                  nsa__telemetry_every=5, training__dataset="local",
-                                 nsa__recompute="cmp_win", nsa__sel_kernel="flex", nsa__sel_distill=0.5))
+                                 nsa__recompute="cmp_win", nsa__sel_kernel="flex", nsa__sel_distill=0.5,
+                                 nsa__sel_dense_steps=100))
     refused, applied = run_record.compare(old, new)
     assert refused == ["model.flavor 'debugmodel' -> 'x'", "nsa.window None -> 64",
                        "training.dataset 'passkey' -> 'local'"]
     # how the same function is computed may change on resume (recompute after an out-of-memory), and
-    # a training-only loss (the selection distillation)
-    assert [a.split()[0] for a in applied] == ["nsa.recompute", "nsa.sel_distill", "nsa.sel_kernel", "nsa.telemetry_every",
+    # training-only settings (the selection distillation and dense warm-up)
+    assert [a.split()[0] for a in applied] == ["nsa.recompute", "nsa.sel_dense_steps", "nsa.sel_distill",
+                                               "nsa.sel_kernel", "nsa.telemetry_every",
                                                "optimizer.lr", "training.steps"]
     assert run_record.compare(old, old) == ([], [])
 

@@ -315,3 +315,16 @@ def test_halt_file_then_resume_is_exact(uninterrupted, halted):
     for s in range(n + 1, STEPS + 1):
         assert resumed[s]["loss_metrics/global_avg_loss"] == ref[s]["loss_metrics/global_avg_loss"], s
         assert resumed[s]["grad_norm"] == ref[s]["grad_norm"], s
+
+
+@pytest.mark.slow
+def test_dense_selection_warm_up_switches_at_its_step(tmp_path):
+    """[nsa] sel_dense_steps = 3: steps 1-3 select every block, step 4 on the top-n rule; the log
+    names both, once each, and the run finishes with a falling loss."""
+    text = _run(_cmd(tmp_path, "--training.steps", "6", "--nsa.sel_dense_steps", "3"), tmp_path / "log.txt")
+    assert text.count("nsa: step 1: dense selection warm-up ([nsa] sel_dense_steps)") == 1, text[-3000:]
+    assert text.count("nsa: step 4: top-n selection") == 1
+    assert "dense selection" not in text.split("nsa: step 4: top-n selection")[1]
+    recs = _records(tmp_path / "metrics.jsonl")
+    assert sorted(recs) == list(range(1, 7))
+    assert recs[6]["loss_metrics/global_avg_loss"] < recs[1]["loss_metrics/global_avg_loss"]
