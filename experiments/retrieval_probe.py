@@ -17,6 +17,8 @@ question):
 
 The selected indices are captured by wrapping each layer's `select_topn` (the function the
 layer calls; library code unchanged), the gates by a forward hook on each layer's `gate` linear.
+With `--set nsa.sel_scores=indexer` the rank is under the indexer's block scores; `--warm_steps N`
+trains the first N steps with every block selected (the dense warm-up; evaluation stays top-n).
 
     OMP_NUM_THREADS=1 python experiments/retrieval_probe.py --masks nsa --steps 8000 \
         --out experiments/results/ablation/cpu_probe/nsa.log
@@ -129,7 +131,7 @@ CAP = {"on": False, "layer": None, "sel": {}, "gate": {}, "oracle": None}
 def _select(q, k_cmp, lse, cfg_, starts=None, chunk=None, **kw):
     idx = select_topn(q, k_cmp, lse, cfg_, starts, chunk, **kw)
     if CAP["on"]:
-        CAP["sel"][CAP["layer"]] = (q, k_cmp, lse, idx.clone())
+        CAP["sel"][CAP["layer"]] = (q, k_cmp, lse, idx.clone(), kw.get("scores"))
     if CAP["oracle"] is not None:  # [B] needle block, [B] first position to override
         blk, t_from = CAP["oracle"]
         t = torch.arange(idx.shape[2]).view(1, 1, -1)
@@ -194,11 +196,14 @@ def selection_stats():
         hits = {"m1": [], "m2": [], "any": []}
         forced_l, free_hits, ranks, ncand = [], [], [], []
         for li in sorted(CAP["sel"]):
-            q, k_cmp, lse, idx = CAP["sel"][li]
+            q, k_cmp, lse, idx, scores = CAP["sel"][li]
             for b, g in enumerate(geo):
                 t = g[where]
-                sc = block_scores(q[b:b + 1], k_cmp[b:b + 1], None if lse is None else lse[b:b + 1],
-                                  cfg, None, t, t + 1)[0, :, 0]  # [Hkv, Ns]
+                if scores is not None:  # the indexer's (sel_scores = "indexer")
+                    sc = scores[b, :, t]
+                else:
+                    sc = block_scores(q[b:b + 1], k_cmp[b:b + 1], None if lse is None else lse[b:b + 1],
+                                      cfg, None, t, t + 1)[0, :, 0]  # [Hkv, Ns]
                 valid, forced = forced_and_valid(cfg, T, torch.zeros(1, T, dtype=torch.long),
                                                  "cpu", t, t + 1)
                 valid, forced = valid[0, 0], forced[0, 0]

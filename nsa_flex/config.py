@@ -21,6 +21,8 @@ BACKEND_CHOICES = ("auto", "flex", "reference")
 SCORER_CHOICES = ("auto", "torch", "triton")
 SEL_KERNEL_CHOICES = ("auto", "flex", "triton")
 CMP_KERNEL_CHOICES = ("auto", "flex", "cudnn", "cudnn_lean")
+SEL_SCORES_CHOICES = ("cmp", "indexer")
+INDEXER_DIMS = (16, 32, 64, 128)
 # NSAConfig.recompute -> the branches run under activation checkpointing (NSAAttention.branch)
 RECOMPUTED = {"none": (), "win": ("win",), "cmp_win": ("cmp", "win"), "all": ("cmp", "sel", "win")}
 RECOMPUTE_CHOICES = tuple(RECOMPUTED)
@@ -118,6 +120,15 @@ class NSAConfig(LayerShape):
                                    "attention mass per selection block to the scorer's p_slc, "
                                    "training only the compressed keys; 0 = off. Costs a dense "
                                    "causal attention forward a layer: for short-context training")
+    sel_scores: str = knob("cmp", "where the top-n selection's block scores come from: cmp (the "
+                                  "paper's Eq. 8-10, from the compressed attention) | indexer (not "
+                                  "in the paper: a small attention of its own over the tokens, "
+                                  "DeepSeek-V3.2's lightning indexer per selection block, "
+                                  "nsa_flex/indexer.py; a block's score is the mass the indexer "
+                                  "puts on its tokens; it learns only from sel_distill)")
+    indexer_heads: int = knob(2, "query heads per KV group of the indexer (sel_scores = indexer)")
+    indexer_dim: int = knob(64, "head dim of the indexer's queries and keys (sel_scores = indexer): "
+                                "16 | 32 | 64 | 128")
     sel_dense_steps: int = knob(0, "dense warm-up of the selection (not in the paper): for the "
                                    "first N training steps every selection holds every earlier "
                                    "block, so the selected branch learns from every key (as full "
@@ -186,6 +197,12 @@ class NSAConfig(LayerShape):
         if (not isinstance(self.sel_distill, (int, float)) or isinstance(self.sel_distill, bool)
                 or not math.isfinite(self.sel_distill) or self.sel_distill < 0):
             errs.append(f"sel_distill={self.sel_distill!r}: must be a finite number >= 0 (0 = off)")
+        if self.sel_scores not in SEL_SCORES_CHOICES:
+            errs.append(f"sel_scores={self.sel_scores!r}: allowed values are {SEL_SCORES_CHOICES}")
+        if not isinstance(self.indexer_heads, int) or isinstance(self.indexer_heads, bool) or self.indexer_heads < 1:
+            errs.append(f"indexer_heads={self.indexer_heads!r}: must be an integer >= 1")
+        if self.indexer_dim not in INDEXER_DIMS:
+            errs.append(f"indexer_dim={self.indexer_dim!r}: allowed values are {INDEXER_DIMS}")
         if (not isinstance(self.sel_dense_steps, int) or isinstance(self.sel_dense_steps, bool)
                 or self.sel_dense_steps < 0):
             errs.append(f"sel_dense_steps={self.sel_dense_steps!r}: must be an integer >= 0 (0 = off)")
@@ -210,16 +227,21 @@ class NSAConfig(LayerShape):
         if not errs and set(self.branch_masks().values()) == {"none"}:
             errs.append(f"cmp_mask={self.cmp_mask!r}, sel_mask={self.sel_mask!r}, win_mask={self.win_mask!r} "
                         f"with masks={self.masks!r}: every branch is 'none'; keep at least one branch")
-        if (not errs and self.sel_distill > 0
-                and not builder_info(self.branch_masks()["sel"]).scores):
-            errs.append(f"sel_distill={self.sel_distill}: needs a selection that reads the "
-                        f"compressed scores (the nsa preset's topn), got sel_mask "
-                        f"{self.branch_masks()['sel']!r} (masks={self.masks!r}); set sel_distill = 0")
-        if (not errs and self.sel_dense_steps > 0
-                and not builder_info(self.branch_masks()["sel"]).scores):
-            errs.append(f"sel_dense_steps={self.sel_dense_steps}: warms up a selection that reads "
-                        f"the compressed scores (the nsa preset's topn), got sel_mask "
-                        f"{self.branch_masks()['sel']!r} (masks={self.masks!r}); set sel_dense_steps = 0")
+        if not errs:  # the selection-training knobs need a selection that reads scores
+            sel = self.branch_masks()["sel"]
+            why = (f"a selection that reads scores (the nsa preset's topn), got sel_mask {sel!r} "
+                   f"(masks={self.masks!r})")
+            scores = builder_info(sel).scores
+            if self.sel_distill > 0 and not scores:
+                errs.append(f"sel_distill={self.sel_distill}: needs {why}; set sel_distill = 0")
+            if self.sel_scores == "indexer" and not scores:
+                errs.append(f"sel_scores='indexer': needs {why}; set sel_scores = 'cmp'")
+            if self.sel_scores == "indexer" and not self.sel_distill > 0:
+                errs.append(f"sel_scores='indexer' with sel_distill={self.sel_distill}: the indexer "
+                            "learns only from the distillation; set sel_distill > 0 (e.g. 1.0)")
+            if self.sel_dense_steps > 0 and not scores:
+                errs.append(f"sel_dense_steps={self.sel_dense_steps}: needs {why}; set "
+                            "sel_dense_steps = 0")
         if errs:
             raise NSAConfigError("invalid NSAConfig:\n  - " + "\n  - ".join(errs), errs)
 

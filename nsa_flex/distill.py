@@ -8,7 +8,9 @@ with a KL loss toward the main attention's mass; here the same for NSA's scorer,
                 causal attention (softmax over every visible key, summed over the block's keys,
                 Eq. 10's mean over the group's heads) -- no gradient;
     pred[j]   = Eq. 8-10's p_slc from the compressed keys (q detached, the keys recomputed from the
-                layer's detached input: only the compressed keys' projection and phi learn from it);
+                layer's detached input: only the compressed keys' projection and phi learn from it),
+                or, with `sel_scores = "indexer"`, the indexer's block masses (nsa_flex/indexer.py:
+                only the indexer learns from it);
     loss      = KL(target || pred) over the blocks the scores choose among (valid, not forced:
                 block 0 and the local blocks are picked whatever the scores), each renormalized,
                 averaged over the (position, KV group) rows that have such blocks.
@@ -63,27 +65,26 @@ def block_mass(q: Tensor, k: Tensor, values: Tensor, spec: MaskSpec, backend: st
     return out.float().view(B, Hkv, H // Hkv, T, -1).mean(2)
 
 
-def distill_kl(q: Tensor, k_cmp: Tensor, k_sel: Tensor, cfg, cmp_spec: MaskSpec,
-               causal_spec: MaskSpec, starts: Tensor | None) -> Tensor:
-    """The layer's selection-distillation loss (module docstring), a scalar fp32.
-
-    q [B, H, T, d_qk] (after RoPE; detached here), k_cmp [B, Hkv, Nc, d_qk] (the one input with
-    a gradient), k_sel [B, Hkv, T, d_qk] the selected branch's keys (detached here); cmp_spec: the
-    compressed branch's mask (its documents included), causal_spec: causal over the selected branch's
-    keys (documents included); starts [B, T] each position's document start, None without documents."""
-    B, H, T, _ = q.shape
-    ns, nc = -(-T // cfg.l_sel), k_cmp.shape[2]
-    width, q = value_width(ns), q.detach()
-    if nc == 0:  # no compressed block yet: nothing to learn, and k_cmp stays in the graph
-        return k_cmp.sum().float() * 0
+def selected_target(q: Tensor, k_sel: Tensor, cfg, causal_spec: MaskSpec) -> Tensor:
+    """The target (module docstring): the mass q [B, H, T, d_qk] and the selected branch's keys
+    k_sel [B, Hkv, T, d_qk] put on each selection block under dense causal attention (causal_spec,
+    documents included), the mean over each GQA group's heads -> [B, Hkv, T, Ns] fp32, no gradient."""
+    T = q.shape[2]
+    ns = -(-T // cfg.l_sel)
     with torch.no_grad():
-        onehot = block_onehot(T, cfg.l_sel, width, q.device, q.dtype)
-        target = block_mass(q, k_sel.detach(), onehot, causal_spec, cfg.backend)[..., :ns]
-    pred = block_mass(q, k_cmp, overlap_values(nc, ns, cfg, width, q.device, q.dtype), cmp_spec,
-                      cfg.backend)[..., :ns]
+        onehot = block_onehot(T, cfg.l_sel, value_width(ns), q.device, q.dtype)
+        return block_mass(q.detach(), k_sel.detach(), onehot, causal_spec, cfg.backend)[..., :ns]
+
+
+def block_kl(target: Tensor, pred: Tensor, cfg, starts: Tensor | None) -> Tensor:
+    """KL(target || pred) over the blocks the scores choose among (valid, not forced), each side
+    renormalized there, averaged over the (position, KV group) rows that have such blocks; target,
+    pred [B, Hkv, T, Ns] block masses, starts [B, T] each position's document start (None: one
+    document). A scalar fp32 with pred's gradient."""
+    T = target.shape[2]
     if starts is None:
-        starts = torch.zeros(1, T, dtype=torch.long, device=q.device)
-    valid, forced = forced_and_valid(cfg, T, starts, q.device)
+        starts = torch.zeros(1, T, dtype=torch.long, device=target.device)
+    valid, forced = forced_and_valid(cfg, T, starts, target.device)
     free = (valid & ~forced).unsqueeze(1).float()  # [B|1, 1, T, Ns]
     target, pred = target * free, pred * free
     tz = target.sum(-1, keepdim=True)
@@ -92,6 +93,26 @@ def distill_kl(q: Tensor, k_cmp: Tensor, k_sel: Tensor, cfg, cmp_spec: MaskSpec,
     p = pred / pred.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
     kl = (torch.special.xlogy(t, t) - t * torch.log(p.clamp_min(EPS))).sum(-1, keepdim=True)
     return (kl * rows).sum() / rows.sum().clamp_min(1.0)
+
+
+def distill_kl(q: Tensor, k_cmp: Tensor, k_sel: Tensor, cfg, cmp_spec: MaskSpec,
+               causal_spec: MaskSpec, starts: Tensor | None) -> Tensor:
+    """The layer's selection-distillation loss for the compressed keys (module docstring), a
+    scalar fp32.
+
+    q [B, H, T, d_qk] (after RoPE; detached here), k_cmp [B, Hkv, Nc, d_qk] (the one input with
+    a gradient), k_sel [B, Hkv, T, d_qk] the selected branch's keys (detached here); cmp_spec: the
+    compressed branch's mask (its documents included), causal_spec: causal over the selected branch's
+    keys (documents included); starts [B, T] each position's document start, None without documents."""
+    T = q.shape[2]
+    ns, nc = -(-T // cfg.l_sel), k_cmp.shape[2]
+    if nc == 0:  # no compressed block yet: nothing to learn, and k_cmp stays in the graph
+        return k_cmp.sum().float() * 0
+    q = q.detach()
+    target = selected_target(q, k_sel, cfg, causal_spec)
+    pred = block_mass(q, k_cmp, overlap_values(nc, ns, cfg, value_width(ns), q.device, q.dtype),
+                      cmp_spec, cfg.backend)[..., :ns]
+    return block_kl(target, pred, cfg, starts)
 
 
 class _AttachLoss(torch.autograd.Function):

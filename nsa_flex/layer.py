@@ -21,7 +21,8 @@ from .attention import BranchPlan, mix_branches, plan_branch
 from .compression import PHI
 from .config import RECOMPUTED, NSAConfig
 from .context_parallel import NO_SHARD, SeqShard, gather_seq, gather_seq_nograd, with_halo
-from .distill import attach_loss, distill_kl
+from .distill import attach_loss, block_kl, distill_kl, selected_target
+from .indexer import BlockIndexer
 from .kernel_options import install_flex_patches
 from .ops import DEFAULT_TUNING, SelectedTuning
 from .rope import apply_rope, rope_cos_sin
@@ -175,6 +176,8 @@ class NSAAttention(nn.Module):
         self.phi_k = PHI[cfg.phi](cfg.l, cfg.d, dk)
         self.phi_v = PHI[cfg.phi](cfg.l, cfg.d, dv)
         self.gate = nn.Linear(dim, 3 * H, bias=True)  # paper Eq. 5: g = sigmoid(MLP(x))
+        # optional (not in the paper): block scores from per-token keys of their own
+        self.indexer = BlockIndexer(cfg) if cfg.sel_scores == "indexer" else None
         self.wo = nn.Linear(H * dv, dim, bias=False)
         self.branch_names = cfg.branch_masks()
         self.builders, self.plans = branch_runners(cfg, sel_tuning)
@@ -203,6 +206,8 @@ class NSAAttention(nn.Module):
         nn.init.zeros_(self.gate.bias)  # gates start at 0.5 each
         self.phi_k.init_weights(init_std)
         self.phi_v.init_weights(init_std)
+        if self.indexer is not None:
+            self.indexer.init_weights()
         self.telemetry_stats.zero_()
 
     def reset_parameters(self):
@@ -282,19 +287,26 @@ class NSAAttention(nn.Module):
         B, Tq, _ = x.shape
         cfg, names, shard, halo = self.cfg, self.branch_names, masks.shard, masks.halo
         distilling = cfg.sel_distill > 0 and self.training and torch.is_grad_enabled()
-        if distilling and shard.sharded:
-            raise ValueError("NSAConfig.sel_distill > 0 does not run under context parallelism "
-                             "(its dense target needs every query of the sequence); set it to 0")
+        if (distilling or self.indexer is not None) and shard.sharded:
+            raise ValueError("NSAConfig.sel_distill > 0 and sel_scores='indexer' do not run under "
+                             "context parallelism (dense over every query of the sequence); set "
+                             "sel_distill = 0 and sel_scores = 'cmp'")
         doc_ids, cos, sin = masks.doc_ids, masks.cos, masks.sin
         T, q0 = Tq * shard.size, shard.offset(Tq)  # the whole sequence; this shard's first position
         q = self.project_q(x, cos, sin)
         k_cmp = lse_cmp = None  # set by the compressed branch below, read by the scorer
+        p_idx = None  # the indexer's block scores (sel_scores = "indexer"), for its distillation
 
         def topn():  # selection scorer (Eq. 8-10) and top-n over the whole sequence's blocks
+            nonlocal p_idx
             if self.dense_selection and self.training:  # the warm-up: every block, no scores
                 starts = masks.starts if masks.starts is not None else torch.zeros(
                     1, T, dtype=torch.long, device=x.device)
                 return all_blocks(cfg, B, T, starts, x.device, q0, q0 + Tq)
+            if self.indexer is not None:  # scores from the indexer's own per-token keys
+                p_idx = self.indexer(x, builder_info("causal").fn(ctx), cfg)
+                return self.select_topn(q.detach(), None, None, cfg, masks.starts, seq_len=T,
+                                        scores=p_idx.detach())
             kc = k_cmp
             if kc is None:  # the compressed branch is off: the whole sequence's keys, compressed
                 kc = self.phi_k(gather_seq_nograd(self.project_kv(x, "cmp", cos, sin)[0].detach(),
@@ -343,7 +355,13 @@ class NSAAttention(nn.Module):
         # optional (not in the paper): teach the compressed keys where the selected branch's dense
         # attention would look, through y's backward (nsa_flex.distill)
         kl = None
-        if distilling:
+        if distilling and self.indexer is not None:  # the indexer's scores toward the same target
+            causal = builder_info("causal").fn(ctx)
+            if p_idx is None:  # not scored this step (the dense warm-up)
+                p_idx = self.indexer(x, causal, cfg)
+            kl = block_kl(selected_target(q, k_sel, cfg, causal), p_idx, cfg, masks.starts)
+            y = attach_loss(y, cfg.sel_distill * kl)
+        elif distilling:
             kc = self.phi_k(self.project_kv(x.detach(), "cmp", cos, sin)[0])
             kl = distill_kl(q, kc, k_sel, cfg, cmp_spec,
                             builder_info("causal").fn(ctx), masks.starts)

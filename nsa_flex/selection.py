@@ -88,17 +88,28 @@ def block_scores(q: Tensor, k_cmp: Tensor, lse: Tensor | None, cfg, doc_starts: 
 
 
 @torch.no_grad()
-def select_topn(q: Tensor, k_cmp: Tensor, lse: Tensor | None, cfg, doc_starts: Tensor | None = None,
-                chunk: int | None = None, q_offset: int = 0, seq_len: int | None = None) -> Tensor:
+def select_topn(q: Tensor, k_cmp: Tensor | None, lse: Tensor | None, cfg,
+                doc_starts: Tensor | None = None, chunk: int | None = None, q_offset: int = 0,
+                seq_len: int | None = None, scores: Tensor | None = None) -> Tensor:
     """Top-n selection block indices [B, Hkv, T, n_sel] (int64, -1 for unused slots). A sequence
     shard (context parallelism): q's row r is position r + q_offset of seq_len tokens, k_cmp the
-    whole sequence's compressed keys, doc_starts [B|1, seq_len] the whole sequence's."""
+    whole sequence's compressed keys, doc_starts [B|1, seq_len] the whole sequence's. scores
+    [B, Hkv, T, Ns]: block scores from elsewhere (the indexer, `sel_scores = "indexer"`) in place
+    of Eq. 8-10's (k_cmp and lse unused), under the same top-n rule."""
     B, Hq, T, _ = q.shape
-    Hkv, Nc = k_cmp.shape[1], k_cmp.shape[2]
     S = seq_len or T
     starts = doc_starts if doc_starts is not None else torch.zeros(1, S, dtype=torch.long,
                                                                    device=q.device)
     chunk = chunk or cfg.score_chunk
+    if scores is not None:
+        out = []
+        for t0 in range(0, T, chunk):
+            t1 = min(T, t0 + chunk)
+            valid, forced = forced_and_valid(cfg, S, starts, q.device, t0 + q_offset, t1 + q_offset)
+            out.append(pick_blocks(scores[:, :, t0:t1], valid.unsqueeze(1), forced.unsqueeze(1),
+                                   cfg.n_sel))
+        return torch.cat(out, dim=2)
+    Hkv, Nc = k_cmp.shape[1], k_cmp.shape[2]
     fused = use_triton_scorer(cfg, q, lse) and Nc > 0
     if fused:
         # the fused kernel keeps only [B, Hkv, chunk, Ns] fp32: as few chunks as SCORE_BUFFER_MAX

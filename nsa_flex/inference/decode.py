@@ -29,6 +29,10 @@ def branch_modes(layer) -> dict[str, str]:
     """The layer's builder per branch, each one the decode step supports on its branch (the
     registry says which: `masks.builder_info(...).decode`)."""
     names = dict(layer.branch_names)
+    if layer.cfg.sel_scores != "cmp":
+        raise NotImplementedError(f"decode scores blocks from the compressed keys (sel_scores='cmp'), "
+                                  f"not sel_scores={layer.cfg.sel_scores!r}; the full-sequence "
+                                  "forward runs it")
     for b, name in names.items():
         if b not in builder_info(name).decode:
             raise NotImplementedError(f"decode supports {b} mask builders "

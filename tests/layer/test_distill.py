@@ -167,7 +167,7 @@ def test_context_parallelism_is_refused_by_name():
 
     m = _layer(sel_distill=1.0)
     m.shard = SeqShard(None, 0, 2)
-    with pytest.raises(ValueError, match="sel_distill > 0 does not run under context parallelism"):
+    with pytest.raises(ValueError, match="sel_distill > 0 and sel_scores=.indexer. do not run under context parallelism"):
         m(torch.randn(1, 40, 64), torch.zeros(1, 80, dtype=torch.long))
 
 
