@@ -10,7 +10,8 @@ question):
     (predicts the answer's " ") and at the " " after it (predicts the first digit); `forced` = the
     needle block is forced anyway (block 0 or the n_local most recent blocks), `free` = the recall
     over rows where it is not; `rank` = the rank (1 = best) of the best needle block among the
-    valid, non-forced candidates under the scorer's own block importance (Eq. 8-10);
+    valid, non-forced candidates under the scorer's own block importance (Eq. 8-10), `teacher
+    rank` the same under the distillation's target (the selected branch's dense block mass);
   * the mean gate (sigmoid) per branch over all positions and at the answer positions, per layer;
   * `oracle`: the answer NLL / exact when the selection's free slot at positions >= the question
     is replaced by the needle's (second-mention) block, i.e. with a perfect selection.
@@ -33,7 +34,11 @@ import torch.nn.functional as F
 
 from nsa_flex.apps.generate import build_model, load_job_config
 from nsa_flex.rules import forced_and_valid
+from masks import MaskContext, builder_info
+from nsa_flex.distill import selected_target
+from nsa_flex.rope import rope_cos_sin
 from nsa_flex.selection import block_scores, select_topn
+from nsa_flex.telemetry import DISTILL
 from nsa_flex.data.passkey import PASSKEY_NEEDLE, PASSKEY_QUESTION, PasskeyCorpus
 
 p = argparse.ArgumentParser()
@@ -125,7 +130,7 @@ for toks, s, key in ev:
 X = torch.tensor([d[0] for d in ev])
 
 # ---------------------------------------------------------------- capture machinery
-CAP = {"on": False, "layer": None, "sel": {}, "gate": {}, "oracle": None}
+CAP = {"on": False, "layer": None, "sel": {}, "gate": {}, "oracle": None, "x": {}}
 
 
 def _select(q, k_cmp, lse, cfg_, starts=None, chunk=None, **kw):
@@ -142,8 +147,12 @@ def _select(q, k_cmp, lse, cfg_, starts=None, chunk=None, **kw):
 
 
 for li, a in enumerate(attn):
+    a.telemetry = cfg.sel_distill > 0  # the distillation's KL (telemetry slot DISTILL)
     a.select_topn = _select
-    a.register_forward_pre_hook(lambda m, inp, li=li: CAP.__setitem__("layer", li))
+    def pre_hook(m, inp, li=li):  # returns None: the inputs stay as they are
+        CAP["layer"] = li
+        CAP["x"][li] = inp[0].detach()
+    a.register_forward_pre_hook(pre_hook)
     a.gate.register_forward_hook(
         lambda m, inp, out, li=li: CAP["gate"].__setitem__(li, torch.sigmoid(out.detach()))
         if CAP["on"] else None)
@@ -194,9 +203,15 @@ def selection_stats():
     Ns = -(-T // cfg.l_sel)
     for where in ("colon", "space"):
         hits = {"m1": [], "m2": [], "any": []}
-        forced_l, free_hits, ranks, ncand = [], [], [], []
+        forced_l, free_hits, ranks, ncand, t_ranks = [], [], [], [], []
         for li in sorted(CAP["sel"]):
             q, k_cmp, lse, idx, scores = CAP["sel"][li]
+            # the distillation's teacher: the selected branch's dense block mass (its keys from the
+            # layer's input), ranked as the scores are
+            cos, sin = rope_cos_sin(torch.arange(T), cfg.d_qk, cfg.rope_theta)
+            k_sel = attn[li].project_kv(CAP["x"][li], "sel", cos, sin)[0]
+            teacher = selected_target(q, k_sel, cfg,
+                                      builder_info("causal").fn(MaskContext(cfg, len(ev), T, "cpu")))
             for b, g in enumerate(geo):
                 t = g[where]
                 if scores is not None:  # the indexer's (sel_scores = "indexer")
@@ -220,12 +235,16 @@ def selection_stats():
                         s = sc[h]
                         best = max(s[j].item() for j in nb)
                         ranks.append(1 + sum(1 for j in cand if j not in nb and s[j].item() > best))
+                        tt = teacher[b, h, t]
+                        tbest = max(tt[j].item() for j in nb)
+                        t_ranks.append(1 + sum(1 for j in cand if j not in nb and tt[j].item() > tbest))
                         ncand.append(len(cand))
         mean = lambda v: sum(v) / max(1, len(v))  # noqa: E731
         out[where] = (f"rec m1 {mean(hits['m1']):.2f} m2 {mean(hits['m2']):.2f} "
                       f"any {mean(hits['any']):.2f} forced {mean(forced_l):.2f} "
                       f"free {mean(free_hits):.2f} (n={len(free_hits)}) rank {mean(ranks):.2f}/"
-                      f"{mean(ncand):.1f} top1 {mean([r == 1 for r in ranks]):.2f}")
+                      f"{mean(ncand):.1f} top1 {mean([r == 1 for r in ranks]):.2f} | teacher rank "
+                      f"{mean(t_ranks):.2f} top1 {mean([r == 1 for r in t_ranks]):.2f}")
     return out
 
 
@@ -249,6 +268,7 @@ for step in range(args.steps + 1):
     losses.append(loss.item())
     last = step == args.steps or (time.time() - t0) / 60 > args.max_minutes
     if step % args.every == 0 or last:
+        kls = [float(a.telemetry_stats[DISTILL]) for a in attn]  # before evaluate() overwrites them
         r = evaluate()
         tl = sum(losses[-50:]) / len(losses[-50:])
         s = (f"{args.masks} step {step} loss {tl:.3f} ans_nll {r['nll']:.3f} exact {r['exact']:.2f}"
@@ -257,6 +277,8 @@ for step in range(args.steps + 1):
             s += f" | oracle nll {r['o_nll']:.3f} exact {r['o_exact']:.2f}"
             s += f"\n    sel@colon {r['colon']}\n    sel@space {r['space']}"
         s += f"\n    gates(cmp/sel/win) {r['gates']}"
+        if cfg.sel_distill > 0:  # this step's distillation KL, per layer
+            s += "\n    distill KL " + " ".join(f"L{li} {v:.3f}" for li, v in enumerate(kls))
         log(s)
     if last:
         break
