@@ -24,6 +24,7 @@ from nsa_flex import telemetry as tm
 from nsa_flex.config import NSAConfigError
 from nsa_flex.rules import forced_and_valid, pick_blocks
 from masks import doc_start
+from tests.layer.distill_helpers import gpu_kl_pair, kl_before_and_after
 
 DBG = dict(dim=64, n_heads=4, n_kv_heads=2, d_qk=16, d_v=16, l=8, d=4, l_sel=16, n_sel=3, window=16,
            backend="reference", n_local=1, sel_scores="indexer", sel_distill=1.0, indexer_heads=2,
@@ -139,19 +140,7 @@ def test_following_the_gradient_lowers_the_kl():
         m.wq.weight.normal_(0, 0.5)
         m.wk["sel"].weight.normal_(0, 0.5)
     x = torch.randn(2, T, 64)
-    opt = torch.optim.Adam(m.indexer.parameters(), lr=1e-2)
-
-    def kl():
-        m.telemetry = True
-        (0 * m(x)).sum().backward()
-        return float(m.telemetry_stats[tm.DISTILL])
-
-    first = kl()
-    for _ in range(60):
-        opt.zero_grad()
-        kl()
-        opt.step()
-    last = kl()
+    first, last = kl_before_and_after(m, x, m.indexer.parameters(), lr=1e-2)
     assert first > 0.05 and last < 0.5 * first, (first, last)
 
 
@@ -203,22 +192,7 @@ def test_flex_equals_reference_on_gpu():
     shape = dict(dim=256, n_heads=8, n_kv_heads=2, d_qk=64, d_v=64, l=32, d=16, l_sel=64, n_sel=8,
                  window=256, phi="mlp", sel_scores="indexer", sel_distill=1.0, indexer_heads=2,
                  indexer_dim=64)
-    torch.manual_seed(0)
-    ref = NSAAttention(NSAConfig(**shape, backend="reference")).cuda()
-    ref.init_weights()
-    with torch.no_grad():
-        for lin in (ref.wq, ref.wk["sel"], ref.indexer.wq, ref.indexer.wk):
-            lin.weight.normal_(0, 2 * 256 ** -0.5)
-    flex = NSAAttention(NSAConfig(**shape, backend="flex")).cuda()
-    flex.load_state_dict(ref.state_dict())
-    x = torch.randn(2, 1024, 256, device="cuda")
-    doc_ids = _docs(2, (300,), 1024).cuda()
-    for m in (ref, flex):
-        m.telemetry = True
-        with torch.autocast("cuda", torch.bfloat16):
-            (0 * m(x, doc_ids)).sum().backward()
-    kl_ref, kl_flex = float(ref.telemetry_stats[tm.DISTILL]), float(flex.telemetry_stats[tm.DISTILL])
-    assert kl_ref > 0.05 and abs(kl_flex - kl_ref) < 0.03 * kl_ref, (kl_ref, kl_flex)
+    ref, flex, x, doc_ids = gpu_kl_pair(shape, lambda m: (m.wq, m.wk["sel"], m.indexer.wq, m.indexer.wk))
     cos = torch.nn.functional.cosine_similarity(ref.indexer.wq.weight.grad.flatten(),
                                                 flex.indexer.wq.weight.grad.flatten(), 0)
     assert cos > 0.98, float(cos)
