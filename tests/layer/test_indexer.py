@@ -1,7 +1,7 @@
 """The block indexer (nsa_flex/indexer.py, NSAConfig.sel_scores = "indexer"):
 
-* its block scores equal a naive computation from the definition (per head, softmax over the
-  tokens of the query's document up to the query, summed per selection block, the mean over the
+* its block scores equal a naive computation from the definition (per head, RoPE on q and k,
+  softmax over the tokens of the query's document up to the query, summed per selection block, the mean over the
   KV group's heads), with and without documents, and the layer selects the top-n of those scores
   under the same rule (forced blocks first);
 * strictly causal (hypothesis): no output, score or pick at a position moves when a later token
@@ -57,6 +57,17 @@ def naive_scores(m, x, doc_ids):
     ns = -(-n // cfg.l_sel)
     q = (x.double() @ ix.wq.weight.double().T).view(B, n, Hkv, h, D)
     k = (x.double() @ ix.wk.weight.double().T).view(B, n, Hkv, D)
+    # RoPE, rotate-half form: position s turns pair (i, i + D/2) by s / theta^(2i/D)
+    ang = torch.arange(n, dtype=torch.float64).view(n, 1) / cfg.rope_theta ** (
+        torch.arange(0, D, 2, dtype=torch.float64) / D)
+    c, sn = ang.cos(), ang.sin()  # [n, D/2]
+
+    def rot(v):  # [..., n, heads..., D] with positions on dim 1
+        shape = (1, n) + (1,) * (v.dim() - 3) + (D // 2,)
+        a, b = v[..., :D // 2], v[..., D // 2:]
+        cc, ss = c.view(shape), sn.view(shape)
+        return torch.cat([a * cc - b * ss, b * cc + a * ss], -1)
+    q, k = rot(q), rot(k)
     docs = torch.zeros(B, n, dtype=torch.long) if doc_ids is None else doc_ids
     out = torch.zeros(B, Hkv, n, ns, dtype=torch.float64)
     for b in range(B):
