@@ -352,8 +352,9 @@ class NSAAttention(nn.Module):
                          cfg.backend)  # [B, T, H * d_v]
         y = self.wo(o)
 
-        # optional (not in the paper): teach the compressed keys where the selected branch's dense
-        # attention would look, through y's backward (nsa_flex.distill)
+        # optional (not in the paper): teach the scorer -- the compressed keys, or the indexer --
+        # where the selected branch's dense attention would look, through y's backward
+        # (nsa_flex.distill)
         kl = None
         if distilling and self.indexer is not None:  # the indexer's scores toward the same target
             causal = builder_info("causal").fn(ctx)
