@@ -184,7 +184,7 @@ def test_custom_builder_says_what_it_needs():
     assert cache_branches({"cmp": "none", "sel": "test_scored_half", "win": "none"}) == ("cmp", "sel")
     with pytest.raises(NotImplementedError, match=r"decode supports sel mask builders \('causal', "
                                                   r"'local_selection', 'none', 'topn'\), not 'test_scored_half'"):
-        branch_modes(SimpleNamespace(branch_names=cfg.branch_masks()))
+        branch_modes(SimpleNamespace(branch_names=cfg.branch_masks(), cfg=cfg))
     register_mask_builder("test_drawn", "selection", _scored_band, replace=True, step=True)
     assert NSAAttention(dataclasses.replace(cfg, sel_mask="test_drawn")).draws
 

@@ -82,7 +82,7 @@ def _one_case(cfg_kw: dict, lens: list[int], opt: dict, seed: int, device: str =
 
     torch.manual_seed(seed)
     cfg = NSAConfig(dim=16, backend="reference", **cfg_kw)
-    modes = branch_modes(SimpleNamespace(branch_names=cfg.branch_masks()))
+    modes = branch_modes(SimpleNamespace(branch_names=cfg.branch_masks(), cfg=cfg))
     B, H, Hkv, dk, dv = len(lens), cfg.n_heads, cfg.n_kv_heads, cfg.d_qk, cfg.d_v
     cap = opt.get("cap", max(lens) + 1)
     src = NSACache.empty(cfg, B, cap, branches=cache_branches(modes))
