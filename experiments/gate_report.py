@@ -3,14 +3,15 @@ teacher-forced passkey answer loss and exact answers by step and by tokens (with
 whose needle lies beyond the model's sliding window, where NSA's window cannot reach, apart), as
 one CSV and one PNG.
 
-    python experiments/gate_report.py OUT [--tokens-per-step 32768] [--out DIR]
+    python experiments/gate_report.py OUT [--tokens-per-step 32768] [--out DIR] [--reference GATE_CSV:VARIANT]
 
 OUT: the gate's output folder (OUT/<variant>/metrics.jsonl, or, for a run cut before the copy,
-the console log OUT/<variant>/train.log: its "validate step: N  retrieval: passkey loss X exact Y%"
-lines). Writes DIR/gate.csv (variant, step, tokens, answer_loss, exact, exact_near, exact_far,
-val_loss, sel_recall; near / far empty where the run did not log them, sel_recall where the run
-had no `[validation] retrieval_recall_docs`) and DIR/gate.png (panels for the recall and the
-validation loss where the runs logged them),
+the console log OUT/<variant>/train.log: its "validate step: N  retrieval: passkey loss X exact Y%
+(near A%, far B%) sel recall R" lines). Writes DIR/gate.csv (variant, step, tokens, answer_loss,
+exact, exact_near, exact_far, val_loss, sel_recall; near / far empty where the run did not log
+them, sel_recall where the run had no `[validation] retrieval_recall_docs`) and DIR/gate.png
+(panels for the recall and the validation loss where the runs logged them; each --reference, a
+variant of an earlier run's gate.csv such as full attention under the same recipe, dashed beside),
 and prints the first step where each variant reached 50% and 95% exact. Where the final evaluation
 ran (OUT/<variant>/needle/needle.csv), also DIR/gate_depth.csv: per variant and needle depth the
 prompts answered right and the mean selection recall of the needle's block at the question (NSA:
@@ -25,7 +26,8 @@ import re
 from nsa_flex.apps.plot import read_metrics
 
 _VAL = re.compile(r"validate step:\s*(\d+)\s+loss:\s*([\d.]+)")
-_RET = re.compile(r"validate step:\s*(\d+)\s+retrieval: passkey loss ([\d.]+) exact (\d+)%")
+_RET = re.compile(r"validate step:\s*(\d+)\s+retrieval: passkey loss ([\d.]+) exact (\d+)%"
+                  r"(?: \(near (\d+)%, far (\d+)%\))?(?: sel recall ([\d.]+))?")
 
 
 def read_variant(folder: str) -> list[dict]:
@@ -50,9 +52,30 @@ def read_variant(folder: str) -> list[dict]:
                 if m := _RET.search(line):
                     row = rows.setdefault(int(m.group(1)), {"step": int(m.group(1))})
                     row["answer_loss"], row["exact"] = float(m.group(2)), int(m.group(3)) / 100
+                    if m.group(4) is not None:
+                        row["exact_near"], row["exact_far"] = int(m.group(4)) / 100, int(m.group(5)) / 100
+                    if m.group(6) is not None:
+                        row["sel_recall"] = float(m.group(6))
                 elif m := _VAL.search(line):
                     rows.setdefault(int(m.group(1)), {"step": int(m.group(1))})["val_loss"] = float(m.group(2))
     return [rows[s] for s in sorted(rows) if "answer_loss" in rows[s]]
+
+
+def read_reference(spec: str) -> tuple[str, list[dict]]:
+    """``GATE_CSV:VARIANT``: that variant's rows of an earlier run's gate.csv (a committed baseline,
+    e.g. full attention under the same recipe), labelled ``VARIANT (folder of GATE_CSV)``."""
+    path, sep, variant = spec.rpartition(":")
+    if not sep or not os.path.isfile(path):
+        raise SystemExit(f"gate_report.py: --reference {spec!r}: expected GATE_CSV:VARIANT with an existing CSV")
+    rows = []
+    for r in csv.DictReader(open(path)):
+        if r["variant"] == variant:
+            rows.append({"step": int(r["step"]), **{k: float(r[k]) for k in ("answer_loss", "exact", "exact_near",
+                                                                               "exact_far", "val_loss", "sel_recall")
+                                                      if r.get(k) not in (None, "")}})
+    if not rows:
+        raise SystemExit(f"gate_report.py: --reference {spec!r}: no rows of variant {variant!r} in {path}")
+    return f"{variant} ({os.path.basename(os.path.dirname(os.path.abspath(path)))})", rows
 
 
 def depth_rows(folder: str, name: str) -> list[dict]:
@@ -78,6 +101,8 @@ def main(argv=None) -> int:
     p.add_argument("run", help="the gate's OUT folder")
     p.add_argument("--tokens-per-step", type=int, default=2048 * 16)
     p.add_argument("--out", help="where gate.csv and gate.png go (default: the run folder)")
+    p.add_argument("--reference", action="append", default=[], metavar="GATE_CSV:VARIANT",
+                   help="also plot (dashed, not in gate.csv) a variant of an earlier run's gate.csv")
     a = p.parse_args(argv)
     out = a.out or a.run
     os.makedirs(out, exist_ok=True)
@@ -112,19 +137,22 @@ def main(argv=None) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    extra = [k for k in ("sel_recall", "val_loss") if any(k in r for rows in curves.values() for r in rows)]
+    refs = dict(read_reference(spec) for spec in a.reference)
+    extra = [k for k in ("sel_recall", "val_loss")
+             if any(k in r for rows in (*curves.values(), *refs.values()) for r in rows)]
     fig, axes = plt.subplots(1, 3 + len(extra), figsize=(17 + 5.5 * len(extra), 4.5))
     ax1, ax2, ax3 = axes[:3]
     panel = dict(zip(extra, axes[3:]))
-    for n, rows in curves.items():
+    for n, rows in [*curves.items(), *refs.items()]:
         tok = [r["step"] * a.tokens_per_step / 1e6 for r in rows]
-        line, = ax1.plot(tok, [r["answer_loss"] for r in rows], label=n)
-        ax2.plot(tok, [100 * r["exact"] for r in rows], label=n, color=line.get_color())
+        ls = "--" if n in refs else "-"
+        line, = ax1.plot(tok, [r["answer_loss"] for r in rows], ls, label=n)
+        ax2.plot(tok, [100 * r["exact"] for r in rows], ls, label=n, color=line.get_color())
         for ax, key in [(ax3, "exact_far")] + [(ax, k) for k, ax in panel.items()]:
             scale = 1 if key == "val_loss" else 100
             pts = [(t, scale * r[key]) for t, r in zip(tok, rows) if key in r]
             if pts:
-                ax.plot(*zip(*pts), label=n, color=line.get_color())
+                ax.plot(*zip(*pts), ls, label=n, color=line.get_color())
     ax1.set(xlabel="training tokens (M)", ylabel="nats per answer token", title="passkey answer loss (teacher-forced)")
     ax2.set(xlabel="training tokens (M)", ylabel="% exact", title="passkey exact answers (held-out documents)",
             ylim=(-2, 102))
@@ -134,12 +162,14 @@ def main(argv=None) -> int:
         panel["sel_recall"].set(xlabel="training tokens (M)", ylabel="% of layers x KV groups",
                                 title="selection holds the far needle's block", ylim=(-2, 102))
     if "val_loss" in panel:  # the copy of the repeated filler: from ~4.4 before it forms to ~1.2
+        lasts = [rows[-1]["val_loss"] for rows in (*curves.values(), *refs.values()) if rows and "val_loss" in rows[-1]]
         panel["val_loss"].set(xlabel="training tokens (M)", ylabel="nats per token",
-                              title="validation loss", ylim=(1.1, 1.6))
+                              title="validation loss", ylim=(1.1, max([1.6] + [v + 0.1 for v in lasts])))
     ax2.axhline(95, color="gray", ls=":", lw=1)
     for ax in axes:
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
     fig.tight_layout()
     fig.savefig(os.path.join(out, "gate.png"), dpi=110)
     print(f"wrote {out}/gate.csv and gate.png")

@@ -163,15 +163,17 @@ class QuestionPicks:
         for att, orig in zip(self.layers, self.saved):
             att.select_topn = orig
 
-    def recall(self, b: int, needle: list[int]) -> tuple[float, int] | None:
+    def recall(self, b: int, needle: list[int]) -> tuple[float, int, list[float]] | None:
         """(the fraction of (layer, KV group) whose picks at row b's question hold a block of the
         needle's key tokens, whether such a block is forced there: block 0 or a local block, picked
-        whatever the scores); None without a selecting layer."""
+        whatever the scores, and that fraction per selecting layer, in model order: a copy made by
+        one layer needs only that layer's picks); None without a selecting layer."""
         if not self.picks or not needle:
             return None
         cfg = self.layers[0].cfg
         blocks = torch.tensor(sorted({p // cfg.l_sel for p in needle}))
         t = self.lengths[b] - 1
         _, forced = forced_and_valid(cfg, t + 1, torch.zeros(1, t + 1, dtype=torch.long), "cpu", t, t + 1)
-        hits = [torch.isin(p[b], blocks).any(-1).float().mean() for p in self.picks.values()]
-        return float(torch.stack(hits).mean()), int(bool(forced[0, 0, blocks].any()))
+        hits = torch.stack([torch.isin(self.picks[i][b], blocks).any(-1).float().mean()
+                            for i in sorted(self.picks)])
+        return float(hits.mean()), int(bool(forced[0, 0, blocks].any())), hits.tolist()

@@ -17,7 +17,9 @@ whose window learned the copy alone answers only the near ones).
 With ``[validation] retrieval_recall_docs`` (`selection_recall`), NSA's selection recall too:
 ``retrieval/<kind>_sel_recall``, over the documents whose needle lies beyond the window and outside
 block 0 (picked whatever the scores), the share of (selecting layer, KV group) whose picks at the
-question (the position predicting the answer's first token) hold a block of the needle. Read beside
+question (the position predicting the answer's first token) hold a block of the needle; and
+``retrieval/<kind>_sel_recall_best`` / ``_best_layer``, the highest recall of one selecting layer
+and its index among them (a copy made in one layer needs that layer's picks alone). Read beside
 ``_exact_far``: misses with a high recall are the copy's, with a low one the selection's.
 """
 
@@ -135,6 +137,7 @@ def selection_recall(model, forward, docs: list[tuple[str, list[int], int]], far
             start = ans - dist
             far.append((kind, toks, ans, list(range(start, start + len(toks) - 2 - ans))))
     sums = {k: [0.0, 0] for k in KINDS}
+    per_layer: dict[str, torch.Tensor] = {}  # kind -> recall summed per selecting layer
     for i in range(0, min(len(far), n), RECALL_BATCH):
         batch = far[i:min(i + RECALL_BATCH, n)]
         rows = [d[1][:-1] for d in batch]
@@ -150,12 +153,19 @@ def selection_recall(model, forward, docs: list[tuple[str, list[int], int]], far
             if not rec[1]:  # a forced block (block 0) is picked whatever the scores
                 sums[kind][0] += rec[0]
                 sums[kind][1] += 1
-    return {f"retrieval/{k}_sel_recall": s / c for k, (s, c) in sums.items() if c}
+                per_layer[kind] = per_layer.get(kind, 0) + torch.tensor(rec[2], dtype=torch.float64)
+    out = {}
+    for k, (s, c) in sums.items():
+        if c:
+            best = per_layer[k] / c
+            out |= {f"retrieval/{k}_sel_recall": s / c, f"retrieval/{k}_sel_recall_best": float(best.max()),
+                    f"retrieval/{k}_sel_recall_best_layer": int(best.argmax())}
+    return out
 
 
 def summary(metrics: dict[str, float]) -> str:
-    """One console line: "passkey loss 0.123 exact 94% (near 100%, far 90%)[ sel recall 0.71] |
-    multikey ..."."""
+    """One console line: "passkey loss 0.123 exact 94% (near 100%, far 90%)[ sel recall 0.71 (best
+    layer 3 0.98)] | multikey ..."."""
     parts = []
     for k in KINDS:
         if f"retrieval/{k}_answer_loss" not in metrics:
@@ -163,7 +173,10 @@ def summary(metrics: dict[str, float]) -> str:
         reach = [f"{name} {100 * metrics[f'retrieval/{k}_exact_{name}']:.0f}%" for name in ("near", "far")
                  if f"retrieval/{k}_exact_{name}" in metrics]
         rec = metrics.get(f"retrieval/{k}_sel_recall")
+        best = metrics.get(f"retrieval/{k}_sel_recall_best")
+        best = (f" (best layer {metrics[f'retrieval/{k}_sel_recall_best_layer']} {best:.2f})"
+                if best is not None else "")
         parts.append(f"{k} loss {metrics[f'retrieval/{k}_answer_loss']:.3f} exact "
                      f"{100 * metrics[f'retrieval/{k}_exact']:.0f}%" + (f" ({', '.join(reach)})" if reach else "")
-                     + (f" sel recall {rec:.2f}" if rec is not None else ""))
+                     + (f" sel recall {rec:.2f}{best}" if rec is not None else ""))
     return " | ".join(parts)

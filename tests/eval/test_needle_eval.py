@@ -233,6 +233,8 @@ def test_quick_run_outputs(tmp_path, monkeypatch):
     for r in rows:
         assert 0 <= float(r["sel_recall"]) <= 1 and r["needle_forced"] in ("0", "1"), r
         assert r["needle_forced"] == "0" or float(r["sel_recall"]) == 1.0, r
+        layers = [float(h) for h in r["sel_recall_layers"].split()]  # per layer; their mean is the recall
+        assert len(layers) >= 2 and abs(sum(layers) / len(layers) - float(r["sel_recall"])) < 0.01, r
     assert {r["needle_forced"] for r in rows if r["depth"] == "0" and r["length"] == "600"} == {"0"}
     summ = list(csv.DictReader(open(tmp_path / "summary.csv")))
     assert [(s["kind"], s["length"], s["accuracy"]) for s in summ] == [
@@ -473,10 +475,12 @@ def test_question_picks_are_each_rows_last_position_in_the_first_forward():
         for i in qp.picks:
             assert torch.equal(qp.picks[i][b], alone.picks[i][0])
         l_sel = model.layers["0"].attention.cfg.l_sel
-        assert qp.recall(b, [3]) == (1.0, 1)  # block 0: forced
+        rec, forced, layers = qp.recall(b, [3])
+        assert (rec, forced) == (1.0, 1) and layers == [1.0] * len(qp.picks)  # block 0: forced
         blk = (len(t) // 2) // l_sel
         want = sum(bool((p[b] == blk).any(-1)[g]) for p in qp.picks.values() for g in range(p.shape[1]))
         want /= sum(p.shape[1] for p in qp.picks.values())
-        rec, forced = qp.recall(b, [blk * l_sel])
+        rec, forced, layers = qp.recall(b, [blk * l_sel])
         assert forced == 0 and rec == pytest.approx(want)
+        assert layers == pytest.approx([float((p[b] == blk).any(-1).float().mean()) for _, p in sorted(qp.picks.items())])
     assert all(att.select_topn is ne_orig for att, ne_orig in zip(qp.layers, qp.saved))  # restored

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "experiments"))
 
@@ -126,3 +128,27 @@ def test_report_tables_the_final_evaluation_by_depth(tmp_path, capsys):
     assert [(r["variant"], r["depth"], r["prompts"], r["correct"], r["sel_recall"]) for r in rows] == [
         ("full", "0", "1", "1", ""), ("full", "100", "1", "1", ""),
         ("nsa", "0", "2", "0", "1.000"), ("nsa", "100", "2", "1", "0.750")]
+
+
+def test_report_reads_reach_and_recall_from_logs_and_plots_a_reference(tmp_path, capsys):
+    log = tmp_path / "run" / "nsa" / "train.log"
+    log.parent.mkdir(parents=True)
+    log.write_text(
+        "- INFO - validate step: 250  retrieval: passkey loss 0.846 exact 42% (near 73%, far 35%) sel recall 0.39"
+        " | multikey loss 3.446 exact 0% (near 0%, far 0%) sel recall 0.42\n"
+        "- INFO - validate step: 500  retrieval: passkey loss 0.5 exact 60%\n")
+    ref = tmp_path / "old" / "gate.csv"
+    ref.parent.mkdir()
+    ref.write_text("variant,step,tokens,answer_loss,exact,exact_near,exact_far,val_loss,sel_recall\n"
+                   "full,250,8192000,3.0,0.1,0.2,0.05,4.3,\nnsa,250,8192000,3.0,0.0,,,4.4,0.5\n")
+    assert gr.main([str(tmp_path / "run"), "--out", str(tmp_path / "o"), "--reference", f"{ref}:full"]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "o" / "gate.csv")))
+    assert [r["variant"] for r in rows] == ["nsa", "nsa"]  # the reference is plotted, not tabled
+    assert (rows[0]["exact_near"], rows[0]["exact_far"], rows[0]["sel_recall"]) == ("0.7300", "0.3500", "0.3900")
+    assert (rows[1]["exact_far"], rows[1]["sel_recall"]) == ("", "")
+    assert gr.read_reference(f"{ref}:full") == ("full (old)", [
+        {"step": 250, "answer_loss": 3.0, "exact": 0.1, "exact_near": 0.2, "exact_far": 0.05, "val_loss": 4.3}])
+    with pytest.raises(SystemExit, match="no rows of variant 'sliding'"):
+        gr.main([str(tmp_path / "run"), "--out", str(tmp_path / "o"), "--reference", f"{ref}:sliding"])
+    with pytest.raises(SystemExit, match="expected GATE_CSV:VARIANT"):
+        gr.main([str(tmp_path / "run"), "--out", str(tmp_path / "o"), "--reference", "nowhere.csv:full"])

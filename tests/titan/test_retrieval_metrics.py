@@ -160,15 +160,18 @@ def test_selection_recall_counts_far_unforced_needles_at_the_question():
     assert 3 <= len(counted) < len(docs) - 1  # some near, one in block 0: not counted
     assert len(counted) % retrieval.RECALL_BATCH  # a padded last batch
 
-    def alone(toks, ans, needle):
+    def alone(toks, ans, needle):  # -> recall per selecting layer
         with torch.no_grad(), QuestionPicks(model, [ans]) as qp:
             model(torch.tensor([toks[:ans]]))
         blocks = {p // cfg.l_sel for p in needle}
-        hits = [bool(set(p[0, g].tolist()) & blocks) for p in qp.picks.values() for g in range(p.shape[1])]
-        return sum(hits) / len(hits)
+        return [sum(bool(set(p[0, g].tolist()) & blocks) for g in range(p.shape[1])) / p.shape[1]
+                for _, p in sorted(qp.picks.items())]
 
-    want = [alone(*c) for c in counted]
+    layers = torch.tensor([alone(*c) for c in counted])  # [documents, selecting layers]
+    want = layers.mean(1).tolist()
     assert 0 < sum(want) < len(want)  # neither all nor no needle picked: the test can tell
+    by_layer = layers.mean(0)
+    assert layers.shape[1] >= 2 and by_layer.max() > by_layer.min()  # the best layer can be told apart
     calls = []
 
     def forward(tokens):
@@ -176,10 +179,14 @@ def test_selection_recall_counts_far_unforced_needles_at_the_question():
         model(tokens)
 
     m = retrieval.selection_recall(model, forward, docs, far_from, 100, "cpu")
-    assert m == {"retrieval/passkey_sel_recall": pytest.approx(sum(want) / len(want))}
+    assert m == {"retrieval/passkey_sel_recall": pytest.approx(sum(want) / len(want)),
+                 "retrieval/passkey_sel_recall_best": pytest.approx(float(by_layer.max())),
+                 "retrieval/passkey_sel_recall_best_layer": int(by_layer.argmax())}
+    assert (f"sel recall {sum(want) / len(want):.2f} (best layer {int(by_layer.argmax())} "
+            f"{float(by_layer.max()):.2f})") in retrieval.summary({**retrieval.score(_oracle(docs)[0], docs, 4, "cpu"), **m})
     assert set(calls) == {(retrieval.RECALL_BATCH, 200)}
-    m = retrieval.selection_recall(model, model, docs, far_from, 2, "cpu")
-    assert m["retrieval/passkey_sel_recall"] == pytest.approx(sum(want[:2]) / 2)
+    first_two = retrieval.selection_recall(model, model, docs, far_from, 2, "cpu")
+    assert first_two["retrieval/passkey_sel_recall"] == pytest.approx(sum(want[:2]) / 2)
     assert "sel recall" in retrieval.summary({**retrieval.score(_oracle(docs)[0], docs, 4, "cpu"), **m})
     assert retrieval.selection_recall(_debug_model("full_causal"), lambda t: None, docs, far_from, 100, "cpu") == {}
 
@@ -199,6 +206,5 @@ def test_selection_recall_counts_far_unforced_needles_at_the_question():
         model(torch.tensor([docs[0][1][:-1]] * retrieval.RECALL_BATCH))
     n = len(compiles)
     assert n >= 1
-    m = retrieval.selection_recall(model, model, docs, far_from, 100, "cpu")
-    assert m == {"retrieval/passkey_sel_recall": pytest.approx(sum(want) / len(want))}
+    assert retrieval.selection_recall(model, model, docs, far_from, 100, "cpu") == m
     assert len(compiles) == n

@@ -61,8 +61,10 @@ from .prompts import (KINDS, MULTI_NEEDLE, MULTI_QUESTION, NAMES, EvalError, Fil
 from .report import read_metrics, collect, plot_heatmap, summarize, write_summary
 
 # sel_recall: the share of selecting layers x KV groups whose picks at the question hold a block of
-# the needle's key; needle_forced: 1 where that block is forced (block 0, the local blocks)
-FIELDS = ("kind", "length", "depth", "trial", "correct", "answer", "expected", "sel_recall", "needle_forced")
+# the needle's key; needle_forced: 1 where that block is forced (block 0, the local blocks);
+# sel_recall_layers: that share per selecting layer, space-separated in model order
+FIELDS = ("kind", "length", "depth", "trial", "correct", "answer", "expected", "sel_recall", "needle_forced",
+          "sel_recall_layers")
 __all__ = ["KINDS", "MULTI_NEEDLE", "MULTI_QUESTION", "NAMES", "EvalError", "Filler", "digit_score",
            "int_list", "kinds_list", "make_prompt", "score", "collect", "plot_heatmap", "summarize",
            "write_summary", "read_metrics", "evaluate", "main"]
@@ -263,6 +265,7 @@ def evaluate(args) -> dict:
                         rec = picks.recall(b, it["needle"])
                         if rec is not None:
                             row["sel_recall"], row["needle_forced"] = round(rec[0], 4), rec[1]
+                            row["sel_recall_layers"] = " ".join(f"{h:.2f}" for h in rec[2])
                         w.writerow(row)
                         f.flush()
                         rows.append(row)
