@@ -5,7 +5,8 @@
 # at the training length. One background job that outlives a device call: start it with setsid,
 # then poll OUT/progress.txt (and `python experiments/curriculum_status.py $RUNS`) in later calls.
 #   bash experiments/retrieval_gate.sh OUT DATA
-#     OUT   OUT/<name>/{train.log, metrics.jsonl, needle/, needle.log}, OUT/progress.txt, OUT/ALL_DONE
+#     OUT   OUT/<name>/{train.log, metrics.jsonl, needle/, needle.log[, needle_step-N/]}, OUT/progress.txt,
+#           OUT/ALL_DONE
 #     DATA  folder with tiktoken_cache/ (used even where TIKTOKEN_CACHE_DIR is set: the device
 #           machines set one without gpt2)
 # PLAN: one entry per GPU, "MASKS NAME [EXTRA TRAIN FLAGS]" separated by ";". Default: "nsa nsa;
@@ -25,7 +26,11 @@
 # GPUs of each plan entry, e.g. "1 3" beside other jobs on a larger host; default 0 1 2 ...; an entry
 # "0,1" trains that variant data-parallel over those GPUs under torchrun with the same global batch:
 # the short phase's local batch sizes divided by their number, in RUNS/NAME.toml; at 2048 on H100s
-# two GPUs gave NSA fewer tokens/s than one: experiments/NOTES.md 76 and 78).
+# two GPUs gave NSA fewer tokens/s than one: experiments/NOTES.md 76 and 78), EVAL_EACH_CKPT (1:
+# while a run trains, every POLL_S (30) seconds its metrics.jsonl is copied into OUT/NAME and each
+# newly completed checkpoint (its .metadata written) gets the passkey evaluation in
+# OUT/NAME/needle_step-N, on the run's first GPU beside the training: what a machine lost before the
+# end still leaves in OUT; default off).
 set -uo pipefail
 OUT=${1:?usage: retrieval_gate.sh OUT DATA}
 DATA=${2:?usage: retrieval_gate.sh OUT DATA}
@@ -81,7 +86,7 @@ variant() {  # GPUS MASKS NAME [EXTRA_TRAIN_ARGS...]; GPUS "0", or "0,1" for dat
   local n=$(( $(tr -cd , <<< "$gpu" | wc -c) + 1 ))
   # a fresh record of this run: an earlier run's copies in OUT would pass for this one's if this
   # one is cut before its own copy (its training resumes from RUNS/NAME where that holds a run)
-  rm -rf "$d/metrics.jsonl" "$d/needle" "$d/needle.log"
+  rm -rf "$d/metrics.jsonl" "$d"/needle "$d"/needle.log "$d"/needle_step-*
   mkdir -p "$d"
   if [ "$n" -gt 1 ] || [ -n "${STEPS:-}${VAL_FREQ:-}${CKPT_EVERY:-}" ]; then
     toml=$RUNS/$name.toml
@@ -93,20 +98,44 @@ variant() {  # GPUS MASKS NAME [EXTRA_TRAIN_ARGS...]; GPUS "0", or "0,1" for dat
   if [ "$t" -lt 60 ]; then progress "$name: no time left to train"; return; fi
   progress "$name: training (masks $masks $*, GPUs $gpu) for at most ${t}s"
   CUDA_VISIBLE_DEVICES=$gpu timeout --preserve-status -s TERM -k 150 "$t" $PY "${launch[@]}" --job.config_file "$toml" \
-    --job.dump_folder "$dump" --nsa.masks "$masks" --curriculum.phase short "$@" > "$d/train.log" 2>&1
+    --job.dump_folder "$dump" --nsa.masks "$masks" --curriculum.phase short "$@" > "$d/train.log" 2>&1 &
+  local tpid=$! seen="" ck
+  while [ -n "${EVAL_EACH_CKPT:-}" ] && kill -0 "$tpid" 2>/dev/null; do
+    sleep "${POLL_S:-30}"
+    cp "$dump/short/metrics.jsonl" "$d/" 2>/dev/null
+    ck=$(latest_ckpt "$dump")
+    if [ -n "$ck" ] && [ "$ck" != "$seen" ] && kill -0 "$tpid" 2>/dev/null; then
+      seen=$ck
+      evaluate "$gpu" "$ck" "$d/needle_$(basename "$ck")" "$masks" "$@"
+    fi
+  done
+  wait "$tpid"
   local rc=$?
   cp "$dump/short/metrics.jsonl" "$d/" 2>/dev/null
-  local ck
-  ck=$(ls -d "$dump"/short/checkpoint/step-* 2>/dev/null | sort -t- -k2 -n | tail -1)
+  ck=$(latest_ckpt "$dump")
   progress "$name: training rc=$rc (0 done, 4 halted at the time limit with its checkpoint, 137 killed), checkpoint ${ck:+$(basename "$ck")}"
   if [ -z "$ck" ]; then grep -E "Error|error:" "$d/train.log" | tail -3; return; fi
+  evaluate "$gpu" "$ck" "$d/needle" "$masks" "$@"
+}
+
+latest_ckpt() {  # DUMP -> the newest completed short-phase checkpoint (DCP writes .metadata last)
+  local c
+  for c in $(ls -d "$1"/short/checkpoint/step-* 2>/dev/null | sort -t- -k2 -n -r); do
+    [ -f "$c/.metadata" ] && { echo "$c"; return; }
+  done
+}
+
+evaluate() {  # GPUS CHECKPOINT DIR MASKS [EXTRA_TRAIN_ARGS...]: the passkey evaluation at SEQ into DIR
+  local gpu=$1 ck=$2 dir=$3 masks=$4 name; shift 4
+  name=$(basename "$(dirname "$dir")")
   # the model's own [nsa] flags (e.g. --nsa.phi=mlp) build the evaluated model too
   local ov=(--override="--nsa.masks=$masks") f
   for f in "$@"; do [[ $f == --nsa.* ]] && ov+=(--override="$f"); done
   CUDA_VISIBLE_DEVICES=${gpu%%,*} $PY -m nsa_flex.eval --config "$TOML" "${ov[@]}" \
     --checkpoint "$ck" --lengths "$SEQ" --depths "$DEPTHS" --trials "$TRIALS" --kinds passkey \
-    --filler "$FILLER" --dtype bfloat16 --tag "$name" --out "$d/needle" > "$d/needle.log" 2>&1
-  progress "$name: needle rc=$? $(grep -E "length +[0-9]+:" "$d/needle.log" | tail -1)"
+    --filler "$FILLER" --dtype bfloat16 --tag "$name" --out "$dir" > "$dir.log" 2>&1
+  local rc=$?
+  progress "$name: $(basename "$dir") of $(basename "$ck") rc=$rc $(grep -E "length +[0-9]+:" "$dir.log" | tail -1)"
 }
 
 IFS=';' read -ra plan <<< "$PLAN"

@@ -152,3 +152,46 @@ def test_report_reads_reach_and_recall_from_logs_and_plots_a_reference(tmp_path,
         gr.main([str(tmp_path / "run"), "--out", str(tmp_path / "o"), "--reference", f"{ref}:sliding"])
     with pytest.raises(SystemExit, match="expected GATE_CSV:VARIANT"):
         gr.main([str(tmp_path / "run"), "--out", str(tmp_path / "o"), "--reference", "nowhere.csv:full"])
+
+
+FAKE_PYTHON = """#!/bin/bash
+# the gate's python: the trainer and the evaluation faked, anything else the real interpreter
+args=" $* "
+if [[ $args == *" -m nsa_flex.titan.cli "* ]]; then
+  dump=$(sed -E 's/.*--job.dump_folder ([^ ]+).*/\\1/' <<< "$args")
+  ck=$dump/short/checkpoint
+  mkdir -p $ck/step-100 && touch $ck/step-100/.metadata && echo '{"step": 100}' > $dump/short/metrics.jsonl
+  sleep 2
+  mkdir -p $ck/step-200 && touch $ck/step-200/.metadata && echo '{"step": 200}' >> $dump/short/metrics.jsonl
+  mkdir -p $ck/step-300  # cut while saving: no .metadata
+  sleep 2
+  exit 4
+elif [[ $args == *" -m nsa_flex.eval "* ]]; then
+  out=$(sed -E 's/.*--out ([^ ]+).*/\\1/' <<< "$args"); ck=$(sed -E 's/.*--checkpoint ([^ ]+).*/\\1/' <<< "$args")
+  mkdir -p $out && echo "length 2048: 7/10 right, from $(basename $ck)"
+else
+  exec REAL "$@"
+fi
+"""
+
+
+def test_gate_evaluates_each_completed_checkpoint_while_training(tmp_path):
+    """EVAL_EACH_CKPT=1: while the run trains, its metrics are copied into OUT and each checkpoint
+    whose save completed is evaluated into OUT/NAME/needle_step-N; a checkpoint cut while saving
+    (no .metadata) is never read; the final evaluation reads the newest complete one."""
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON.replace("REAL", sys.executable))
+    fake.chmod(0o755)
+    r = _gate(tmp_path, "0", TRAIN_S="600", EVAL_EACH_CKPT="1", POLL_S="0.5", PYTHON=str(fake))
+    assert r.returncode == 0, r.stderr
+    progress = (tmp_path / "o" / "progress.txt").read_text()
+    run = tmp_path / "o" / "nsa_dp"
+    assert "needle_step-100 of step-100 rc=0 length 2048: 7/10 right, from step-100" in progress, progress
+    assert (run / "needle_step-100").is_dir() and not (run / "needle_step-300").exists()
+    assert "training rc=4" in progress and "checkpoint step-200" in progress
+    assert "nsa_dp: needle of step-200 rc=0 length 2048: 7/10 right, from step-200" in progress
+    assert (run / "metrics.jsonl").read_text().count("step") == 2
+    r = _gate(tmp_path, "0", TRAIN_S="600", PYTHON=str(fake))  # off: the final evaluation alone
+    progress = (tmp_path / "o" / "progress.txt").read_text().split("training (masks")[-1]
+    assert "needle_step" not in progress and not (run / "needle_step-100").exists()
+    assert "needle of step-200" in progress
