@@ -13,7 +13,8 @@ them, sel_recall where the run had no `[validation] retrieval_recall_docs`) and 
 (panels for the recall and the validation loss where the runs logged them; each --reference, a
 variant of an earlier run's gate.csv such as full attention under the same recipe, dashed beside),
 and prints the first step where each variant reached 50% and 95% exact. Where the final evaluation
-ran (OUT/<variant>/needle/needle.csv), also DIR/gate_depth.csv: per variant and needle depth the
+ran (OUT/<variant>/needle/needle.csv; else the newest of a run's evaluations while it trained,
+needle_step-N/, named in the column "evaluated"), also DIR/gate_depth.csv: per variant and needle depth the
 prompts answered right and the mean selection recall of the needle's block at the question (NSA:
 whether the answers come from the selection or only from the window).
 """
@@ -78,11 +79,27 @@ def read_reference(spec: str) -> tuple[str, list[dict]]:
     return f"{variant} ({os.path.basename(os.path.dirname(os.path.abspath(path)))})", rows
 
 
+def newest_evaluation(folder: str) -> tuple[str, str] | None:
+    """(needle.csv, "final") of OUT/<variant>/needle, else of the newest needle_step-N (retrieval_gate.sh's
+    EVAL_EACH_CKPT: a run lost before its end), as (path, "step-N"); None without one."""
+    final = os.path.join(folder, "needle", "needle.csv")
+    if os.path.isfile(final):
+        return final, "final"
+    steps = [(int(m[1]), d) for d in os.listdir(folder) if (m := re.fullmatch(r"needle_step-(\d+)", d))
+             and os.path.isfile(os.path.join(folder, d, "needle.csv"))]
+    if not steps:
+        return None
+    step, d = max(steps)
+    return os.path.join(folder, d, "needle.csv"), f"step-{step}"
+
+
 def depth_rows(folder: str, name: str) -> list[dict]:
-    """Per depth of OUT/<variant>/needle/needle.csv: prompts, correct, mean sel_recall ('' without)."""
-    path = os.path.join(folder, "needle", "needle.csv")
-    if not os.path.isfile(path):
+    """Per depth of the variant's newest evaluation (`newest_evaluation`): prompts, correct, mean
+    sel_recall ('' without), and which checkpoint it read ("final" or "step-N")."""
+    found = newest_evaluation(folder)
+    if found is None:
         return []
+    path, source = found
     by: dict[float, list[dict]] = {}
     for r in csv.DictReader(open(path)):
         by.setdefault(float(r["depth"]), []).append(r)
@@ -90,7 +107,7 @@ def depth_rows(folder: str, name: str) -> list[dict]:
     for depth in sorted(by):
         rs = by[depth]
         rec = [float(r["sel_recall"]) for r in rs if r.get("sel_recall") not in (None, "")]
-        out.append({"variant": name, "depth": f"{depth:g}", "prompts": len(rs),
+        out.append({"variant": name, "evaluated": source, "depth": f"{depth:g}", "prompts": len(rs),
                     "correct": sum(r["correct"] in ("1", "True", "true") for r in rs),
                     "sel_recall": f"{sum(rec) / len(rec):.3f}" if rec else ""})
     return out
@@ -125,7 +142,7 @@ def main(argv=None) -> int:
             w.writeheader()
             w.writerows(depths)
         for r in depths:
-            print(f"{r['variant']:24s} depth {r['depth']:>4s}%: {r['correct']}/{r['prompts']} right"
+            print(f"{r['variant']:24s} ({r['evaluated']}) depth {r['depth']:>4s}%: {r['correct']}/{r['prompts']} right"
                   + (f", selection recall {r['sel_recall']}" if r["sel_recall"] else ""))
     for n, rows in curves.items():
         first = {t: next((r["step"] for r in rows if r["exact"] >= t), None) for t in (0.5, 0.95)}

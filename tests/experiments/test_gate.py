@@ -110,10 +110,14 @@ def test_gate_steps_val_freq_and_ckpt_every_set_the_short_phase(tmp_path):
 
 def test_report_tables_the_final_evaluation_by_depth(tmp_path, capsys):
     """OUT/<variant>/needle/needle.csv -> gate_depth.csv: right answers and the mean selection
-    recall per depth (full attention has no recall); a variant without an evaluation is left out."""
-    for name, rows in (("nsa", [(0, 0, 1.0), (0, 0, 1.0), (100, 1, 1.0), (100, 0, 0.5)]),
-                       ("full", [(0, 1, ""), (100, 1, "")])):
-        d = tmp_path / name / "needle"
+    recall per depth (full attention has no recall); a variant without an evaluation is left out;
+    a run lost before its final evaluation is tabled from its newest needle_step-N (EVAL_EACH_CKPT),
+    named in "evaluated"."""
+    for name, sub, rows in (("nsa", "needle", [(0, 0, 1.0), (0, 0, 1.0), (100, 1, 1.0), (100, 0, 0.5)]),
+                            ("full", "needle", [(0, 1, ""), (100, 1, "")]),
+                            ("lost", "needle_step-2000", [(50, 0, 0.25)]),
+                            ("lost", "needle_step-10000", [(50, 1, 0.5)])):
+        d = tmp_path / name / sub
         d.mkdir(parents=True)
         lines = ["kind,length,depth,trial,correct,answer,expected,sel_recall,needle_forced"]
         lines += [f"passkey,2048,{dep},{i},{c}, 1.,1,{rec},0" for i, (dep, c, rec) in enumerate(rows)]
@@ -123,11 +127,13 @@ def test_report_tables_the_final_evaluation_by_depth(tmp_path, capsys):
     (tmp_path / "cut").mkdir()
     (tmp_path / "cut" / "train.log").write_text("validate step: 100  retrieval: passkey loss 3.0 exact 0%\n")
     assert gr.main([str(tmp_path)]) == 0
-    assert "nsa                      depth  100%: 1/2 right, selection recall 0.750" in capsys.readouterr().out
+    assert "nsa                      (final) depth  100%: 1/2 right, selection recall 0.750" in capsys.readouterr().out
     rows = list(csv.DictReader(open(tmp_path / "gate_depth.csv")))
-    assert [(r["variant"], r["depth"], r["prompts"], r["correct"], r["sel_recall"]) for r in rows] == [
-        ("full", "0", "1", "1", ""), ("full", "100", "1", "1", ""),
-        ("nsa", "0", "2", "0", "1.000"), ("nsa", "100", "2", "1", "0.750")]
+    assert [(r["variant"], r["evaluated"], r["depth"], r["prompts"], r["correct"], r["sel_recall"])
+            for r in rows] == [
+        ("full", "final", "0", "1", "1", ""), ("full", "final", "100", "1", "1", ""),
+        ("lost", "step-10000", "50", "1", "1", "0.500"),  # the newest by step, not by name
+        ("nsa", "final", "0", "2", "0", "1.000"), ("nsa", "final", "100", "2", "1", "0.750")]
 
 
 def test_report_reads_reach_and_recall_from_logs_and_plots_a_reference(tmp_path, capsys):
