@@ -8,8 +8,9 @@ one CSV and one PNG.
 OUT: the gate's output folder (OUT/<variant>/metrics.jsonl, or, for a run cut before the copy,
 the console log OUT/<variant>/train.log: its "validate step: N  retrieval: passkey loss X exact Y%
 (near A%, far B%) sel recall R" lines). Writes DIR/gate.csv (variant, step, tokens, answer_loss,
-exact, exact_near, exact_far, val_loss, sel_recall; near / far empty where the run did not log
-them, sel_recall where the run had no `[validation] retrieval_recall_docs`) and DIR/gate.png
+exact, exact_near, exact_far, val_loss, sel_recall, sel_recall_best: the best layer's; near / far
+empty where the run did not log them, the recalls where the run had no `[validation]
+retrieval_recall_docs`) and DIR/gate.png
 (panels for the recall and the validation loss where the runs logged them; each --reference, a
 variant of an earlier run's gate.csv such as full attention under the same recipe, dashed beside),
 and prints the first step where each variant reached 50% and 95% exact. Where the final evaluation
@@ -28,7 +29,7 @@ from nsa_flex.apps.plot import read_metrics
 
 _VAL = re.compile(r"validate step:\s*(\d+)\s+loss:\s*([\d.]+)")
 _RET = re.compile(r"validate step:\s*(\d+)\s+retrieval: passkey loss ([\d.]+) exact (\d+)%"
-                  r"(?: \(near (\d+)%, far (\d+)%\))?(?: sel recall ([\d.]+))?")
+                  r"(?: \(near (\d+)%, far (\d+)%\))?(?: sel recall ([\d.]+)(?: \(best layer \d+ ([\d.]+)\))?)?")
 
 
 def read_variant(folder: str) -> list[dict]:
@@ -43,8 +44,9 @@ def read_variant(folder: str) -> list[dict]:
                 for reach in ("near", "far"):
                     if f"retrieval/passkey_exact_{reach}" in r:
                         rows[step][f"exact_{reach}"] = r[f"retrieval/passkey_exact_{reach}"]
-                if "retrieval/passkey_sel_recall" in r:
-                    rows[step]["sel_recall"] = r["retrieval/passkey_sel_recall"]
+                for key in ("sel_recall", "sel_recall_best"):
+                    if f"retrieval/passkey_{key}" in r:
+                        rows[step][key] = r[f"retrieval/passkey_{key}"]
                 if "validation_metrics/loss" in r:
                     rows[step]["val_loss"] = r["validation_metrics/loss"]
     else:
@@ -57,6 +59,8 @@ def read_variant(folder: str) -> list[dict]:
                         row["exact_near"], row["exact_far"] = int(m.group(4)) / 100, int(m.group(5)) / 100
                     if m.group(6) is not None:
                         row["sel_recall"] = float(m.group(6))
+                    if m.group(7) is not None:
+                        row["sel_recall_best"] = float(m.group(7))
                 elif m := _VAL.search(line):
                     rows.setdefault(int(m.group(1)), {"step": int(m.group(1))})["val_loss"] = float(m.group(2))
     return [rows[s] for s in sorted(rows) if "answer_loss" in rows[s]]
@@ -72,7 +76,8 @@ def read_reference(spec: str) -> tuple[str, list[dict]]:
     for r in csv.DictReader(open(path)):
         if r["variant"] == variant:
             rows.append({"step": int(r["step"]), **{k: float(r[k]) for k in ("answer_loss", "exact", "exact_near",
-                                                                               "exact_far", "val_loss", "sel_recall")
+                                                                               "exact_far", "val_loss", "sel_recall",
+                                                                               "sel_recall_best")
                                                       if r.get(k) not in (None, "")}})
     if not rows:
         raise SystemExit(f"gate_report.py: --reference {spec!r}: no rows of variant {variant!r} in {path}")
@@ -129,12 +134,12 @@ def main(argv=None) -> int:
     with open(os.path.join(out, "gate.csv"), "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["variant", "step", "tokens", "answer_loss", "exact", "exact_near", "exact_far", "val_loss",
-                    "sel_recall"])
+                    "sel_recall", "sel_recall_best"])
         for n, rows in curves.items():
             for r in rows:
                 w.writerow([n, r["step"], r["step"] * a.tokens_per_step, f"{r['answer_loss']:.4f}", f"{r['exact']:.4f}"]
                            + [f"{r[k]:.4f}" if k in r else "" for k in ("exact_near", "exact_far", "val_loss",
-                                                                        "sel_recall")])
+                                                                        "sel_recall", "sel_recall_best")])
     depths = [r for n in names for r in depth_rows(os.path.join(a.run, n), n)]
     if depths:
         with open(os.path.join(out, "gate_depth.csv"), "w", newline="") as f:
@@ -170,13 +175,16 @@ def main(argv=None) -> int:
             pts = [(t, scale * r[key]) for t, r in zip(tok, rows) if key in r]
             if pts:
                 ax.plot(*zip(*pts), ls, label=n, color=line.get_color())
+        best = [(t, 100 * r["sel_recall_best"]) for t, r in zip(tok, rows) if "sel_recall_best" in r]
+        if best and "sel_recall" in panel:  # the best layer's recall, dotted beside the mean
+            panel["sel_recall"].plot(*zip(*best), ":", label=f"{n}, best layer", color=line.get_color())
     ax1.set(xlabel="training tokens (M)", ylabel="nats per answer token", title="passkey answer loss (teacher-forced)")
     ax2.set(xlabel="training tokens (M)", ylabel="% exact", title="passkey exact answers (held-out documents)",
             ylim=(-2, 102))
     ax3.set(xlabel="training tokens (M)", ylabel="% exact",
             title="exact, needle beyond the sliding window", ylim=(-2, 102))
     if "sel_recall" in panel:
-        panel["sel_recall"].set(xlabel="training tokens (M)", ylabel="% of layers x KV groups",
+        panel["sel_recall"].set(xlabel="training tokens (M)", ylabel="% of layers x KV groups (dotted: one layer)",
                                 title="selection holds the far needle's block", ylim=(-2, 102))
     if "val_loss" in panel:  # the copy of the repeated filler: from ~4.4 before it forms to ~1.2
         lasts = [rows[-1]["val_loss"] for rows in (*curves.values(), *refs.values()) if rows and "val_loss" in rows[-1]]

@@ -29,7 +29,7 @@ def test_report_reads_logs_and_metrics_and_finds_the_thresholds(tmp_path, capsys
             {"step": 100, "validation_metrics/loss": 2.0},
             {"step": 200, "retrieval/passkey_answer_loss": 1.0, "retrieval/passkey_exact": 0.6,
              "retrieval/passkey_exact_near": 1.0, "retrieval/passkey_exact_far": 0.2,
-             "retrieval/passkey_sel_recall": 0.75}]
+             "retrieval/passkey_sel_recall": 0.75, "retrieval/passkey_sel_recall_best": 0.9}]
     jl.write_text("\n".join(map(json.dumps, recs)) + "\n{\"step\": 3\n")  # a cut last line: skipped
     assert gr.main([str(tmp_path), "--tokens-per-step", "10"]) == 0
     out = capsys.readouterr().out
@@ -43,6 +43,7 @@ def test_report_reads_logs_and_metrics_and_finds_the_thresholds(tmp_path, capsys
     assert (rows[4]["exact_near"], rows[4]["exact_far"]) == ("1.0000", "0.2000")  # beyond the window apart
     assert rows[0]["exact_far"] == "" and rows[3]["exact_far"] == ""  # a log, a record without them
     assert rows[4]["sel_recall"] == "0.7500" and rows[3]["sel_recall"] == ""  # with retrieval_recall_docs
+    assert rows[4]["sel_recall_best"] == "0.9000"  # the best layer's
     assert (tmp_path / "gate.png").stat().st_size > 1000
 
 
@@ -142,16 +143,19 @@ def test_report_reads_reach_and_recall_from_logs_and_plots_a_reference(tmp_path,
     log.write_text(
         "- INFO - validate step: 250  retrieval: passkey loss 0.846 exact 42% (near 73%, far 35%) sel recall 0.39"
         " | multikey loss 3.446 exact 0% (near 0%, far 0%) sel recall 0.42\n"
-        "- INFO - validate step: 500  retrieval: passkey loss 0.5 exact 60%\n")
+        "- INFO - validate step: 500  retrieval: passkey loss 0.5 exact 60%\n"
+        "- INFO - validate step: 750  retrieval: passkey loss 0.4 exact 70% (near 90%, far 60%) sel recall 0.41"
+        " (best layer 7 0.95) | multikey loss 3.0 exact 0% (near 0%, far 0%) sel recall 0.40 (best layer 2 0.5)\n")
     ref = tmp_path / "old" / "gate.csv"
     ref.parent.mkdir()
     ref.write_text("variant,step,tokens,answer_loss,exact,exact_near,exact_far,val_loss,sel_recall\n"
                    "full,250,8192000,3.0,0.1,0.2,0.05,4.3,\nnsa,250,8192000,3.0,0.0,,,4.4,0.5\n")
     assert gr.main([str(tmp_path / "run"), "--out", str(tmp_path / "o"), "--reference", f"{ref}:full"]) == 0
     rows = list(csv.DictReader(open(tmp_path / "o" / "gate.csv")))
-    assert [r["variant"] for r in rows] == ["nsa", "nsa"]  # the reference is plotted, not tabled
+    assert [r["variant"] for r in rows] == ["nsa"] * 3  # the reference is plotted, not tabled
     assert (rows[0]["exact_near"], rows[0]["exact_far"], rows[0]["sel_recall"]) == ("0.7300", "0.3500", "0.3900")
     assert (rows[1]["exact_far"], rows[1]["sel_recall"]) == ("", "")
+    assert (rows[0]["sel_recall_best"], rows[2]["sel_recall"], rows[2]["sel_recall_best"]) == ("", "0.4100", "0.9500")
     assert gr.read_reference(f"{ref}:full") == ("full (old)", [
         {"step": 250, "answer_loss": 3.0, "exact": 0.1, "exact_near": 0.2, "exact_far": 0.05, "val_loss": 4.3}])
     with pytest.raises(SystemExit, match="no rows of variant 'sliding'"):
