@@ -27,6 +27,8 @@ import re
 
 from nsa_flex.apps.plot import read_metrics
 
+# the columns of gate.csv a run may lack (empty there), after variant, step, tokens, answer_loss, exact
+OPTIONAL = ("exact_near", "exact_far", "val_loss", "sel_recall", "sel_recall_best")
 _VAL = re.compile(r"validate step:\s*(\d+)\s+loss:\s*([\d.]+)")
 _RET = re.compile(r"validate step:\s*(\d+)\s+retrieval: passkey loss ([\d.]+) exact (\d+)%"
                   r"(?: \(near (\d+)%, far (\d+)%\))?(?: sel recall ([\d.]+)(?: \(best layer \d+ ([\d.]+)\))?)?")
@@ -75,9 +77,7 @@ def read_reference(spec: str) -> tuple[str, list[dict]]:
     rows = []
     for r in csv.DictReader(open(path)):
         if r["variant"] == variant:
-            rows.append({"step": int(r["step"]), **{k: float(r[k]) for k in ("answer_loss", "exact", "exact_near",
-                                                                               "exact_far", "val_loss", "sel_recall",
-                                                                               "sel_recall_best")
+            rows.append({"step": int(r["step"]), **{k: float(r[k]) for k in ("answer_loss", "exact", *OPTIONAL)
                                                       if r.get(k) not in (None, "")}})
     if not rows:
         raise SystemExit(f"gate_report.py: --reference {spec!r}: no rows of variant {variant!r} in {path}")
@@ -133,13 +133,11 @@ def main(argv=None) -> int:
     curves = {n: read_variant(os.path.join(a.run, n)) for n in names}
     with open(os.path.join(out, "gate.csv"), "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["variant", "step", "tokens", "answer_loss", "exact", "exact_near", "exact_far", "val_loss",
-                    "sel_recall", "sel_recall_best"])
+        w.writerow(["variant", "step", "tokens", "answer_loss", "exact", *OPTIONAL])
         for n, rows in curves.items():
             for r in rows:
                 w.writerow([n, r["step"], r["step"] * a.tokens_per_step, f"{r['answer_loss']:.4f}", f"{r['exact']:.4f}"]
-                           + [f"{r[k]:.4f}" if k in r else "" for k in ("exact_near", "exact_far", "val_loss",
-                                                                        "sel_recall", "sel_recall_best")])
+                           + [f"{r[k]:.4f}" if k in r else "" for k in OPTIONAL])
     depths = [r for n in names for r in depth_rows(os.path.join(a.run, n), n)]
     if depths:
         with open(os.path.join(out, "gate_depth.csv"), "w", newline="") as f:
