@@ -197,7 +197,7 @@ def test_decode_and_context_parallelism_are_refused_by_name():
 
 
 @pytest.mark.gpu
-def test_flex_equals_reference_on_gpu():
+def test_flex_kl_and_gradient_equal_reference_on_gpu():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     shape = dict(dim=256, n_heads=8, n_kv_heads=2, d_qk=64, d_v=64, l=32, d=16, l_sel=64, n_sel=8,
@@ -207,12 +207,4 @@ def test_flex_equals_reference_on_gpu():
     cos = torch.nn.functional.cosine_similarity(ref.indexer.wq.weight.grad.flatten(),
                                                 flex.indexer.wq.weight.grad.flatten(), 0)
     assert cos > 0.98, float(cos)
-    # the compiled layer's outputs in fp32, row by row: a row whose two block masses agree to the
-    # precision may pick the other block, and in bf16 such rows are common enough to fail a max
-    # error bound where the KL and the gradients above agree
-    c = torch.compile(flex, fullgraph=True)
-    with torch.no_grad():
-        want, got = ref(x, doc_ids), c(x, doc_ids)
-    row_err = (got - want).abs().amax(-1) / want.abs().amax()
-    assert float((row_err > 1e-2).float().mean()) < 5e-3, float((row_err > 1e-2).float().mean())
-    assert float(row_err.median()) < 1e-3, float(row_err.median())
+    # the compiled layer's output, row by row against the reference: tests/layer/test_batch_rows_gpu.py
