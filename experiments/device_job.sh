@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# One long job on a lent GPU machine across several device calls (each call at most 10 minutes; the
+# machine is held only while calls follow each other within its idle release, ~30 s, so chain
+# them without pause). Run from the repository root there.
+#   bash experiments/device_job.sh start LIMIT 'COMMAND'   install the carried wheels (.whl/*.whl,
+#        into /tmp/site), print torch / GPUs, copy the working tree to /tmp/job/repo and start
+#        COMMAND there with setsid (it outlives the call; its output in /tmp/job/out, given to it as
+#        $JOB_OUT; console in /tmp/job/job.log), then poll as below
+#   bash experiments/device_job.sh poll LIMIT              wait until the job ends or LIMIT
+#        seconds pass, print the tail of its console and of every progress.txt under
+#        /tmp/job/out, and tar /tmp/job/out into $OUT/job.tgz (the device call's returned folder)
+# The gate of experiments/NOTES.md 91, for example (wheels: torchtitan 0.2.2, tyro, tomli,
+# docstring-parser, typeguard, torchdata, datasets 4.3.0 with dill 0.3.8 and multiprocess 0.70.16,
+# which import beside the H200 image's pyarrow and huggingface-hub; .data/tiktoken_cache a copy of
+# ../shared/data/tiktoken_cache; carry [".whl", ".data"] on every call):
+#   bash experiments/device_job.sh start 540 'STEPS=9000 VAL_FREQ=250 CKPT_EVERY=2000 \
+#     EVAL_EACH_CKPT=1 TRAIN_S=1360 PLAN="..." bash experiments/retrieval_gate.sh $JOB_OUT/gate .data'
+#   bash experiments/device_job.sh poll 540; bash experiments/device_job.sh poll 420
+set -uo pipefail
+MODE=${1:?usage: device_job.sh start LIMIT COMMAND | poll LIMIT}
+LIMIT=${2:?usage: device_job.sh start LIMIT COMMAND | poll LIMIT}
+JOB=/tmp/job
+case "$LIMIT" in ''|*[!0-9]*) echo "device_job.sh: LIMIT=$LIMIT: allowed a whole number of seconds" >&2; exit 2;; esac
+
+if [ "$MODE" = start ]; then
+  CMD=${3:?usage: device_job.sh start LIMIT COMMAND}
+  if ls .whl/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl 2>&1 | tail -2
+  fi
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  python3 -c "import torch; print('torch', torch.__version__, 'GPUs', torch.cuda.device_count())" || exit 3
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+  rm -rf "$JOB" && mkdir -p "$JOB/out" && cp -r . "$JOB/repo"
+  git rev-parse --short HEAD 2>/dev/null > "$JOB/out/commit" || true
+  (cd "$JOB/repo" && JOB_OUT=$JOB/out PYTHONPATH=$PYTHONPATH:$JOB/repo setsid nohup bash -c \
+    "$CMD; echo \$? > $JOB/rc" > "$JOB/job.log" 2>&1 < /dev/null &)
+  echo "started: $CMD"
+elif [ "$MODE" != poll ]; then
+  echo "device_job.sh: mode $MODE: allowed start or poll" >&2; exit 2
+fi
+
+[ -d "$JOB" ] || { echo "device_job.sh: no job on this machine (a new machine: the last was reclaimed)"; exit 4; }
+T0=$(date +%s)
+while [ $(( $(date +%s) - T0 )) -lt "$LIMIT" ] && [ ! -f "$JOB/rc" ]; do sleep 15; done
+echo "== job: $([ -f "$JOB/rc" ] && echo "ended, rc $(cat "$JOB/rc")" || echo "running") after $(( $(date +%s) - T0 ))s of this poll"
+tail -n 15 "$JOB/job.log"
+find "$JOB/out" -name progress.txt | while read -r p; do echo "== $p"; tail -n 25 "$p"; done
+cp "$JOB/job.log" "$JOB/out/" 2>/dev/null
+mkdir -p "${OUT:-/tmp/device_out}"
+tar czf "${OUT:-/tmp/device_out}/job.tgz" -C "$JOB" out && ls -la "${OUT:-/tmp/device_out}"
