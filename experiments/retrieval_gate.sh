@@ -15,7 +15,8 @@
 # attention). The documents' filler is the TOML's
 # (training.passkey_filler in [curriculum] short; the evaluation's follows).
 # Other knobs: STEPS (the short phase's training.steps, e.g. 7000 where a session's device time is
-# short: the cosine then ends there; default the TOML's), VAL_FREQ (its validation.freq, e.g. 250:
+# short: the cosine then ends there; default the TOML's; an entry's own "--training.steps=N" among
+# its flags overrides it for that entry, e.g. full attention's faster steps), VAL_FREQ (its validation.freq, e.g. 250:
 # each validation of 128 documents costs NSA ~0.7 s; default the TOML's), CKPT_EVERY (its
 # checkpoint.interval, e.g. 2000: each save of the 125M model and optimizer costs ~6 s; the halt
 # at TRAIN_S saves one anyway; default the TOML's), TRAIN_S (seconds from the start before each
@@ -83,14 +84,21 @@ PY
 variant() {  # GPUS MASKS NAME [EXTRA_TRAIN_ARGS...]; GPUS "0", or "0,1" for data parallel
   local gpu=$1 masks=$2 name=$3; shift 3
   local d=$OUT/$name dump=$RUNS/$name toml=$TOML launch=(-m nsa_flex.titan.cli)
+  # an entry's --training.steps=N is its own STEPS (the short phase's items override the command
+  # line, so it goes into the entry's TOML)
+  local steps=${STEPS:-} a rest=()
+  for a in "$@"; do
+    if [[ $a == --training.steps=* ]]; then steps=${a#*=}; else rest+=("$a"); fi
+  done
+  set -- ${rest[@]+"${rest[@]}"}
   local n=$(( $(tr -cd , <<< "$gpu" | wc -c) + 1 ))
   # a fresh record of this run: an earlier run's copies in OUT would pass for this one's if this
   # one is cut before its own copy (its training resumes from RUNS/NAME where that holds a run)
   rm -rf "$d/metrics.jsonl" "$d"/needle "$d"/needle.log "$d"/needle_step-*
   mkdir -p "$d"
-  if [ "$n" -gt 1 ] || [ -n "${STEPS:-}${VAL_FREQ:-}${CKPT_EVERY:-}" ]; then
+  if [ "$n" -gt 1 ] || [ -n "$steps${VAL_FREQ:-}${CKPT_EVERY:-}" ]; then
     toml=$RUNS/$name.toml
-    entry_toml "$TOML" "$n" "${STEPS:-}" "${VAL_FREQ:-}" "${CKPT_EVERY:-}" > "$toml" 2> "$d/toml.err" \
+    entry_toml "$TOML" "$n" "$steps" "${VAL_FREQ:-}" "${CKPT_EVERY:-}" > "$toml" 2> "$d/toml.err" \
       || { progress "$name: $(cat "$d/toml.err")"; return; }
   fi
   [ "$n" -gt 1 ] && launch=(-m torch.distributed.run --standalone --nproc_per_node "$n" -m nsa_flex.titan.train)

@@ -103,6 +103,11 @@ def test_gate_steps_val_freq_and_ckpt_every_set_the_short_phase(tmp_path):
     toml = (tmp_path / "runs" / "nsa_dp.toml").read_text()
     assert toml == orig.replace('"checkpoint.interval=500"', '"checkpoint.interval=2000"').replace(
         '"training.steps=9000"', '"training.steps=8000"')
+    # an entry's own --training.steps=N: its TOML's, over STEPS; the flag is not passed on
+    r = _gate(tmp_path, "0", TRAIN_S="0", STEPS="7000", PLAN="full_causal full --training.steps=12000")
+    assert r.returncode == 0, r.stderr
+    toml = (tmp_path / "runs" / "full.toml").read_text()
+    assert toml == orig.replace('"training.steps=9000"', '"training.steps=12000"')
     for knob, bad in (("STEPS", "7k"), ("VAL_FREQ", "0"), ("CKPT_EVERY", "-5")):
         r = _gate(tmp_path, "0", TRAIN_S="600", **{knob: bad})
         assert f"{knob}='{bad}': allowed a whole number >= 1" in (tmp_path / "o" / "progress.txt").read_text()
