@@ -173,6 +173,33 @@ def _flush_logs() -> None:
             pass
 
 
+# ----------------------------------------------------------------------------- compile time
+def compile_seconds() -> float:
+    """Seconds torch.compile has spent in this process so far (dynamo's frame compiles: tracing,
+    AOT autograd, inductor and its kernels' compiles), 0 before the first."""
+    from torch._dynamo.utils import calculate_time_spent
+
+    return float(calculate_time_spent().get("entire_frame_compile", 0.0))
+
+
+class CompileClock:
+    """One line per stretch of work that compiled for at least ``min_s`` seconds: what compiled
+    (the step, or the validation and checkpoint after one) and for how long -- the first step's and
+    the first validation's compiles, and any recompile later (where the dense warm-up ends, a new
+    shape), each visible in the console."""
+
+    def __init__(self, min_s: float = 1.0, clock=compile_seconds):
+        self.min_s, self.clock = min_s, clock
+        self.seen = clock()
+
+    def lap(self, what: str) -> str | None:
+        total = self.clock()
+        spent, self.seen = total - self.seen, total
+        if spent < self.min_s:
+            return None
+        return f"compile: {what} compiled for {spent:.0f} s (torch.compile in this process: {total:.0f} s)"
+
+
 # ----------------------------------------------------------------------------- data wait
 class DataStallMonitor:
     """Warns once when the loader's share of step time exceeds ``share`` for ``steps`` consecutive

@@ -61,7 +61,7 @@ from nsa_flex.errors import UserError
 
 from . import checkpoint, console, cpu
 from .model import set_dense_selection
-from .ops import NONFINITE_DIR, NonFiniteError, OpsMonitor
+from .ops import NONFINITE_DIR, CompileClock, NonFiniteError, OpsMonitor
 from .parallelize import owns_context_parallel, shard_batch
 from .runlock import check_writable, lock_run
 
@@ -152,6 +152,7 @@ class NSATrainer(Trainer):
         self.halt_reason: str | None = None
         self.halted_at: int | None = None
         self._dense_selection = False  # the selection's dense warm-up was on in the last step
+        self.compile_clock = CompileClock()  # console lines for the work that compiled
         self.steps_run = 0  # steps trained by this process (0: the run was already at training.steps)
         self.rank, self.world = _dist_info()
         self._signals = 0
@@ -242,8 +243,16 @@ class NSATrainer(Trainer):
             log.info(f"nsa: step {self.step}: " + ("dense selection warm-up ([nsa] sel_dense_steps): "
                      "every layer selects every earlier block" if dense else
                      "top-n selection (the model recompiles once where the warm-up ends)"))
+        # what compiled since the last step: the validation and checkpoint after it, then this step
+        self.log_compile(f"the work after step {self.step - 1} (validation, checkpoint)")
         super().train_step(data_iterator)
+        self.log_compile(f"step {self.step}")
         self.end_of_step(self.step)
+
+    def log_compile(self, what: str) -> None:
+        line = self.compile_clock.lap(what)
+        if line:
+            log.info(line)
 
     def post_dataloading_process(self, input_dict, labels):
         """torchtitan's, but with context parallelism on the NSA model nsa_flex's own sharding

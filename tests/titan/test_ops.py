@@ -1,7 +1,8 @@
 """[ops] (nsa_flex/titan/ops.py) and nsa-train --preflight on CPU.
 
 * unit: [ops] validation names every bad field; the faulthandler-dump parser finds the innermost
-  project frame of the main thread; the data-stall warning needs K consecutive slow steps;
+  project frame of the main thread; the data-stall warning needs K consecutive slow steps; the
+  compile clock's console line;
 * a run whose data loader blocks (tests/titan/ops_test_data.py, spec nsa_flex_block) is caught by the stall
   watchdog within the timeout: the dump names the blocking frame, the process exits with the code;
 * preflight passes on debug_nsa.toml and lists every problem of a broken config.
@@ -67,6 +68,22 @@ def test_data_stall_warning_needs_k_consecutive_steps():
     msg = m.update(6, 0.9, 1.0)
     assert msg and "data loader stall" in msg and "50%" in msg and "3 steps" in msg
     assert m.update(7, 0.9, 1.0) is None  # once per episode
+
+
+def test_compile_clock_names_what_compiled_and_for_how_long():
+    t = iter([10.0, 10.4, 70.4, 70.4])  # at the start, after a cheap lap, a long one, nothing
+    clock = ops.CompileClock(min_s=1.0, clock=lambda: next(t))
+    assert clock.lap("step 1") is None  # 0.4 s: below min_s
+    assert clock.lap("step 2") == "compile: step 2 compiled for 60 s (torch.compile in this process: 70 s)"
+    assert clock.lap("step 3") is None
+
+
+def test_compile_seconds_counts_this_process_compiles():
+    import torch
+
+    before = ops.compile_seconds()
+    torch.compile(lambda x: (x * 3).sin() + 1, backend="eager")(torch.randn(4))
+    assert ops.compile_seconds() > before
 
 
 # ----------------------------------------------------------------------------- stall watchdog
