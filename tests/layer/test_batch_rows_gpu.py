@@ -4,6 +4,9 @@ this file run one: a kernel, block list or inductor lowering that reads row 0's 
 mask for every row passes them all. Rows differ in content and in documents, so any row that
 borrows another's shows.
 
+The pieces one by one (the top-n rule, the block masses, each branch's executor), then the whole
+layer as configured and with each of its routes swapped in turn, so a failure names its piece.
+
 fp32 throughout (tf32 off): the compiled paths then agree with the reference to ~1e-5 where they
 are right, so a bound of 1e-3 separates a wrong row from rounding, and a near-tie of the top-n
 (which bf16 would flip) is not a concern at these scales except where a test says so."""
@@ -18,6 +21,8 @@ from masks import MaskContext, get_mask_builder
 from masks.builders import doc_start
 from nsa_flex import NSAAttention, NSAConfig
 from nsa_flex.attention import attend_reference, plan_branch
+import nsa_flex.distill as distill
+import nsa_flex.indexer as indexer_module
 from nsa_flex.distill import block_mass, block_onehot, value_width
 from nsa_flex.rules import forced_and_valid, pick_blocks
 from nsa_flex.selection import select_topn
@@ -134,16 +139,34 @@ def test_branch_call_compiled_per_row(builder):
     assert max(errs) < TOL, (plan.executor, errs)
 
 
+def materialized_block_mass(q, k, values, spec, backend):
+    """block_mass with the values copied out per batch row and head (the layer's one-hot is
+    expanded over both, stride 0): the route swap of `test_layer_compiled_per_row`."""
+    v = values.expand(q.shape[0], k.shape[1], k.shape[2], values.shape[-1]).contiguous()
+    out, _ = (distill.attend_reference if backend == "reference" else distill.attend_flex)(q, k, v, spec)
+    return out.float().view(q.shape[0], k.shape[1], q.shape[1] // k.shape[1], q.shape[2], -1).mean(2)
+
+
+# the layer's routes, each swapped for another in turn: where "as configured" fails and a swap
+# passes, the swapped-out piece is the faulty one
+ROUTES = {"as_configured": {}, "cmp_kernel_flex": {"cmp_kernel": "flex"},
+          "sel_kernel_flex": {"sel_kernel": "flex"}, "materialized_block_mass": {}}
+
+
 @pytest.mark.parametrize("sel_scores", ["cmp", "indexer"])
-def test_layer_compiled_per_row(sel_scores):
-    """The whole layer compiled (flex backend), B rows with documents, against each row alone on
-    the reference backend (same weights; scores sharpened so the block masses are far from
-    uniform). Each row's selection is its own computation, so a near-tie may flip a pick in a
-    few positions: at most 0.5% of a row's positions may differ by more than TOL, and its median
-    error stays under TOL / 10."""
+@pytest.mark.parametrize("route,with_docs", [(r, True) for r in ROUTES] + [("as_configured", False)])
+def test_layer_compiled_per_row(sel_scores, route, with_docs, monkeypatch):
+    """The whole layer compiled (flex backend), B rows (with or without documents), against each
+    row alone on the reference backend (same weights; scores sharpened so the block masses are
+    far from uniform). Each row's selection is its own computation, so a near-tie may flip a pick
+    in a few positions: at most 0.5% of a row's positions may differ by more than TOL, and its
+    median error stays under TOL / 10."""
+    if route == "materialized_block_mass":
+        monkeypatch.setattr(distill, "block_mass", materialized_block_mass)
+        monkeypatch.setattr(indexer_module, "block_mass", materialized_block_mass)
     extra = dict(sel_scores="indexer", sel_distill=1.0, indexer_heads=2, indexer_dim=64) \
         if sel_scores == "indexer" else {}
-    cfg = NSAConfig(**SHAPE, phi="mlp", **extra)
+    cfg = NSAConfig(**SHAPE, phi="mlp", **extra, **ROUTES[route])
     torch.manual_seed(0)
     ref = NSAAttention(replace(cfg, backend="reference")).to(DEV)
     ref.init_weights()
@@ -155,10 +178,11 @@ def test_layer_compiled_per_row(sel_scores):
     flex = NSAAttention(replace(cfg, backend="flex")).to(DEV)
     flex.load_state_dict(ref.state_dict())
     ref.eval(), flex.eval()
-    x, d = torch.randn(B, T, cfg.dim, device=DEV), docs()
+    x = torch.randn(B, T, cfg.dim, device=DEV)
+    d = docs() if with_docs else None
     with torch.no_grad():
         got = torch.compile(flex, fullgraph=True, dynamic=False)(x, d)
-        want = [ref(x[b:b + 1], d[b:b + 1])[0] for b in range(B)]
+        want = [ref(x[b:b + 1], None if d is None else d[b:b + 1])[0] for b in range(B)]
     report = []
     for b in range(B):
         pos = (got[b] - want[b]).abs().amax(-1) / want[b].abs().max()
