@@ -26,6 +26,22 @@ INDEXER_DIMS = (16, 32, 64, 128)
 # NSAConfig.recompute -> the branches run under activation checkpointing (NSAAttention.branch)
 RECOMPUTED = {"none": (), "win": ("win",), "cmp_win": ("cmp", "win"), "all": ("cmp", "sel", "win")}
 RECOMPUTE_CHOICES = tuple(RECOMPUTED)
+# the selection-training knobs (not in the paper) and their off values: each needs a selection
+# builder that reads scores (the nsa preset's topn)
+SCORE_KNOBS_OFF = {"sel_distill": 0.0, "sel_scores": "cmp", "sel_dense_steps": 0}
+
+
+def inert_score_knobs(masks: str, sel_mask: str | None, values) -> dict:
+    """The selection-training knobs of `values` (a mapping, or an object with those attributes)
+    set away from off where the selection -- preset `masks`, or `sel_mask` -- reads no scores
+    (full_causal, sliding_only, random_selection, ...): {name: value}. {} where it reads scores,
+    or where masks / sel_mask name no known preset / builder (NSAConfig.validate reports those)."""
+    try:
+        scores = builder_info(sel_mask or PRESETS[masks][1]).scores
+    except KeyError:
+        return {}
+    get = values.get if hasattr(values, "get") else lambda k: getattr(values, k)
+    return {} if scores else {k: get(k) for k, off in SCORE_KNOBS_OFF.items() if get(k) != off}
 
 
 class NSAConfigError(UserError, ValueError):
@@ -228,20 +244,13 @@ class NSAConfig(LayerShape):
             errs.append(f"cmp_mask={self.cmp_mask!r}, sel_mask={self.sel_mask!r}, win_mask={self.win_mask!r} "
                         f"with masks={self.masks!r}: every branch is 'none'; keep at least one branch")
         if not errs:  # the selection-training knobs need a selection that reads scores
-            sel = self.branch_masks()["sel"]
-            why = (f"a selection that reads scores (the nsa preset's topn), got sel_mask {sel!r} "
-                   f"(masks={self.masks!r})")
-            scores = builder_info(sel).scores
-            if self.sel_distill > 0 and not scores:
-                errs.append(f"sel_distill={self.sel_distill}: needs {why}; set sel_distill = 0")
-            if self.sel_scores == "indexer" and not scores:
-                errs.append(f"sel_scores='indexer': needs {why}; set sel_scores = 'cmp'")
+            why = (f"a selection that reads scores (the nsa preset's topn), got sel_mask "
+                   f"{self.branch_masks()['sel']!r} (masks={self.masks!r})")
+            for name, v in inert_score_knobs(self.masks, self.sel_mask, self).items():
+                errs.append(f"{name}={v!r}: needs {why}; set {name} = {SCORE_KNOBS_OFF[name]!r}")
             if self.sel_scores == "indexer" and not self.sel_distill > 0:
                 errs.append(f"sel_scores='indexer' with sel_distill={self.sel_distill}: the indexer "
                             "learns only from the distillation; set sel_distill > 0 (e.g. 1.0)")
-            if self.sel_dense_steps > 0 and not scores:
-                errs.append(f"sel_dense_steps={self.sel_dense_steps}: needs {why}; set "
-                            "sel_dense_steps = 0")
         if errs:
             raise NSAConfigError("invalid NSAConfig:\n  - " + "\n  - ".join(errs), errs)
 

@@ -11,7 +11,8 @@ from torch import nn
 from torchtitan.protocols.model import BaseModelArgs
 from torchtitan.tools.logging import logger
 
-from nsa_flex.config import MODEL_DIMS, NSAConfig, NSAConfigError, resolve_backend
+from nsa_flex.config import (MODEL_DIMS, SCORE_KNOBS_OFF, NSAConfig, NSAConfigError, inert_score_knobs,
+                             resolve_backend)
 from nsa_flex.errors import UserError
 from nsa_flex.flops import nsa_attention_flops
 
@@ -57,11 +58,27 @@ _NSAFields = dataclasses.make_dataclass("_NSAFields", [
 
 
 def apply_nsa_section(args, nsa) -> None:
-    """Set the [nsa] section's values (those not None) on model args `args`."""
+    """Set the [nsa] section's values (those not None) on model args `args`. One TOML serves every
+    variant (`--nsa.masks full_causal` beside NSA): where the selection reads no scores, the
+    selection-training knobs it sets (sel_scores, sel_distill, sel_dense_steps) are turned off for
+    this run, named in one warning, instead of failing the config."""
     for name in NSA_SECTION_FIELDS:
         v = getattr(nsa, name, None)
         if v is not None:
             setattr(args, name, v)
+    inert = inert_score_knobs(args.masks, args.sel_mask, args)
+    if inert:
+        msg = (f"[nsa] masks={args.masks!r}" + (f", sel_mask={args.sel_mask!r}" if args.sel_mask else "")
+               + ": the selection reads no scores, so " + ", ".join(f"{k}={v!r}" for k, v in inert.items())
+               + (" do" if len(inert) > 1 else " does") + " not apply (off for this run)")
+        if msg not in _said:  # once per process (preflight and the model args apply the section again)
+            _said.add(msg)
+            logger.warning(msg)
+        for k in inert:
+            setattr(args, k, SCORE_KNOBS_OFF[k])
+
+
+_said: set[str] = set()  # apply_nsa_section's warnings given in this process
 
 
 @dataclass

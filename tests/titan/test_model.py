@@ -88,6 +88,32 @@ def test_invalid_nsa_settings_name_the_fields():
         args_for("--parallelism.tensor_parallel_degree", "2")
 
 
+def test_one_toml_for_every_variant_turns_the_selection_training_off(caplog, monkeypatch):
+    """[nsa] selection-training knobs (an NSA recipe) with --nsa.masks full_causal / sliding_only:
+    off for that run, named in one warning; under nsa they apply; an invalid combination that does
+    not depend on the variant (the indexer without the distillation) still fails."""
+    import nsa_flex.titan.args as args_module
+
+    monkeypatch.setattr(args_module, "_said", set())  # what earlier tests made it say
+    recipe = ("--nsa.sel_scores", "indexer", "--nsa.sel_distill", "1.0", "--nsa.sel_dense_steps", "50")
+    a = args_for(*recipe)
+    assert (a.sel_scores, a.sel_distill, a.sel_dense_steps) == ("indexer", 1.0, 50)
+    for masks in ("full_causal", "sliding_only"):
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            a = args_for(*recipe, "--nsa.masks", masks)
+        assert (a.sel_scores, a.sel_distill, a.sel_dense_steps) == ("cmp", 0.0, 0)
+        said = [r.getMessage() for r in caplog.records if "not apply" in r.getMessage()]
+        assert len(said) == 1 and f"masks='{masks}'" in said[0], said
+        assert "sel_distill=1.0, sel_scores='indexer', sel_dense_steps=50 do not apply" in said[0], said
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            args_for(*recipe, "--nsa.masks", masks)  # the same run's config again: said once
+        assert not [r for r in caplog.records if "not apply" in r.getMessage()]
+    with pytest.raises(NSAConfigError, match="sel_scores='indexer' with sel_distill=0"):
+        args_for("--nsa.sel_scores", "indexer")
+
+
 @pytest.mark.parametrize("flavor,lo,hi", [("125M", 150e6, 170e6), ("350M", 370e6, 390e6), ("1B", 1.0e9, 1.3e9)])
 def test_flavor_sizes(flavor, lo, hi):
     a = nsa_flex_args[flavor]
