@@ -7,7 +7,7 @@ borrows another's shows.
 The pieces one by one (the top-n rule, the block masses, each branch's executor), then the whole
 layer as configured and with each of its routes swapped in turn, so a failure names its piece.
 
-fp32 throughout (tf32 off): the compiled paths then agree with the reference to ~1e-5 where they
+fp32 (tf32 off) except the last test (training's bf16 routes, on a recorded selection): the compiled paths then agree with the reference to ~1e-5 where they
 are right, so a bound of 1e-3 separates a wrong row from rounding, and a near-tie of the top-n
 (which bf16 would flip) is not a concern at these scales except where a test says so."""
 
@@ -188,3 +188,36 @@ def test_layer_compiled_per_row(sel_scores, route, with_docs, monkeypatch):
         pos = (got[b] - want[b]).abs().amax(-1) / want[b].abs().max()
         report.append((b, round(float((pos > TOL).float().mean()), 4), float(pos.median())))
     assert all(off <= 5e-3 and med < TOL / 10 for _, off, med in report), report
+
+
+@pytest.mark.parametrize("sel_scores", ["cmp", "indexer"])
+def test_layer_bf16_routes_per_row(sel_scores):
+    """The routes training runs (bf16: the compressed branch on cuDNN, the selected op in bf16),
+    compiled at B rows with documents, each row against the fp32 reference's same row; both on the
+    reference's selection (bf16 would break near-ties of the scores differently)."""
+    extra = dict(sel_scores="indexer", sel_distill=1.0, indexer_heads=2, indexer_dim=64) \
+        if sel_scores == "indexer" else {}
+    cfg = NSAConfig(**SHAPE, phi="mlp", **extra)
+    torch.manual_seed(0)
+    ref = NSAAttention(replace(cfg, backend="reference")).to(DEV)
+    ref.init_weights(0.02)
+    with torch.no_grad():
+        ref.gate.weight.normal_(0, 0.02)
+    flex = NSAAttention(replace(cfg, backend="flex")).to(DEV)
+    flex.load_state_dict(ref.state_dict())
+    flex = flex.to(torch.bfloat16)
+    ref.eval(), flex.eval()
+    recorded = {}
+
+    def record(*a, **k):
+        recorded["idx"] = select_topn(*a, **k)
+        return recorded["idx"]
+
+    ref.select_topn = record
+    x, d = torch.randn(B, T, cfg.dim, device=DEV), docs()
+    with torch.no_grad():
+        want = ref(x, d)
+        flex.select_topn = lambda *a, **k: recorded["idx"]
+        got = torch.compile(flex, fullgraph=True, dynamic=False)(x.to(torch.bfloat16), d)
+    errs = [float((g.float() - w).norm() / w.norm()) for g, w in zip(got, want)]
+    assert max(errs) < 2e-2, errs
