@@ -31,17 +31,17 @@ RECOMPUTE_CHOICES = tuple(RECOMPUTED)
 SCORE_KNOBS_OFF = {"sel_distill": 0.0, "sel_scores": "cmp", "sel_dense_steps": 0}
 
 
-def inert_score_knobs(masks: str, sel_mask: str | None, values) -> dict:
-    """The selection-training knobs of `values` (a mapping, or an object with those attributes)
-    set away from off where the selection -- preset `masks`, or `sel_mask` -- reads no scores
-    (full_causal, sliding_only, random_selection, ...): {name: value}. {} where it reads scores,
-    or where masks / sel_mask name no known preset / builder (NSAConfig.validate reports those)."""
+def inert_score_knobs(cfg) -> dict:
+    """The selection-training knobs of `cfg` (an NSAConfig or model args: masks, sel_mask and the
+    knobs as attributes) set away from off where its selection -- preset `masks`, or `sel_mask` --
+    reads no scores (full_causal, sliding_only, random_selection, ...): {name: value}. {} where it
+    reads scores, or where masks / sel_mask name no known preset / builder (validate reports those)."""
     try:
-        scores = builder_info(sel_mask or PRESETS[masks][1]).scores
+        scores = builder_info(cfg.sel_mask or PRESETS[cfg.masks][1]).scores
     except KeyError:
         return {}
-    get = values.get if hasattr(values, "get") else lambda k: getattr(values, k)
-    return {} if scores else {k: get(k) for k, off in SCORE_KNOBS_OFF.items() if get(k) != off}
+    return {} if scores else {k: getattr(cfg, k) for k, off in SCORE_KNOBS_OFF.items()
+                              if getattr(cfg, k) != off}
 
 
 class NSAConfigError(UserError, ValueError):
@@ -246,7 +246,7 @@ class NSAConfig(LayerShape):
         if not errs:  # the selection-training knobs need a selection that reads scores
             why = (f"a selection that reads scores (the nsa preset's topn), got sel_mask "
                    f"{self.branch_masks()['sel']!r} (masks={self.masks!r})")
-            for name, v in inert_score_knobs(self.masks, self.sel_mask, self).items():
+            for name, v in inert_score_knobs(self).items():
                 errs.append(f"{name}={v!r}: needs {why}; set {name} = {SCORE_KNOBS_OFF[name]!r}")
             if self.sel_scores == "indexer" and not self.sel_distill > 0:
                 errs.append(f"sel_scores='indexer' with sel_distill={self.sel_distill}: the indexer "

@@ -66,7 +66,7 @@ def apply_nsa_section(args, nsa) -> None:
         v = getattr(nsa, name, None)
         if v is not None:
             setattr(args, name, v)
-    inert = inert_score_knobs(args.masks, args.sel_mask, args)
+    inert = inert_score_knobs(args)
     if inert:
         msg = (f"[nsa] masks={args.masks!r}" + (f", sel_mask={args.sel_mask!r}" if args.sel_mask else "")
                + ": the selection reads no scores, so " + ", ".join(f"{k}={v!r}" for k, v in inert.items())

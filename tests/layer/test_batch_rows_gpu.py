@@ -140,11 +140,33 @@ def test_branch_call_compiled_per_row(builder):
 
 
 def materialized_block_mass(q, k, values, spec, backend):
-    """block_mass with the values copied out per batch row and head (the layer's one-hot is
-    expanded over both, stride 0): the route swap of `test_layer_compiled_per_row`."""
-    v = values.expand(q.shape[0], k.shape[1], k.shape[2], values.shape[-1]).contiguous()
-    out, _ = (distill.attend_reference if backend == "reference" else distill.attend_flex)(q, k, v, spec)
-    return out.float().view(q.shape[0], k.shape[1], q.shape[1] // k.shape[1], q.shape[2], -1).mean(2)
+    """block_mass with its values copied out per batch row and head (the layer's one-hot
+    is otherwise expanded over both, stride 0): a route swap of `test_layer_compiled_per_row`."""
+    full = values.expand(q.shape[0], k.shape[1], *values.shape).contiguous()
+    return block_mass(q, k, full, spec, backend)
+
+
+def layer_pair(sel_scores: str, sharpen: bool, **route) -> tuple[NSAAttention, NSAAttention]:
+    """(reference, flex) layers of SHAPE (phi mlp; the block indexer for sel_scores "indexer";
+    `route`: NSAConfig fields) with the same weights, in eval mode. sharpen: the scoring projections
+    drawn at std 2 / sqrt(dim), block masses far from uniform; else init 0.02 with gates that
+    differ per head."""
+    extra = dict(sel_scores="indexer", sel_distill=1.0, indexer_heads=2, indexer_dim=64) \
+        if sel_scores == "indexer" else {}
+    cfg = NSAConfig(**SHAPE, phi="mlp", **extra, **route)
+    torch.manual_seed(0)
+    ref = NSAAttention(replace(cfg, backend="reference")).to(DEV)
+    ref.init_weights(0.02)
+    with torch.no_grad():
+        if sharpen:
+            for lin in [ref.wq, ref.wk["sel"]] + ([ref.indexer.wq, ref.indexer.wk] if ref.indexer
+                                                  else [ref.wk["cmp"]]):
+                lin.weight.normal_(0, 2 * cfg.dim ** -0.5)
+        else:
+            ref.gate.weight.normal_(0, 0.02)
+    flex = NSAAttention(replace(cfg, backend="flex")).to(DEV)
+    flex.load_state_dict(ref.state_dict())
+    return ref.eval(), flex.eval()
 
 
 # the layer's routes, each swapped for another in turn: where "as configured" fails and a swap
@@ -164,21 +186,8 @@ def test_layer_compiled_per_row(sel_scores, route, with_docs, monkeypatch):
     if route == "materialized_block_mass":
         monkeypatch.setattr(distill, "block_mass", materialized_block_mass)
         monkeypatch.setattr(indexer_module, "block_mass", materialized_block_mass)
-    extra = dict(sel_scores="indexer", sel_distill=1.0, indexer_heads=2, indexer_dim=64) \
-        if sel_scores == "indexer" else {}
-    cfg = NSAConfig(**SHAPE, phi="mlp", **extra, **ROUTES[route])
-    torch.manual_seed(0)
-    ref = NSAAttention(replace(cfg, backend="reference")).to(DEV)
-    ref.init_weights()
-    with torch.no_grad():
-        sharp = [ref.wq, ref.wk["sel"]] + ([ref.indexer.wq, ref.indexer.wk] if ref.indexer
-                                           else [ref.wk["cmp"]])
-        for lin in sharp:
-            lin.weight.normal_(0, 2 * cfg.dim ** -0.5)
-    flex = NSAAttention(replace(cfg, backend="flex")).to(DEV)
-    flex.load_state_dict(ref.state_dict())
-    ref.eval(), flex.eval()
-    x = torch.randn(B, T, cfg.dim, device=DEV)
+    ref, flex = layer_pair(sel_scores, sharpen=True, **ROUTES[route])
+    x = torch.randn(B, T, SHAPE["dim"], device=DEV)
     d = docs() if with_docs else None
     with torch.no_grad():
         got = torch.compile(flex, fullgraph=True, dynamic=False)(x, d)
@@ -195,18 +204,8 @@ def test_layer_bf16_routes_per_row(sel_scores):
     """The routes training runs (bf16: the compressed branch on cuDNN, the selected op in bf16),
     compiled at B rows with documents, each row against the fp32 reference's same row; both on the
     reference's selection (bf16 would break near-ties of the scores differently)."""
-    extra = dict(sel_scores="indexer", sel_distill=1.0, indexer_heads=2, indexer_dim=64) \
-        if sel_scores == "indexer" else {}
-    cfg = NSAConfig(**SHAPE, phi="mlp", **extra)
-    torch.manual_seed(0)
-    ref = NSAAttention(replace(cfg, backend="reference")).to(DEV)
-    ref.init_weights(0.02)
-    with torch.no_grad():
-        ref.gate.weight.normal_(0, 0.02)
-    flex = NSAAttention(replace(cfg, backend="flex")).to(DEV)
-    flex.load_state_dict(ref.state_dict())
+    ref, flex = layer_pair(sel_scores, sharpen=False)
     flex = flex.to(torch.bfloat16)
-    ref.eval(), flex.eval()
     recorded = {}
 
     def record(*a, **k):
@@ -214,7 +213,7 @@ def test_layer_bf16_routes_per_row(sel_scores):
         return recorded["idx"]
 
     ref.select_topn = record
-    x, d = torch.randn(B, T, cfg.dim, device=DEV), docs()
+    x, d = torch.randn(B, T, SHAPE["dim"], device=DEV), docs()
     with torch.no_grad():
         want = ref(x, d)
         flex.select_topn = lambda *a, **k: recorded["idx"]
