@@ -5,6 +5,8 @@
 Equivalent to ``torchrun --nproc_per_node=1 -m nsa_flex.titan.train ...`` plus environment setup:
   * a single process without torchrun gets WORLD_SIZE=1, RANK=0, LOCAL_RANK=0, MASTER_ADDR=127.0.0.1 and
     a free MASTER_PORT (under torchrun these are already set and left alone);
+  * MKL_DYNAMIC defaults to FALSE: MKL otherwise picks its thread count per call, and a CPU run's
+    numbers then differ from process to process (an exact resume could not be checked on the CPU);
   * TIKTOKEN_CACHE_DIR defaults to ``shared/data/tiktoken_cache`` in ``..`` or ``.`` (of the project root or
     the working directory) when that folder exists and the variable is unset;
   * without ``--job.config_file``, the embedded default ``titan_configs/debug_nsa.toml`` is used if
@@ -62,6 +64,7 @@ def setup_env() -> None:
         os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MKL_DYNAMIC", "FALSE")  # read when MKL loads: set before torch is imported
     if "TIKTOKEN_CACHE_DIR" not in os.environ:
         from .tokenizer import default_tiktoken_cache  # here and below: modules that import torch,
         # loaded once the command needs them (--help and argument errors answer without torch)

@@ -23,9 +23,10 @@ def test_build_args_defaults_to_debug_config():
 
 def test_setup_env_single_process(monkeypatch):
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-              "TIKTOKEN_CACHE_DIR"):
+              "TIKTOKEN_CACHE_DIR", "MKL_DYNAMIC"):
         monkeypatch.delenv(k, raising=False)
     cli.setup_env()
+    assert os.environ["MKL_DYNAMIC"] == "FALSE"  # a CPU run's numbers repeat from process to process
     assert (os.environ["WORLD_SIZE"], os.environ["RANK"], os.environ["LOCAL_RANK"]) == ("1", "0", "0")
     assert os.environ["MASTER_ADDR"] == "127.0.0.1" and int(os.environ["MASTER_PORT"]) > 0
     shared = ROOT.parent / "shared" / "data" / "tiktoken_cache"
