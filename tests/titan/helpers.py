@@ -12,8 +12,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def launch_env() -> dict:
     """The environment of a fresh single-process run: no inherited rank variables, the project
-    root first on PYTHONPATH (so `tests.titan.ops_test_data` imports)."""
+    root first on PYTHONPATH (so `tests.titan.ops_test_data` imports), one intra-op thread: the
+    exact-resume tests compare the losses of two processes bit for bit, and with several threads
+    MKL's split of a product can differ from process to process on a busy machine (the suite runs
+    two test files side by side)."""
     env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = "1"
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
