@@ -182,6 +182,14 @@ class MaskSpec:
                 and torch.device(device).type == "cuda":
             return self.compact(Q_LEN, KV_LEN, bs, q_pack, device, None, None, mod,
                                 kv_major=kv_major)
+        if self.kv_blocks is None and torch.compiler.is_compiling():  # a band mask, traced
+            q = self.positions(Q_LEN, device)
+            bounds = torch.broadcast_tensors(*(x for band in (self.bands or (self.interval,))
+                                               for x in band(q)))
+            lists = band_lists(torch.stack(bounds[0::2]), torch.stack(bounds[1::2]), Q_LEN,
+                               KV_LEN, bs[0], bs[1], q_pack)
+            return block_mask_from_lists(lists, bs, packed_mask_mod(mod, q_pack),
+                                         (Q_LEN * q_pack, KV_LEN))
         any_, full = self.block_flags(B, Q_LEN, KV_LEN, bs, q_pack, device)
         return block_mask_from_flags(any_, full, bs, packed_mask_mod(mod, q_pack),
                                      (Q_LEN * q_pack, KV_LEN))
@@ -334,16 +342,52 @@ def block_mask_from_flags(any_: Tensor, full: Tensor, block_size: tuple[int, int
 
     Index tensors are padded to the full KV-block width, so the shapes (and the compiled kernels)
     stay the same from step to step while the selection changes."""
+    return block_mask_from_lists(flag_lists(any_, full), block_size, mask_mod, seq_lengths)
+
+
+def flag_lists(any_: Tensor, full: Tensor) -> list[Tensor]:
+    """A BlockMask's eight lists from [B, H, NQB, NKB] flags: (kv_num, kv_idx, full_kv_num,
+    full_kv_idx, q_num, q_idx, full_q_num, full_q_idx)."""
     partial = any_ & ~full
-    kv_num, kv_idx = _flags_to_indices(partial)
-    full_num, full_idx = _flags_to_indices(full)
     # q-major lists from the same flags (what from_kv_blocks derives through an argsort)
-    q_num, q_idx = _flags_to_indices(partial.transpose(-2, -1))
-    fq_num, fq_idx = _flags_to_indices(full.transpose(-2, -1))
+    return [*_flags_to_indices(partial), *_flags_to_indices(full),
+            *_flags_to_indices(partial.transpose(-2, -1)), *_flags_to_indices(full.transpose(-2, -1))]
+
+
+def block_mask_from_lists(lists, block_size: tuple[int, int], mask_mod: MaskMod,
+                          seq_lengths: tuple[int, int]) -> BlockMask:
+    """BlockMask from `flag_lists`' eight lists."""
+    kv_num, kv_idx, full_num, full_idx, q_num, q_idx, fq_num, fq_idx = lists
     return BlockMask(seq_lengths=seq_lengths, kv_num_blocks=kv_num, kv_indices=kv_idx,
                      full_kv_num_blocks=full_num, full_kv_indices=full_idx, q_num_blocks=q_num,
                      q_indices=q_idx, full_q_num_blocks=fq_num, full_q_indices=fq_idx,
                      BLOCK_SIZE=block_size, mask_mod=mask_mod)
+
+
+@torch.library.custom_op("nsa_masks::band_lists", mutates_args=())
+def band_lists(lo: Tensor, hi: Tensor, Q_LEN: int, KV_LEN: int, QB: int, KB: int,
+               q_pack: int) -> list[Tensor]:
+    """`flag_lists` of a union of bands, lo / hi [bands, B, Q_LEN] (`band_block_flags` of each,
+    or-ed); under torch.compile an opaque op (the eager code inside the graph). The band masks'
+    lists traced into a compiled graph were wrong for batch rows > 0 on a GPU (torch 2.11, H200:
+    the compressed-causal mask with documents, 3 rows of 1024 tokens, 63 keys: rows 1-2 off by
+    the whole output, the same lists built eagerly exact; experiments/NOTES.md 94); CPU inductor
+    builds them right."""
+    any_ = full = None
+    for i in range(lo.shape[0]):
+        a, f = band_block_flags(lo[i], hi[i], Q_LEN, KV_LEN, (QB, KB), q_pack)
+        any_, full = (a, f) if any_ is None else (any_ | a, full | f)
+    return [x.contiguous() for x in flag_lists(any_, full)]
+
+
+@band_lists.register_fake
+def _(lo, hi, Q_LEN, KV_LEN, QB, KB, q_pack):
+    R, n = (QB // q_pack, Q_LEN) if q_pack > 1 and QB % q_pack == 0 else (QB, Q_LEN * q_pack)
+    Bm, nqb, nkb = lo.shape[1], -(-n // R), max(1, -(-KV_LEN // KB))
+    i32 = dict(dtype=torch.int32, device=lo.device)
+    kv = [torch.empty(Bm, 1, nqb, **i32), torch.empty(Bm, 1, nqb, nkb, **i32)]
+    qm = [torch.empty(Bm, 1, nkb, **i32), torch.empty(Bm, 1, nkb, nqb, **i32)]
+    return kv + [torch.empty_like(x) for x in kv] + qm + [torch.empty_like(x) for x in qm]
 
 
 def _flags_to_indices(flags: Tensor) -> tuple[Tensor, Tensor]:

@@ -80,3 +80,63 @@ def test_band_block_flags_equal_the_dense_band(B, Q_LEN, KV_LEN, QB, KB, q_pack,
         core.BAND_FLAGS_CHUNK = default
     want = brute_band_flags(lo, hi, Q_LEN, KV_LEN, (QB, KB), q_pack)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+LIST_NAMES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+              "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+
+
+def band_specs():
+    """Band masks with documents that differ per batch row (row 0 one document), as the layer
+    builds them: (name, spec, KV_LEN, q_pack) at B = 3, T = 1024."""
+    from masks import MaskContext, get_mask_builder
+    from masks.builders import forced_parts
+    from nsa_flex import NSAConfig
+
+    cfg = NSAConfig(n_heads=8, n_kv_heads=2, d_qk=64, d_v=64, dim=256, l=32, d=16, l_sel=64,
+                    n_sel=8, window=256)
+    docs = torch.zeros(3, 1024, dtype=torch.long)
+    docs[1, 300:] = 1
+    docs[2, 100:] = 1
+    docs[2, 700:] = 2
+    ctx = MaskContext(cfg, 3, 1024, "cpu", doc_ids=docs)
+    forced = forced_parts(cfg.l_sel, 1, 2, ctx.doc_start())[0]  # a union of bands (or_masks)
+    assert forced.bands is not None
+    return [("compressed_causal", get_mask_builder("compressed_causal")(ctx), cfg.num_cmp(1024), 1),
+            ("sliding_window", get_mask_builder("sliding_window")(ctx), 1024, 1),
+            ("causal_packed", get_mask_builder("causal")(ctx), 1024, 4),
+            ("forced_blocks", forced, 1024, 4)]
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("case", range(4), ids=[c[0] for c in band_specs()])
+def test_band_block_mask_traced_equals_eager(case, backend):
+    """A band mask's BlockMask built inside a compiled graph (the `band_lists` op) has the lists
+    of the eager build, every batch row its own: traced lists were wrong for rows > 0 on a GPU
+    (the op's docstring)."""
+    _, spec, S, q_pack = band_specs()[case]
+    bs = (16 * q_pack, 16) if q_pack > 1 else (64, 16)
+
+    def lists():
+        bm = spec.block_mask(3, 1024, S, "cpu", bs, q_pack)
+        return tuple(getattr(bm, n) for n in LIST_NAMES)
+
+    want = lists()
+    torch._dynamo.reset()
+    got = torch.compile(lists, backend=backend, fullgraph=True, dynamic=False)()
+    assert want[0].shape[0] == 3  # per-row lists, rows that differ
+    assert any(not torch.equal(w[0], w[1]) for w in want)
+    for name, g, w in zip(LIST_NAMES, got, want):
+        assert g.dtype == w.dtype and torch.equal(g, w), name
+
+
+def test_band_lists_op_fake_matches_real():
+    """The op's fake (shapes, dtypes under tracing) agrees with what it returns (opcheck)."""
+    from masks.core import band_lists
+
+    q = torch.arange(100)
+    lo = torch.stack([torch.zeros(2, 100, dtype=torch.long), (q - 7).expand(2, 100)])
+    hi = torch.stack([q.expand(2, 100), q.expand(2, 100).clone()])
+    for args in [(lo, hi, 100, 40, 32, 16, 1), (lo, hi, 100, 100, 32, 16, 4),
+                 (lo[:1], hi[:1], 100, 7, 128, 128, 1)]:
+        torch.library.opcheck(band_lists, args)
