@@ -368,11 +368,10 @@ def block_mask_from_lists(lists, block_size: tuple[int, int], mask_mod: MaskMod,
 def band_lists(lo: Tensor, hi: Tensor, Q_LEN: int, KV_LEN: int, QB: int, KB: int,
                q_pack: int) -> list[Tensor]:
     """`flag_lists` of a union of bands, lo / hi [bands, B, Q_LEN] (`band_block_flags` of each,
-    or-ed); under torch.compile an opaque op (the eager code inside the graph). The band masks'
-    lists traced into a compiled graph were wrong for batch rows > 0 on a GPU (torch 2.11, H200:
-    the compressed-causal mask with documents, 3 rows of 1024 tokens, 63 keys: rows 1-2 off by
-    the whole output, the same lists built eagerly exact; experiments/NOTES.md 94); CPU inductor
-    builds them right."""
+    or-ed); under torch.compile an opaque op (the eager code inside the graph): traced into a
+    compiled graph, Inductor on a GPU (torch 2.11) made a batch-dependent band mask wrong for
+    batch rows > 0 (the compressed-causal mask with documents; torch's own create_block_mask
+    traced alike), where the same lists built eagerly are exact."""
     any_ = full = None
     for i in range(lo.shape[0]):
         a, f = band_block_flags(lo[i], hi[i], Q_LEN, KV_LEN, (QB, KB), q_pack)

@@ -17,9 +17,9 @@ from torch.utils.checkpoint import checkpoint
 
 from masks import MaskContext, MaskSpec, at_offset, builder_info, doc_start
 
-from .attention import BranchPlan, mix_branches, plan_branch
+from .attention import FLEX_BLOCK, BranchPlan, mix_branches, plan_branch
 from .compression import PHI
-from .config import RECOMPUTED, NSAConfig
+from .config import RECOMPUTED, NSAConfig, resolve_backend
 from .context_parallel import NO_SHARD, SeqShard, gather_seq, gather_seq_nograd, with_halo
 from .distill import attach_loss, block_kl, distill_kl, selected_target
 from .indexer import BlockIndexer
@@ -121,7 +121,8 @@ class StepMasks:
     fp32 at the queries' positions (`apply_rope` casts them to q's dtype, the cast a layer's own
     did); doc_ids [B, T] and starts (each position's document start, `masks.doc_start`) of the
     whole sequence, None without documents; specs: branch -> mask of the branches `shares_mask`
-    names, with the BlockMask their flex call reads built (`BranchPlan.prebuild`), kv_lens: the
+    names, with the BlockMask their flex call reads built (`BranchPlan.prebuild`), and "dense":
+    the dense causal mask the indexer and the distillation read, where they run; kv_lens: the
     length of the keys each reads; shard: the queries' sequence shard (context parallelism),
     halo: `window_halo`.
     Bit-identical to a layer's own: the same ops, run once."""
@@ -154,6 +155,12 @@ def step_masks(cfg: NSAConfig, builders: dict[str, Callable], plans: dict[str, B
             spec, kv_lens[b] = branch_mask(b, build, ctx, halo)
             specs[b] = spec if spec is None else plans[b].prebuild(spec, B, T, kv_lens[b], device,
                                                                   doc_ids is not None)
+    if (cfg.sel_scores == "indexer" or cfg.sel_distill > 0) and not shard.sharded:
+        # the dense causal mask the indexer and the selection's teacher read (nsa_flex.distill)
+        dense = builder_info("causal").fn(ctx)
+        if resolve_backend(cfg.backend, device) == "flex":  # the BlockMask attend_flex reads
+            dense = dense.with_block_mask(B, T, T, device, FLEX_BLOCK)
+        specs["dense"], kv_lens["dense"] = dense, T
     return StepMasks(cos, sin, doc_ids, starts, specs, kv_lens, shard, halo)
 
 
@@ -304,7 +311,7 @@ class NSAAttention(nn.Module):
                     1, T, dtype=torch.long, device=x.device)
                 return all_blocks(cfg, B, T, starts, x.device, q0, q0 + Tq)
             if self.indexer is not None:  # scores from the indexer's own per-token keys
-                p_idx = self.indexer(x, builder_info("causal").fn(ctx), cfg)
+                p_idx = self.indexer(x, masks.specs["dense"], cfg)
                 return self.select_topn(q.detach(), None, None, cfg, masks.starts, seq_len=T,
                                         scores=p_idx.detach())
             kc = k_cmp
@@ -357,15 +364,14 @@ class NSAAttention(nn.Module):
         # (nsa_flex.distill)
         kl = None
         if distilling and self.indexer is not None:  # the indexer's scores toward the same target
-            causal = builder_info("causal").fn(ctx)
+            causal = masks.specs["dense"]  # the step's dense causal mask (`step_masks`)
             if p_idx is None:  # not scored this step (the dense warm-up)
                 p_idx = self.indexer(x, causal, cfg)
             kl = block_kl(selected_target(q, k_sel, cfg, causal), p_idx, cfg, masks.starts)
             y = attach_loss(y, cfg.sel_distill * kl)
         elif distilling:
             kc = self.phi_k(self.project_kv(x.detach(), "cmp", cos, sin)[0])
-            kl = distill_kl(q, kc, k_sel, cfg, cmp_spec,
-                            builder_info("causal").fn(ctx), masks.starts)
+            kl = distill_kl(q, kc, k_sel, cfg, cmp_spec, masks.specs["dense"], masks.starts)
             y = attach_loss(y, cfg.sel_distill * kl)
         if self.telemetry:
             with torch.no_grad():

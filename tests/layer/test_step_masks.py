@@ -19,11 +19,19 @@ B, T = 2, 96
 DOCS = docs_for(B, T, [(0, 40, 41), (0, 70)])
 
 
+# the selection-training configurations whose layers read the step's dense causal mask too
+SCORERS = {"indexer": dict(sel_scores="indexer", sel_distill=1.0, indexer_heads=2),
+           "distill": dict(sel_distill=1.0)}
+
+
 @pytest.mark.parametrize("doc_ids", [None, DOCS], ids=["no_docs", "docs"])
-@pytest.mark.parametrize("masks", ["nsa", "full_causal", "random_selection", "no_compressed"])
+@pytest.mark.parametrize("masks", ["nsa", "full_causal", "random_selection", "no_compressed",
+                                   "nsa+indexer", "nsa+distill"])
 def test_shared_masks_bit_identical_outputs_and_grads(masks, doc_ids):
-    """Reference backend with autograd: output and every gradient equal (torch.equal)."""
-    m = make_layer(masks=masks, dtype=torch.float64)
+    """Reference backend with autograd (training mode: the distillation's loss included): output
+    and every gradient equal (torch.equal)."""
+    masks, _, scorer = masks.partition("+")
+    m = make_layer(masks=masks, dtype=torch.float64, **SCORERS.get(scorer, {}))
     x = torch.randn(B, T, BASE["dim"], dtype=torch.float64, requires_grad=True)
     own = m(x, doc_ids)
     g_own = torch.autograd.grad(own.square().sum(), [x, *m.parameters()], allow_unused=True)
@@ -56,6 +64,32 @@ def test_flex_prebuilt_block_masks_read_by_flex(doc_ids):
         shared = m(x, masks=masks)
         own = m(x, doc_ids)
     assert seen and all(bm is masks.specs["win"].built for bm in seen)
+    assert torch.equal(own, shared)
+
+
+@pytest.mark.parametrize("doc_ids", [None, DOCS], ids=["no_docs", "docs"])
+def test_dense_causal_mask_shared_with_the_indexer(doc_ids):
+    """The indexer's dense causal mask comes with the step's masks, its BlockMask built ahead; the
+    indexer's flex call reads that one, and the output equals the layer's own masks' bit for bit.
+    Configurations without an indexer or a distillation build none."""
+    assert "dense" not in make_layer().step_masks(B, T, "cpu", doc_ids).specs
+    m = make_layer(backend="flex", cmp_kernel="flex", **SCORERS["indexer"]).eval()
+    x = torch.randn(B, T, BASE["dim"])
+    masks = m.step_masks(B, T, x.device, doc_ids)
+    dense = masks.specs["dense"]
+    assert dense.built is not None and masks.kv_lens["dense"] == T
+    seen = []
+    real = dense.block_mask
+
+    def spy(*a, **kw):
+        seen.append(real(*a, **kw))
+        return seen[-1]
+
+    object.__setattr__(dense, "block_mask", spy)
+    with torch.no_grad():
+        shared = m(x, masks=masks)
+        own = m(x, doc_ids)
+    assert seen and all(bm is dense.built for bm in seen)
     assert torch.equal(own, shared)
 
 
