@@ -16,6 +16,11 @@
 #   bash experiments/device_job.sh start 540 'STEPS=9000 VAL_FREQ=250 CKPT_EVERY=2000 \
 #     EVAL_EACH_CKPT=1 TRAIN_S=1360 PLAN="..." bash experiments/retrieval_gate.sh $JOB_OUT/gate .data'
 #   bash experiments/device_job.sh poll 540; bash experiments/device_job.sh poll 420
+# Compile cache: the job's torch.compile cache (inductor's FX graphs, AOT autograd, Triton kernels)
+# lives in .cache/inductor of the copied tree, seeded from a carried .cache/inductor here; the last
+# poll returns it as $OUT/inductor_cache.tgz (under 16 MiB). Unpack that into .cache/ of the
+# checkout (`tar xzf FILES_AT/inductor_cache.tgz -C .cache`, .cache/ is git-ignored) and carry
+# ".cache" too: the next machine's runs of the same code and shapes skip most of their compile.
 set -uo pipefail
 MODE=${1:?usage: device_job.sh start LIMIT COMMAND | poll LIMIT}
 LIMIT=${2:?usage: device_job.sh start LIMIT COMMAND | poll LIMIT}
@@ -33,7 +38,10 @@ if [ "$MODE" = start ]; then
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   rm -rf "$JOB" && mkdir -p "$JOB/out" && cp -r . "$JOB/repo"
   git rev-parse --short HEAD 2>/dev/null > "$JOB/out/commit" || true
-  (cd "$JOB/repo" && JOB_OUT=$JOB/out PYTHONPATH=$PYTHONPATH:$JOB/repo setsid nohup bash -c \
+  mkdir -p "$JOB/repo/.cache/inductor"
+  echo "compile cache: $(du -sh "$JOB/repo/.cache/inductor" | cut -f1) carried"
+  (cd "$JOB/repo" && JOB_OUT=$JOB/out PYTHONPATH=$PYTHONPATH:$JOB/repo \
+    TORCHINDUCTOR_CACHE_DIR=$JOB/repo/.cache/inductor setsid nohup bash -c \
     "$CMD; echo \$? > $JOB/rc" > "$JOB/job.log" 2>&1 < /dev/null &)
   echo "started: $CMD"
 elif [ "$MODE" != poll ]; then
@@ -48,4 +56,10 @@ tail -n 15 "$JOB/job.log"
 find "$JOB/out" -name progress.txt | while read -r p; do echo "== $p"; tail -n 25 "$p"; done
 cp "$JOB/job.log" "$JOB/out/" 2>/dev/null
 mkdir -p "${OUT:-/tmp/device_out}"
-tar czf "${OUT:-/tmp/device_out}/job.tgz" -C "$JOB" out && ls -la "${OUT:-/tmp/device_out}"
+tar czf "${OUT:-/tmp/device_out}/job.tgz" -C "$JOB" out
+if [ -f "$JOB/rc" ]; then  # the job is done: its compile cache, where it fits what comes back
+  C="${OUT:-/tmp/device_out}/inductor_cache.tgz"
+  tar czf "$C" -C "$JOB/repo/.cache" inductor
+  [ "$(stat -c %s "$C")" -lt $((16 * 1024 * 1024)) ] || { echo "compile cache $(du -h "$C" | cut -f1): over 16 MiB, not returned"; rm -f "$C"; }
+fi
+ls -la "${OUT:-/tmp/device_out}"
