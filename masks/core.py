@@ -292,12 +292,10 @@ def band_block_flags(lo: Tensor, hi: Tensor, Q_LEN: int, KV_LEN: int,
     stored; eager, it is computed in chunks of kv blocks.
     """
     QB, KB = block_size
-    if q_pack > 1 and QB % q_pack == 0:  # a q block is QB // q_pack whole positions
-        R, n = QB // q_pack, Q_LEN
-    else:  # rows of one position may straddle q blocks: one entry per packed row
+    R, n = _band_rows(Q_LEN, QB, q_pack)
+    if n != Q_LEN:  # rows of one position may straddle q blocks: one entry per packed row
         lo = lo.repeat_interleave(q_pack, dim=-1)
         hi = hi.repeat_interleave(q_pack, dim=-1)
-        R, n = QB, Q_LEN * q_pack
     nqb = -(-n // R)
     nkb = max(1, -(-KV_LEN // KB))
     pad = nqb * R - n
@@ -334,6 +332,12 @@ def band_block_flags(lo: Tensor, hi: Tensor, Q_LEN: int, KV_LEN: int,
     k_end = k_start + KB - 1  # inclusive
     full = (k_start >= f0.unsqueeze(-1)) & (k_end <= f1.unsqueeze(-1)) & (k_end < KV_LEN)
     return any_.unsqueeze(1), full.unsqueeze(1)
+
+
+def _band_rows(Q_LEN: int, QB: int, q_pack: int) -> tuple[int, int]:
+    """(entries per q block, entries) of `band_block_flags`: a q block is QB // q_pack whole
+    positions where q_pack divides QB, else one entry per packed row."""
+    return (QB // q_pack, Q_LEN) if q_pack > 1 and QB % q_pack == 0 else (QB, Q_LEN * q_pack)
 
 
 def block_mask_from_flags(any_: Tensor, full: Tensor, block_size: tuple[int, int],
@@ -381,7 +385,7 @@ def band_lists(lo: Tensor, hi: Tensor, Q_LEN: int, KV_LEN: int, QB: int, KB: int
 
 @band_lists.register_fake
 def _(lo, hi, Q_LEN, KV_LEN, QB, KB, q_pack):
-    R, n = (QB // q_pack, Q_LEN) if q_pack > 1 and QB % q_pack == 0 else (QB, Q_LEN * q_pack)
+    R, n = _band_rows(Q_LEN, QB, q_pack)
     Bm, nqb, nkb = lo.shape[1], -(-n // R), max(1, -(-KV_LEN // KB))
     i32 = dict(dtype=torch.int32, device=lo.device)
     kv = [torch.empty(Bm, 1, nqb, **i32), torch.empty(Bm, 1, nqb, nkb, **i32)]
