@@ -149,18 +149,18 @@ class MaskSpec:
         """(any, full) block flags [B', H', NQB, NKB] of the (packed) layout."""
         if self.kv_blocks is not None:
             return self.kv_blocks(B, Q_LEN, KV_LEN, block_size, q_pack, device, None, None)
-        q = self.positions(Q_LEN, device)
-        if self.bands is not None:
-            any_ = full = None
-            for band in self.bands:
-                a, f = band_block_flags(*band(q), Q_LEN, KV_LEN, block_size, q_pack)
-                any_, full = (a, f) if any_ is None else (any_ | a, full | f)
-            return any_, full
-        if self.interval is None:
+        return band_union_flags(*self.band_bounds(Q_LEN, device), Q_LEN, KV_LEN, block_size,
+                                q_pack)
+
+    def band_bounds(self, Q_LEN: int, device=None) -> tuple[Tensor, Tensor]:
+        """(lo, hi) [bands, B|1, Q_LEN] of a band mask: its interval, or each band of a union."""
+        if self.interval is None and self.bands is None:
             raise ValueError(f"mask {self.name!r} has neither an interval nor block lists; "
                              "use create_block_mask on its mask_mod")
-        lo, hi = self.interval(q)
-        return band_block_flags(lo, hi, Q_LEN, KV_LEN, block_size, q_pack)
+        q = self.positions(Q_LEN, device)
+        bounds = torch.broadcast_tensors(*(x for band in (self.bands or (self.interval,))
+                                           for x in band(q)))
+        return torch.stack(bounds[0::2]), torch.stack(bounds[1::2])
 
     def block_mask(self, B: int, Q_LEN: int, KV_LEN: int, device=None,
                    block_size: int | tuple[int, int] = 128, q_pack: int = 1,
@@ -183,11 +183,7 @@ class MaskSpec:
             return self.compact(Q_LEN, KV_LEN, bs, q_pack, device, None, None, mod,
                                 kv_major=kv_major)
         if self.kv_blocks is None and torch.compiler.is_compiling():  # a band mask, traced
-            q = self.positions(Q_LEN, device)
-            bounds = torch.broadcast_tensors(*(x for band in (self.bands or (self.interval,))
-                                               for x in band(q)))
-            lists = band_lists(torch.stack(bounds[0::2]), torch.stack(bounds[1::2]), Q_LEN,
-                               KV_LEN, bs[0], bs[1], q_pack)
+            lists = band_lists(*self.band_bounds(Q_LEN, device), Q_LEN, KV_LEN, *bs, q_pack)
             return block_mask_from_lists(lists, bs, packed_mask_mod(mod, q_pack),
                                          (Q_LEN * q_pack, KV_LEN))
         any_, full = self.block_flags(B, Q_LEN, KV_LEN, bs, q_pack, device)
@@ -334,6 +330,17 @@ def band_block_flags(lo: Tensor, hi: Tensor, Q_LEN: int, KV_LEN: int,
     return any_.unsqueeze(1), full.unsqueeze(1)
 
 
+def band_union_flags(lo: Tensor, hi: Tensor, Q_LEN: int, KV_LEN: int,
+                     block_size: tuple[int, int], q_pack: int = 1) -> tuple[Tensor, Tensor]:
+    """(any, full) flags of a union of bands, lo / hi [bands, B|1, Q_LEN]: each band's
+    `band_block_flags`, or-ed."""
+    any_ = full = None
+    for i in range(lo.shape[0]):
+        a, f = band_block_flags(lo[i], hi[i], Q_LEN, KV_LEN, block_size, q_pack)
+        any_, full = (a, f) if any_ is None else (any_ | a, full | f)
+    return any_, full
+
+
 def _band_rows(Q_LEN: int, QB: int, q_pack: int) -> tuple[int, int]:
     """(entries per q block, entries) of `band_block_flags`: a q block is QB // q_pack whole
     positions where q_pack divides QB, else one entry per packed row."""
@@ -371,16 +378,13 @@ def block_mask_from_lists(lists, block_size: tuple[int, int], mask_mod: MaskMod,
 @torch.library.custom_op("nsa_masks::band_lists", mutates_args=())
 def band_lists(lo: Tensor, hi: Tensor, Q_LEN: int, KV_LEN: int, QB: int, KB: int,
                q_pack: int) -> list[Tensor]:
-    """`flag_lists` of a union of bands, lo / hi [bands, B, Q_LEN] (`band_block_flags` of each,
-    or-ed); under torch.compile an opaque op (the eager code inside the graph): traced into a
-    compiled graph, Inductor on a GPU (torch 2.11) made a batch-dependent band mask wrong for
-    batch rows > 0 (the compressed-causal mask with documents; torch's own create_block_mask
-    traced alike), where the same lists built eagerly are exact."""
-    any_ = full = None
-    for i in range(lo.shape[0]):
-        a, f = band_block_flags(lo[i], hi[i], Q_LEN, KV_LEN, (QB, KB), q_pack)
-        any_, full = (a, f) if any_ is None else (any_ | a, full | f)
-    return [x.contiguous() for x in flag_lists(any_, full)]
+    """`flag_lists` of `band_union_flags`; under torch.compile an opaque op (the eager code
+    inside the graph): traced into a compiled graph, Inductor on a GPU (torch 2.11) made a
+    batch-dependent band mask wrong for batch rows > 0 (the compressed-causal mask with
+    documents; torch's own create_block_mask traced alike), where the same lists built eagerly
+    are exact."""
+    flags = band_union_flags(lo, hi, Q_LEN, KV_LEN, (QB, KB), q_pack)
+    return [x.contiguous() for x in flag_lists(*flags)]
 
 
 @band_lists.register_fake
