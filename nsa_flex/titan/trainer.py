@@ -28,10 +28,10 @@ world size > 1), the checkpoint of this step is forced to a full "last step" che
 (:data:`nsa_flex.titan.ops.EXIT_HALTED`, read by the entry point from ``halted_at``; a halt at the
 last step is a finished run, 0). Rerunning the same command resumes from it. Rank 0 removes the
 halt file; a halt file found at the start (left from before this run) is removed with a warning.
-A second SIGTERM or SIGINT ends the process at once (the signal's default action), without a
-checkpoint; a SIGTERM within :data:`SIGNAL_REPEAT_S` of the first is the same request (``timeout``
-and job schedulers signal the process and then its whole process group: two deliveries of one
-stop). A second Ctrl-C always counts (a terminal sends one SIGINT a key press).
+Every later SIGTERM is the same request (``timeout`` and job schedulers signal the process and then
+its whole process group, and one that will not wait sends SIGKILL); a second Ctrl-C ends the process
+at once (SIGINT's default action), without a checkpoint. The halt's console line lists the signals
+received, with their times.
 
 Non-finite guard (``[ops] halt_on_nonfinite``, on by default). After every optimizer step each rank
 checks that its gradients are finite (one fused norm and one host sync per step; a non-finite loss
@@ -67,10 +67,6 @@ from .runlock import check_writable, lock_run
 
 TORCHTITAN_VERSION = "0.2.2"  # the Trainer methods overridden here and every patch target this version
 TORCH_RANGE = ((2, 11), (2, 15))  # [low, high) as (major, minor), as in pyproject.toml
-
-
-# seconds within which a repeated SIGTERM is the same request (its group-wide copy)
-SIGNAL_REPEAT_S = 2.0
 
 
 def _ignore_signal(signum, frame) -> None:
@@ -155,8 +151,7 @@ class NSATrainer(Trainer):
         self.compile_clock = CompileClock()  # console lines for the work that compiled
         self.steps_run = 0  # steps trained by this process (0: the run was already at training.steps)
         self.rank, self.world = _dist_info()
-        self._signals = 0
-        self._first_signal_at = 0.0
+        self._signals: list[tuple[str, float]] = []  # (name, time.monotonic()) of each stop signal
         self._old_handlers: dict = {}
         self._group = None
         self._locks: list = []  # the run locks (rank 0)
@@ -270,18 +265,16 @@ class NSATrainer(Trainer):
 
     # ------------------------------------------------------------------ halt / non-finite
     def on_signal(self, signum, frame) -> None:
-        """SIGTERM / SIGINT: halt after this step; a second one (a SIGTERM later than
-        SIGNAL_REPEAT_S): the signal's default action, now."""
-        now = time.monotonic()
-        if signum == signal.SIGTERM and self._signals and now - self._first_signal_at < SIGNAL_REPEAT_S:
-            return  # the group-wide copy of the first signal
-        self._signals += 1
-        if self._signals > 1:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+        """SIGTERM / SIGINT: halt after this step; SIGTERM again: the same request; SIGINT again
+        (Ctrl-C twice): the signal's default action, now."""
+        name = signal.Signals(signum).name
+        self._signals.append((name, time.monotonic()))
+        if self.halt_requested is not None:
+            if signum == signal.SIGINT:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
             return
-        self._first_signal_at = now
-        self.halt_requested = signal.Signals(signum).name
+        self.halt_requested = name
         # the loader's workers have a process group of their own (nsa_flex.titan.data), but a
         # signal to the whole group also ends inductor's compile workers: torch's SIGCHLD handler
         # would then raise in the middle of the halt's save. A Python no-op, not SIG_DFL: a SIGCHLD
@@ -335,7 +328,9 @@ class NSATrainer(Trainer):
         ckpt = getattr(self, "checkpointer", None)
         if isinstance(ckpt, checkpoint.NSACheckpointManager):
             ckpt.halt_step = step  # saved now as a full "last step" checkpoint, which resumes
-        log.warning(f"ops: halt ({reason}) on rank {self.rank}: stopping after step {step}, saving a checkpoint")
+        got = ", ".join(f"{n} at +{t - self._signals[0][1]:.2f} s" for n, t in self._signals)
+        log.warning(f"ops: halt ({reason}) on rank {self.rank}: stopping after step {step}, saving a checkpoint"
+                    + (f" (signals: {got})" if got else ""))
 
     def stop_nonfinite(self, step: int) -> None:
         path, _ = self.ops.write_dump(f"non-finite loss or gradient norm at step {step}",

@@ -253,10 +253,11 @@ def _restore(saved):
         signal.signal(s, h)
 
 
-def test_a_repeat_of_the_stop_signal_soon_after_it_is_the_same_request(tmp_path, monkeypatch):
-    """`timeout` and schedulers signal the trainer and then its process group: the second delivery
-    must not take the "second signal: stop at once" path, which ends the run without its halt
-    checkpoint."""
+def test_a_repeated_sigterm_is_the_same_request_and_a_second_ctrl_c_stops_at_once(tmp_path, monkeypatch):
+    """`timeout` and schedulers signal the trainer and then its process group: no later SIGTERM,
+    however late, may take a "stop at once" path, which ends the run without its halt checkpoint
+    (a 125M gate run on an H200 died so, rc 143, 1090 steps after its last checkpoint). Ctrl-C
+    twice still stops at once; the halt's console line lists the signals."""
     from nsa_flex.titan import trainer as trainer_mod
     saved = _keep_handlers(signal.SIGTERM, signal.SIGCHLD)
     kills, now = [], [100.0]
@@ -267,15 +268,15 @@ def test_a_repeat_of_the_stop_signal_soon_after_it_is_the_same_request(tmp_path,
         tr.on_signal(signal.SIGTERM, None)
         now[0] += 0.01
         tr.on_signal(signal.SIGTERM, None)  # the group-wide copy
+        now[0] += 30.0
+        tr.on_signal(signal.SIGTERM, None)  # late, during the halt's save: still the same request
         assert kills == [] and tr.halt_requested == "SIGTERM"
-        now[0] += trainer_mod.SIGNAL_REPEAT_S
-        tr.on_signal(signal.SIGTERM, None)  # a real second request: stop at once
-        assert kills == [signal.SIGTERM]
+        assert [n for n, _ in tr._signals] == ["SIGTERM"] * 3
         tr2 = _trainer(_jc(tmp_path))
         tr2.on_signal(signal.SIGINT, None)
         now[0] += 0.05
         tr2.on_signal(signal.SIGINT, None)  # Ctrl-C again, however soon: stop at once
-        assert kills == [signal.SIGTERM, signal.SIGINT]
+        assert kills == [signal.SIGINT]
     finally:
         _restore(saved)
 
