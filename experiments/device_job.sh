@@ -17,10 +17,13 @@
 #     EVAL_EACH_CKPT=1 TRAIN_S=1360 PLAN="..." bash experiments/retrieval_gate.sh $JOB_OUT/gate .data'
 #   bash experiments/device_job.sh poll 540; bash experiments/device_job.sh poll 420
 # Compile cache: the job's torch.compile cache (inductor's FX graphs, AOT autograd, Triton kernels)
-# lives in .cache/inductor of the copied tree, seeded from a carried .cache/inductor here; the last
-# poll returns it as $OUT/inductor_cache.tgz (under 16 MiB). Unpack that into .cache/ of the
-# checkout (`tar xzf FILES_AT/inductor_cache.tgz -C .cache`, .cache/ is git-ignored) and carry
-# ".cache" too: the next machine's runs of the same code and shapes skip most of their compile.
+# lives in .cache/inductor of the copied tree, seeded from a carried .cache/inductor.tgz; the last
+# poll returns it compressed in parts of 15 MiB (what comes back is at most 16 MiB a file),
+# $OUT/inductor.tgz.0, .1, ..., where it fits in 56 MiB (the 125M gate's was 48 MiB). Join them into
+# the checkout's .cache/ (git-ignored): `mkdir -p .cache && cat FILES_AT/inductor.tgz.* >
+# .cache/inductor.tgz`, and carry ".cache" too (the carried tree's limit is 64 MiB): the next
+# machine's runs of the same shapes skip most of their compile (the gate's NSA run compiled for
+# 328 s of its 1330 without one: experiments/NOTES.md 96).
 set -uo pipefail
 MODE=${1:?usage: device_job.sh start LIMIT COMMAND | poll LIMIT}
 LIMIT=${2:?usage: device_job.sh start LIMIT COMMAND | poll LIMIT}
@@ -37,6 +40,9 @@ if [ "$MODE" = start ]; then
   python3 -c "import torch; print('torch', torch.__version__, 'GPUs', torch.cuda.device_count())" || exit 3
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   rm -rf "$JOB" && mkdir -p "$JOB/out" && cp -r . "$JOB/repo"
+  if [ -f "$JOB/repo/.cache/inductor.tgz" ]; then
+    tar xzf "$JOB/repo/.cache/inductor.tgz" -C "$JOB/repo/.cache" && rm "$JOB/repo/.cache/inductor.tgz"
+  fi
   git rev-parse --short HEAD 2>/dev/null > "$JOB/out/commit" || true
   mkdir -p "$JOB/repo/.cache/inductor"
   echo "compile cache: $(du -sh "$JOB/repo/.cache/inductor" | cut -f1) carried"
@@ -57,9 +63,13 @@ find "$JOB/out" -name progress.txt | while read -r p; do echo "== $p"; tail -n 2
 cp "$JOB/job.log" "$JOB/out/" 2>/dev/null
 mkdir -p "${OUT:-/tmp/device_out}"
 tar czf "${OUT:-/tmp/device_out}/job.tgz" -C "$JOB" out
-if [ -f "$JOB/rc" ]; then  # the job is done: its compile cache, where it fits what comes back
-  C="${OUT:-/tmp/device_out}/inductor_cache.tgz"
+if [ -f "$JOB/rc" ]; then  # the job is done: its compile cache, in parts, where it fits what comes back
+  C=$JOB/inductor.tgz
   tar czf "$C" -C "$JOB/repo/.cache" inductor
-  [ "$(stat -c %s "$C")" -lt $((16 * 1024 * 1024)) ] || { echo "compile cache $(du -h "$C" | cut -f1): over 16 MiB, not returned"; rm -f "$C"; }
+  if [ "$(stat -c %s "$C")" -le $((56 * 1024 * 1024)) ]; then
+    split -b 15m -d -a 1 "$C" "${OUT:-/tmp/device_out}/inductor.tgz."
+  else
+    echo "compile cache $(du -h "$C" | cut -f1) compressed: over 56 MiB, not returned"
+  fi
 fi
 ls -la "${OUT:-/tmp/device_out}"
