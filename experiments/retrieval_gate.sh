@@ -20,8 +20,9 @@
 # each validation of 128 documents costs NSA ~0.7 s; default the TOML's), CKPT_EVERY (its
 # checkpoint.interval, e.g. 2000: each save of the 125M model and optimizer costs ~6 s; the halt
 # at TRAIN_S saves one anyway; default the TOML's), TRAIN_S (seconds from the start before each
-# run's halt, 1440: SIGTERM makes the trainer save a checkpoint and exit 4, the evaluation then
-# reads it; on an H100 NSA's step at 2048 x 16 is ~0.16 s, full attention's ~0.09, start and
+# run's halt, 1440: the trainer's halt file makes it save a checkpoint and exit 4, the evaluation then
+# reads it; timeout's SIGTERM, the same halt, HALT_GRACE_S (120) later where it has not stopped;
+# an entry with less than MIN_TRAIN_S (60) left does not start; on an H100 NSA's step at 2048 x 16 is ~0.16 s, full attention's ~0.09, start and
 # compile ~2-3 min: experiments/NOTES.md 83), TOML, RUNS (/tmp/nsa_gate_runs), DEPTHS
 # (0,25,50,75,100), TRIALS (20), GPUS (the
 # GPUs of each plan entry, e.g. "1 3" beside other jobs on a larger host; default 0 1 2 ...; an entry
@@ -103,11 +104,19 @@ variant() {  # GPUS MASKS NAME [EXTRA_TRAIN_ARGS...]; GPUS "0", or "0,1" for dat
   fi
   [ "$n" -gt 1 ] && launch=(-m torch.distributed.run --standalone --nproc_per_node "$n" -m nsa_flex.titan.train)
   local t=$(( TRAIN_S - ($(date +%s) - START) ))
-  if [ "$t" -lt 60 ]; then progress "$name: no time left to train"; return; fi
+  if [ "$t" -lt "${MIN_TRAIN_S:-60}" ]; then progress "$name: no time left to train"; return; fi
   progress "$name: training (masks $masks $*, GPUs $gpu) for at most ${t}s"
-  CUDA_VISIBLE_DEVICES=$gpu timeout --preserve-status -s TERM -k 150 "$t" $PY "${launch[@]}" --job.config_file "$toml" \
-    --job.dump_folder "$dump" --nsa.masks "$masks" --curriculum.phase short "$@" > "$d/train.log" 2>&1 &
+  # the time limit: the trainer's halt file at t (it stops after the step it is in, saves a
+  # checkpoint and exits 4; no signal involved), timeout's SIGTERM (the same halt) HALT_GRACE_S
+  # later where it has not stopped, SIGKILL 150 s after that
+  CUDA_VISIBLE_DEVICES=$gpu timeout --preserve-status -s TERM -k 150 "$(( t + ${HALT_GRACE_S:-120} ))" \
+    $PY "${launch[@]}" --job.config_file "$toml" --job.dump_folder "$dump" --nsa.masks "$masks" \
+    --curriculum.phase short "$@" > "$d/train.log" 2>&1 &
   local tpid=$! seen="" ck
+  (trap 'kill "$sp" 2>/dev/null; exit' TERM; sleep "$t" & sp=$!; wait "$sp"
+   kill -0 "$tpid" 2>/dev/null && mkdir -p "$dump/short" && touch "$dump/short/HALT" \
+     && progress "$name: time limit: halt file $dump/short/HALT written") &
+  local wpid=$!
   while [ -n "${EVAL_EACH_CKPT:-}" ] && kill -0 "$tpid" 2>/dev/null; do
     sleep "${POLL_S:-30}"
     cp "$dump/short/metrics.jsonl" "$d/" 2>/dev/null
@@ -119,6 +128,7 @@ variant() {  # GPUS MASKS NAME [EXTRA_TRAIN_ARGS...]; GPUS "0", or "0,1" for dat
   done
   wait "$tpid"
   local rc=$?
+  kill "$wpid" 2>/dev/null; wait "$wpid" 2>/dev/null
   cp "$dump/short/metrics.jsonl" "$d/" 2>/dev/null
   ck=$(latest_ckpt "$dump")
   progress "$name: training rc=$rc (0 done, 4 halted at the time limit with its checkpoint, 137 killed), checkpoint ${ck:+$(basename "$ck")}"

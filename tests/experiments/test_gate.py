@@ -210,3 +210,35 @@ def test_gate_evaluates_each_completed_checkpoint_while_training(tmp_path):
     progress = (tmp_path / "o" / "progress.txt").read_text().split("training (masks")[-1]
     assert "needle_step" not in progress and not (run / "needle_step-100").exists()
     assert "needle of step-200" in progress
+
+
+HALT_FILE_PYTHON = """#!/usr/bin/env bash
+# a stand-in for python: the trainer waits for its halt file (a SIGTERM is recorded, not obeyed),
+# the evaluation does nothing, anything else is the real python
+if [ "$1 $2" = "-m nsa_flex.titan.cli" ]; then
+  while [ $# -gt 0 ]; do [ "$1" = "--job.dump_folder" ] && d=$2; shift; done
+  trap 'echo TERM >> "$d/signals"' TERM
+  for i in $(seq 1 300); do
+    if [ -f "$d/short/HALT" ]; then rm "$d/short/HALT"; echo halted >> "$d/signals"; exit 4; fi
+    sleep 0.1
+  done
+  exit 9
+elif [ "$1 $2" = "-m nsa_flex.eval" ]; then exit 0
+fi
+exec PYTHON "$@"
+"""
+
+
+def test_gate_time_limit_halts_through_the_halt_file_not_a_signal(tmp_path):
+    """At TRAIN_S the script writes the trainer's halt file (the trainer stops after its step and
+    saves: no signal, which once ended a gate run before its halt checkpoint); timeout's SIGTERM
+    only HALT_GRACE_S later, where the trainer has not stopped."""
+    fake = tmp_path / "python"
+    fake.write_text(HALT_FILE_PYTHON.replace("PYTHON", sys.executable))
+    fake.chmod(0o755)
+    r = _gate(tmp_path, "0", TRAIN_S="3", MIN_TRAIN_S="1", HALT_GRACE_S="20", PYTHON=str(fake))
+    assert r.returncode == 0, r.stderr
+    progress = (tmp_path / "o" / "progress.txt").read_text()
+    assert f"nsa_dp: time limit: halt file {tmp_path / 'runs' / 'nsa_dp' / 'short' / 'HALT'} written" in progress
+    assert "nsa_dp: training rc=4" in progress, progress
+    assert (tmp_path / "runs" / "nsa_dp" / "signals").read_text() == "halted\n"  # no SIGTERM came
