@@ -16,8 +16,8 @@
 #
 # Stages, in order, each done once (OUT/VARIANT/stages.txt records them; the cheap evaluations first):
 #   train      until the checkpoint of training.steps exists (a [curriculum] TOML: both phases, the
-#              short phase's metrics as metrics_short.jsonl). A segment ends by SIGTERM at its time
-#              limit: the trainer halts after the current step and saves a full checkpoint (exit 4);
+#              short phase's metrics as metrics_short.jsonl). A segment ends by the trainer's halt file at
+#              its time limit (experiments/halt_after.sh; SIGTERM as the backstop): the trainer halts after the current step and saves a full checkpoint (exit 4);
 #              the next invocation resumes from it exactly (same TOML, data position and LR schedule).
 #   position   python -m nsa_flex.eval --task position-loss (POS_SEQ tokens, VAL_DOCS).
 #   selection  python -m nsa_flex.eval --task selection at SEL_LENGTHS (variants with a selection branch).
@@ -107,17 +107,26 @@ print(load_job_config(sys.argv[1], sys.argv[2:]).training.steps)" "$TOML" --nsa.
   t=$(( $(left) - HALT_GRACE ))
   [ "$t" -ge 30 ] || finish "no time left to train in this segment"
   ck=$(latest_ckpt)
-  note "train: steps $STEPS, resuming from ${ck:+$(basename "$ck")}${ck:-scratch}, SIGTERM after ${t}s"
+  note "train: steps $STEPS, resuming from ${ck:+$(basename "$ck")}${ck:-scratch}, halt file after ${t}s"
   n=$(ls "$D"/train_*.log 2>/dev/null | wc -l)
+  # the segment's end: the trainer's halt file at t (a curriculum's phases have one each), timeout's
+  # SIGTERM (the same halt) half the grace later where it has not stopped, SIGKILL at the grace's end
   # shellcheck disable=SC2086
-  timeout --preserve-status -s TERM -k "$HALT_GRACE" "$t" $PY -m nsa_flex.titan.cli --job.config_file "$TOML" \
-    --job.dump_folder "$DUMP" $DATA_ARGS --nsa.masks "$VARIANT" $TRAIN_ARGS > "$D/train_$n.log" 2>&1
+  timeout --preserve-status -s TERM -k "$(( HALT_GRACE / 2 ))" "$(( t + HALT_GRACE / 2 ))" $PY -m nsa_flex.titan.cli \
+    --job.config_file "$TOML" --job.dump_folder "$DUMP" $DATA_ARGS --nsa.masks "$VARIANT" $TRAIN_ARGS \
+    > "$D/train_$n.log" 2>&1 &
+  tpid=$!
+  bash experiments/halt_after.sh "$t" "$tpid" "$DUMP/short/HALT" "$DUMP/HALT" > >(while read -r l; do note "train: $l"; done) &
+  wpid=$!
+  wait "$tpid"
   rc=$?
+  kill "$wpid" 2>/dev/null; wait "$wpid" 2>/dev/null
+  rm -f "$DUMP/short/HALT" "$DUMP/HALT"  # the phase that did not run leaves its file unread
   [ -f "$DUMP/metrics.jsonl" ] && cp "$DUMP/metrics.jsonl" "$D/"
   [ -f "$DUMP/short/metrics.jsonl" ] && cp "$DUMP/short/metrics.jsonl" "$D/metrics_short.jsonl"  # [curriculum]
   ck=$(latest_ckpt)
   note "train: rc=$rc, checkpoint ${ck:+$(basename "$ck")}"
-  # exit 4: halted at the segment's SIGTERM with a checkpoint (nsa_flex.titan.ops.EXIT_HALTED): resume next time
+  # exit 4: halted at the segment's end with a checkpoint (nsa_flex.titan.ops.EXIT_HALTED): resume next time
   if [ "$rc" -ne 0 ] && [ "$rc" -ne 4 ]; then grep -E "Error|error:" "$D/train_$n.log" | tail -3; finish "training failed (rc=$rc, $D/train_$n.log)"; fi
   [ "${ck##*step-}" = "$STEPS" ] || finish "training halted at ${ck:+$(basename "$ck")}"
   mark train

@@ -113,9 +113,7 @@ variant() {  # GPUS MASKS NAME [EXTRA_TRAIN_ARGS...]; GPUS "0", or "0,1" for dat
     $PY "${launch[@]}" --job.config_file "$toml" --job.dump_folder "$dump" --nsa.masks "$masks" \
     --curriculum.phase short "$@" > "$d/train.log" 2>&1 &
   local tpid=$! seen="" ck
-  (trap 'kill "$sp" 2>/dev/null; exit' TERM; sleep "$t" & sp=$!; wait "$sp"
-   kill -0 "$tpid" 2>/dev/null && mkdir -p "$dump/short" && touch "$dump/short/HALT" \
-     && progress "$name: time limit: halt file $dump/short/HALT written") &
+  bash experiments/halt_after.sh "$t" "$tpid" "$dump/short/HALT" > >(while read -r l; do progress "$name: $l"; done) &
   local wpid=$!
   while [ -n "${EVAL_EACH_CKPT:-}" ] && kill -0 "$tpid" 2>/dev/null; do
     sleep "${POLL_S:-30}"

@@ -5,6 +5,7 @@ import csv
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -242,3 +243,27 @@ def test_gate_time_limit_halts_through_the_halt_file_not_a_signal(tmp_path):
     assert f"nsa_dp: time limit: halt file {tmp_path / 'runs' / 'nsa_dp' / 'short' / 'HALT'} written" in progress
     assert "nsa_dp: training rc=4" in progress, progress
     assert (tmp_path / "runs" / "nsa_dp" / "signals").read_text() == "halted\n"  # no SIGTERM came
+
+
+def test_halt_after_writes_the_halt_files_only_while_the_run_lives(tmp_path):
+    """experiments/halt_after.sh: after SECONDS, each halt file (its folder made) where the run's
+    process still lives; nothing where it ended first, nothing when stopped by SIGTERM."""
+    script = str(ROOT / "experiments/halt_after.sh")
+    run = subprocess.Popen(["sleep", "30"])
+    try:
+        files = [tmp_path / "a" / "short" / "HALT", tmp_path / "a" / "HALT"]
+        r = subprocess.run(["bash", script, "0.2", str(run.pid), *map(str, files)], capture_output=True, text=True)
+        assert r.returncode == 0 and all(f.is_file() for f in files)
+        assert r.stdout.splitlines() == [f"time limit: halt file {f} written" for f in files]
+        w = subprocess.Popen(["bash", script, "30", str(run.pid), str(tmp_path / "b" / "HALT")],
+                             stdout=subprocess.PIPE, text=True)
+        time.sleep(0.3)
+        w.terminate()
+        assert w.wait(timeout=5) == 0 and w.stdout.read() == "" and not (tmp_path / "b").exists()
+    finally:
+        run.kill()
+        run.wait()
+    r = subprocess.run(["bash", script, "0.1", str(run.pid), str(tmp_path / "c" / "HALT")], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout == "" and not (tmp_path / "c").exists()
+    r = subprocess.run(["bash", script, "1", str(run.pid)], capture_output=True, text=True)
+    assert r.returncode == 2 and "usage: halt_after.sh SECONDS PID HALT_FILE" in r.stderr
