@@ -174,30 +174,44 @@ def _flush_logs() -> None:
 
 
 # ----------------------------------------------------------------------------- compile time
-def compile_seconds() -> float:
-    """Seconds torch.compile has spent in this process so far (dynamo's frame compiles: tracing,
-    AOT autograd, inductor and its kernels' compiles), 0 before the first."""
+# the phases of `compile_seconds` a lap names beside its total (torch's dynamo_timed phase names)
+COMPILE_PARTS = (("tracing", "dynamo tracing"), ("entire_backward_compile", "backward graphs"),
+                 ("async_compile.wait", "waiting for kernel compiles"))
+
+
+def compile_seconds() -> dict[str, float]:
+    """Seconds torch.compile has spent in this process so far, cumulative: "total" (dynamo's frame
+    compiles -- tracing, AOT autograd, inductor and its kernels' compiles -- and the backward graphs
+    AOT autograd compiles at their first backward), "tracing" (the frames' time outside their
+    backend), and torch's own phases by name; all 0 before the first compile."""
     from torch._dynamo.utils import calculate_time_spent
 
-    return float(calculate_time_spent().get("entire_frame_compile", 0.0))
+    t = {k: float(v) for k, v in calculate_time_spent().items()}
+    frame = t.get("entire_frame_compile", 0.0)
+    t["tracing"] = max(frame - t.get("backend_compile", 0.0), 0.0)
+    t["total"] = frame + t.get("entire_backward_compile", 0.0)
+    return t
 
 
 class CompileClock:
     """One line per stretch of work that compiled for at least ``min_s`` seconds: what compiled
-    (the step, or the validation and checkpoint after one) and for how long -- the first step's and
-    the first validation's compiles, and any recompile later (where the dense warm-up ends, a new
-    shape), each visible in the console."""
+    (the step, or the validation and checkpoint after one), for how long and where the time went
+    (`COMPILE_PARTS`) -- the first step's and the first validation's compiles, and any recompile
+    later (where the dense warm-up ends, a new shape), each visible in the console."""
 
     def __init__(self, min_s: float = 1.0, clock=compile_seconds):
         self.min_s, self.clock = min_s, clock
         self.seen = clock()
 
     def lap(self, what: str) -> str | None:
-        total = self.clock()
-        spent, self.seen = total - self.seen, total
-        if spent < self.min_s:
+        now = self.clock()
+        spent = {k: v - self.seen.get(k, 0.0) for k, v in now.items()}
+        self.seen = now
+        if spent.get("total", 0.0) < self.min_s:
             return None
-        return f"compile: {what} compiled for {spent:.0f} s (torch.compile in this process: {total:.0f} s)"
+        parts = ", ".join(f"{name} {spent[k]:.0f} s" for k, name in COMPILE_PARTS if spent.get(k, 0.0) >= 0.5)
+        return (f"compile: {what} compiled for {spent['total']:.0f} s ({parts + '; ' if parts else ''}"
+                f"torch.compile in this process: {now['total']:.0f} s)")
 
 
 # ----------------------------------------------------------------------------- data wait

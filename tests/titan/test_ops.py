@@ -70,20 +70,33 @@ def test_data_stall_warning_needs_k_consecutive_steps():
     assert m.update(7, 0.9, 1.0) is None  # once per episode
 
 
-def test_compile_clock_names_what_compiled_and_for_how_long():
-    t = iter([10.0, 10.4, 70.4, 70.4])  # at the start, after a cheap lap, a long one, nothing
+def test_compile_clock_names_what_compiled_for_how_long_and_where():
+    t = iter([{}, {"total": 0.4, "tracing": 0.4},  # at the start, after a cheap lap
+              {"total": 70.4, "tracing": 10.4, "entire_backward_compile": 20.0, "async_compile.wait": 30.2},
+              {"total": 70.4, "tracing": 10.4, "entire_backward_compile": 20.0, "async_compile.wait": 30.2},
+              {"total": 72.0, "tracing": 11.9}])
     clock = ops.CompileClock(min_s=1.0, clock=lambda: next(t))
     assert clock.lap("step 1") is None  # 0.4 s: below min_s
-    assert clock.lap("step 2") == "compile: step 2 compiled for 60 s (torch.compile in this process: 70 s)"
+    assert clock.lap("step 2") == ("compile: step 2 compiled for 70 s (dynamo tracing 10 s, backward graphs 20 s, "
+                                   "waiting for kernel compiles 30 s; torch.compile in this process: 70 s)")
     assert clock.lap("step 3") is None
+    # a phase torch did not time (another version) or that took under half a second is left out
+    assert clock.lap("step 4") == "compile: step 4 compiled for 2 s (dynamo tracing 2 s; torch.compile in this process: 72 s)"
 
 
-def test_compile_seconds_counts_this_process_compiles():
+def test_compile_seconds_counts_this_process_compiles_forward_and_backward():
     import torch
 
     before = ops.compile_seconds()
-    torch.compile(lambda x: (x * 3).sin() + 1, backend="eager")(torch.randn(4))
-    assert ops.compile_seconds() > before
+    x = torch.randn(4, requires_grad=True)
+    y = torch.compile(lambda x: (x * 3).sin() + 1, backend="aot_eager")(x)
+    mid = ops.compile_seconds()
+    assert mid["total"] > before.get("total", 0.0) and mid["tracing"] > before.get("tracing", 0.0)
+    y.sum().backward()  # AOT autograd compiles the backward graph now, counted in the total
+    after = ops.compile_seconds()
+    assert after["total"] - mid["total"] == pytest.approx(
+        after.get("entire_backward_compile", 0.0) - mid.get("entire_backward_compile", 0.0))
+    assert after["total"] > mid["total"]  # torch >= 2.11 compiles the backward graph lazily
 
 
 # ----------------------------------------------------------------------------- stall watchdog
