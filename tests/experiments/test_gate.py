@@ -191,14 +191,20 @@ fi
 """
 
 
+def _stand_in_python(tmp_path, script: str) -> str:
+    """An executable stand-in for python from ``script`` (REAL: the real interpreter)."""
+    fake = tmp_path / "python"
+    fake.write_text(script.replace("REAL", sys.executable))
+    fake.chmod(0o755)
+    return str(fake)
+
+
 def test_gate_evaluates_each_completed_checkpoint_while_training(tmp_path):
     """EVAL_EACH_CKPT=1: while the run trains, its metrics are copied into OUT and each checkpoint
     whose save completed is evaluated into OUT/NAME/needle_step-N; a checkpoint cut while saving
     (no .metadata) is never read; the final evaluation reads the newest complete one."""
-    fake = tmp_path / "python"
-    fake.write_text(FAKE_PYTHON.replace("REAL", sys.executable))
-    fake.chmod(0o755)
-    r = _gate(tmp_path, "0", TRAIN_S="600", EVAL_EACH_CKPT="1", POLL_S="0.5", PYTHON=str(fake))
+    fake = _stand_in_python(tmp_path, FAKE_PYTHON)
+    r = _gate(tmp_path, "0", TRAIN_S="600", EVAL_EACH_CKPT="1", POLL_S="0.5", PYTHON=fake)
     assert r.returncode == 0, r.stderr
     progress = (tmp_path / "o" / "progress.txt").read_text()
     run = tmp_path / "o" / "nsa_dp"
@@ -207,7 +213,7 @@ def test_gate_evaluates_each_completed_checkpoint_while_training(tmp_path):
     assert "training rc=4" in progress and "checkpoint step-200" in progress
     assert "nsa_dp: needle of step-200 rc=0 length 2048: 7/10 right, from step-200" in progress
     assert (run / "metrics.jsonl").read_text().count("step") == 2
-    r = _gate(tmp_path, "0", TRAIN_S="600", PYTHON=str(fake))  # off: the final evaluation alone
+    r = _gate(tmp_path, "0", TRAIN_S="600", PYTHON=fake)  # off: the final evaluation alone
     progress = (tmp_path / "o" / "progress.txt").read_text().split("training (masks")[-1]
     assert "needle_step" not in progress and not (run / "needle_step-100").exists()
     assert "needle of step-200" in progress
@@ -226,7 +232,7 @@ if [ "$1 $2" = "-m nsa_flex.titan.cli" ]; then
   exit 9
 elif [ "$1 $2" = "-m nsa_flex.eval" ]; then exit 0
 fi
-exec PYTHON "$@"
+exec REAL "$@"
 """
 
 
@@ -234,10 +240,8 @@ def test_gate_time_limit_halts_through_the_halt_file_not_a_signal(tmp_path):
     """At TRAIN_S the script writes the trainer's halt file (the trainer stops after its step and
     saves: no signal, which once ended a gate run before its halt checkpoint); timeout's SIGTERM
     only HALT_GRACE_S later, where the trainer has not stopped."""
-    fake = tmp_path / "python"
-    fake.write_text(HALT_FILE_PYTHON.replace("PYTHON", sys.executable))
-    fake.chmod(0o755)
-    r = _gate(tmp_path, "0", TRAIN_S="3", MIN_TRAIN_S="1", HALT_GRACE_S="20", PYTHON=str(fake))
+    r = _gate(tmp_path, "0", TRAIN_S="3", MIN_TRAIN_S="1", HALT_GRACE_S="20",
+              PYTHON=_stand_in_python(tmp_path, HALT_FILE_PYTHON))
     assert r.returncode == 0, r.stderr
     progress = (tmp_path / "o" / "progress.txt").read_text()
     assert f"nsa_dp: time limit: halt file {tmp_path / 'runs' / 'nsa_dp' / 'short' / 'HALT'} written" in progress
