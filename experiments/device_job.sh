@@ -19,11 +19,10 @@
 # Compile cache: the job's torch.compile cache (inductor's FX graphs, AOT autograd, Triton kernels)
 # lives in .cache/inductor of the copied tree, seeded from a carried .cache/inductor.tgz; the last
 # poll returns it compressed in parts of 15 MiB (what comes back is at most 16 MiB a file),
-# $OUT/inductor.tgz.0, .1, ..., where it fits in 56 MiB (the 125M gate's was 48 MiB). Join them into
-# the checkout's .cache/ (git-ignored): `mkdir -p .cache && cat FILES_AT/inductor.tgz.* >
-# .cache/inductor.tgz`, and carry ".cache" too (the carried tree's limit is 64 MiB): the next
-# machine's runs of the same shapes skip most of their compile (the gate's NSA run compiled for
-# 328 s of its 1330 without one: experiments/NOTES.md 96).
+# $OUT/inductor.tgz.0, .1, ..., where it fits in 56 MiB. Join them into the checkout's .cache/
+# (git-ignored): `mkdir -p .cache && cat FILES_AT/inductor.tgz.* > .cache/inductor.tgz`, and carry
+# ".cache" too (the carried tree's limit is 64 MiB): the next machine's runs of the same shapes
+# skip most of their compile.
 set -uo pipefail
 MODE=${1:?usage: device_job.sh start LIMIT COMMAND | poll LIMIT}
 LIMIT=${2:?usage: device_job.sh start LIMIT COMMAND | poll LIMIT}

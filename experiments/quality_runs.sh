@@ -16,8 +16,9 @@
 #
 # Stages, in order, each done once (OUT/VARIANT/stages.txt records them; the cheap evaluations first):
 #   train      until the checkpoint of training.steps exists (a [curriculum] TOML: both phases, the
-#              short phase's metrics as metrics_short.jsonl). A segment ends by the trainer's halt file at
-#              its time limit (experiments/halt_after.sh; SIGTERM as the backstop): the trainer halts after the current step and saves a full checkpoint (exit 4);
+#              short phase's metrics as metrics_short.jsonl). A segment ends by the trainer's halt
+#              file at its time limit (experiments/halt_after.sh; SIGTERM as the backstop): the
+#              trainer halts after the current step and saves a full checkpoint (exit 4);
 #              the next invocation resumes from it exactly (same TOML, data position and LR schedule).
 #   position   python -m nsa_flex.eval --task position-loss (POS_SEQ tokens, VAL_DOCS).
 #   selection  python -m nsa_flex.eval --task selection at SEL_LENGTHS (variants with a selection branch).

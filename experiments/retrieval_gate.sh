@@ -20,9 +20,10 @@
 # each validation of 128 documents costs NSA ~0.7 s; default the TOML's), CKPT_EVERY (its
 # checkpoint.interval, e.g. 2000: each save of the 125M model and optimizer costs ~6 s; the halt
 # at TRAIN_S saves one anyway; default the TOML's), TRAIN_S (seconds from the start before each
-# run's halt, 1440: the trainer's halt file makes it save a checkpoint and exit 4, the evaluation then
-# reads it; timeout's SIGTERM, the same halt, HALT_GRACE_S (120) later where it has not stopped;
-# an entry with less than MIN_TRAIN_S (60) left does not start; on an H100 NSA's step at 2048 x 16 is ~0.16 s, full attention's ~0.09, start and
+# run's halt, 1440: the trainer's halt file makes it save a checkpoint and exit 4, the evaluation
+# then reads it; timeout's SIGTERM, the same halt, HALT_GRACE_S (120) later where it has not
+# stopped; an entry with less than MIN_TRAIN_S (60) left does not start; on an H100 NSA's step at
+# 2048 x 16 is ~0.16 s, full attention's ~0.09, start and
 # compile ~2-3 min: experiments/NOTES.md 83), TOML, RUNS (/tmp/nsa_gate_runs), DEPTHS
 # (0,25,50,75,100), TRIALS (20), GPUS (the
 # GPUs of each plan entry, e.g. "1 3" beside other jobs on a larger host; default 0 1 2 ...; an entry

@@ -238,8 +238,8 @@ exec REAL "$@"
 
 def test_gate_time_limit_halts_through_the_halt_file_not_a_signal(tmp_path):
     """At TRAIN_S the script writes the trainer's halt file (the trainer stops after its step and
-    saves: no signal, which once ended a gate run before its halt checkpoint); timeout's SIGTERM
-    only HALT_GRACE_S later, where the trainer has not stopped."""
+    saves; no signal involved); timeout's SIGTERM only HALT_GRACE_S later, where the trainer has
+    not stopped."""
     r = _gate(tmp_path, "0", TRAIN_S="3", MIN_TRAIN_S="1", HALT_GRACE_S="20",
               PYTHON=_stand_in_python(tmp_path, HALT_FILE_PYTHON))
     assert r.returncode == 0, r.stderr

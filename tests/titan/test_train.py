@@ -261,6 +261,7 @@ def test_stop_signal_to_the_process_group_halts_with_a_checkpoint(tmp_path, sig)
     assert p.returncode == EXIT_HALTED, text[-3000:]
     assert "Traceback" not in text, text[-3000:]
     halted_at = int(re.search(rf"ops: halted after step (\d+) \({sig.name}\)", text)[1])
+    assert f"saving a checkpoint (signals: {sig.name} at +0.00 s" in text  # what arrived, and when
     assert 3 <= halted_at < STEPS
     assert (tmp_path / "checkpoint" / f"step-{halted_at}" / ".metadata").is_file()
 

@@ -255,9 +255,8 @@ def _restore(saved):
 
 def test_a_repeated_sigterm_is_the_same_request_and_a_second_ctrl_c_stops_at_once(tmp_path, monkeypatch):
     """`timeout` and schedulers signal the trainer and then its process group: no later SIGTERM,
-    however late, may take a "stop at once" path, which ends the run without its halt checkpoint
-    (a 125M gate run on an H200 died so, rc 143, 1090 steps after its last checkpoint). Ctrl-C
-    twice still stops at once; the halt's console line lists the signals."""
+    however late, may take a "stop at once" path, which ends the run without its halt checkpoint.
+    Ctrl-C twice still stops at once; the halt's console line lists the signals."""
     from nsa_flex.titan import trainer as trainer_mod
     saved = _keep_handlers(signal.SIGTERM, signal.SIGCHLD)
     kills, now = [], [100.0]
