@@ -19,6 +19,7 @@ import dataclasses
 import os
 import re
 import sys
+import time
 
 import torch
 from torchtitan.config import ConfigManager, JobConfig
@@ -35,6 +36,10 @@ from .parallelize import cpu_data_parallel_problem
 from .preflight import range_problems
 from .runlock import check_writable, lock_run, release_all
 from .trainer import NSATrainer
+
+# how long a rank other than 0 waits on a startup error that rank 0 reports (the launcher stops it
+# as soon as rank 0 exits)
+RANK0_ERROR_WAIT_S = 60
 
 
 def merged_job_config():
@@ -170,7 +175,12 @@ def run(args: list[str], prog: str = "nsa-train") -> int:
                   "(gloo lacks FSDP's PREMUL_SUM); set [parallelism] data_parallel_replicate_degree = "
                   f"{world}, data_parallel_shard_degree = 1 to say so", file=sys.stderr, flush=True)
     elif problem:  # FSDP asked for explicitly: every rank stops, rank 0 says why
-        return user_error(problem, prog=prog) if os.environ.get("RANK", "0") == "0" else 2
+        if os.environ.get("RANK", "0") == "0":
+            return user_error(problem, prog=prog)
+        # the other ranks wait for rank 0's exit, which makes the launcher stop them: a rank that
+        # exited first would make the launcher kill rank 0 before its error line is out
+        time.sleep(RANK0_ERROR_WAIT_S)
+        return 2
     console.setup()  # before torchtitan's main logs its first line (its version line)
     built: list[NSATrainer] = []
 
