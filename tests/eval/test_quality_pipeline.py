@@ -54,7 +54,7 @@ def test_quality_runs_checks_its_arguments(tmp_path):
 def test_quality_pipeline_end_to_end(tmp_path):
     out, export = tmp_path / "out", tmp_path / "export"
     cmd = ["bash", str(SCRIPT), "nsa", str(out), str(DATA), str(export)]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=_env(tmp_path), timeout=170)
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=_env(tmp_path), timeout=300)
     assert r.returncode == 0 and "nsa: DONE (all stages)" in r.stdout, r.stdout + r.stderr
     d = out / "nsa"
     assert (d / "stages.txt").read_text().split() == ["train", "position", "selection", "needle"]

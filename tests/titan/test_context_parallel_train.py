@@ -88,21 +88,18 @@ def _assert_same_training(one: Path, cp: Path, rel: float) -> None:
 
 
 @pytest.mark.slow
-def test_two_context_ranks_train_as_one_process(tmp_path, seed):
-    _assert_same_training(*_one_and_cp(tmp_path, seed, STEPS, "--nsa.doc_masking", "True"), rel=2e-5)
-
-
-@pytest.mark.slow
-def test_two_context_ranks_validate_as_one_process(tmp_path, seed):
-    """Validation at steps 1 and 2: the loss of two batches of two rows, each rank its shard,
-    and the retrieval metrics of three documents (a padded batch; the answers on the last rank)."""
-    one, cp = _one_and_cp(tmp_path, seed, 2, "--nsa.doc_masking", "True", "--validation.enable",
+def test_two_context_ranks_train_and_validate_as_one_process(tmp_path, seed):
+    """The losses and grad norms of every step; validation at steps 1, 2 and 4: the loss of two
+    batches of two rows, each rank its shard, and the retrieval metrics of three documents (a
+    padded batch; the answers on the last rank)."""
+    one, cp = _one_and_cp(tmp_path, seed, STEPS, "--nsa.doc_masking", "True", "--validation.enable",
                           "--validation.freq", "2", "--validation.steps", "2",
                           "--validation.local_batch_size", "2", "--validation.seq_len", "256",
                           "--validation.retrieval_docs", "3")
+    _assert_same_training(one, cp, rel=2e-5)
     key = "validation_metrics/loss"
     one, cp = _records(one, key), _records(cp, key)
-    assert sorted(one) == sorted(cp) == [1, 2]
+    assert sorted(one) == sorted(cp) == [1, 2, 4]  # the first step, then every validation.freq
     for step in one:
         names = [k for k in one[step] if k == key or k.startswith("retrieval/")]
         assert "retrieval/passkey_answer_loss" in names and "retrieval/passkey_exact" in names
