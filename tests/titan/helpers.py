@@ -2,6 +2,7 @@
 
 import contextlib
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -68,3 +69,28 @@ def running(cmd: list[str], log: Path):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """A folder made by ``build(folder)`` once per test session, also when pytest-xdist's workers
+    both run tests that need it (``--dist worksteal`` spreads a module's tests over the workers,
+    and each would build its module fixtures again): the first worker builds it under a file lock,
+    the others wait for it and read it. Tests must treat the folder as read-only."""
+    import fcntl
+
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not run:  # one process: nothing to share
+        folder = tmp_path_factory.mktemp(name)
+        build(folder)
+        return folder
+    root = tmp_path_factory.getbasetemp().parent / f"built-once-{run}"  # the workers' common parent
+    root.mkdir(exist_ok=True)
+    folder = root / name
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not (folder / ".built").exists():
+            shutil.rmtree(folder, ignore_errors=True)  # a build that failed on another worker
+            folder.mkdir()
+            build(folder)
+            (folder / ".built").write_text("")
+    return folder

@@ -14,6 +14,7 @@
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from nsa_flex.titan.ops import EXIT_HALTED
-from tests.titan.helpers import launch_env
+from tests.titan.helpers import built_once, launch_env
 
 pytestmark = pytest.mark.slow  # training runs (python -m pytest -m slow)
 
@@ -71,9 +72,8 @@ CKPT = ("--checkpoint.enable", "--checkpoint.interval", "10",
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    d = tmp_path_factory.mktemp("uninterrupted")
-    text = _run(_cmd(d), d / "log.txt")
-    return d, text, _records(d / "metrics.jsonl")
+    d = built_once(tmp_path_factory, "uninterrupted", lambda d: _run(_cmd(d), d / "log.txt"))
+    return d, (d / "log.txt").read_text(), _records(d / "metrics.jsonl")
 
 
 @pytest.mark.slow
@@ -211,15 +211,16 @@ def _max_step(path: Path) -> int:
     return max(_records(path), default=0) if path.exists() else 0
 
 
-@pytest.fixture(scope="module")
-def halted(tmp_path_factory):
-    """The slow run: SIGUSR1 after step 3, HALT after the dump; returns (dir, log text, rc, cmd)."""
-    d = tmp_path_factory.mktemp("halted")
+def _halted_cmd(d: Path) -> list[str]:
     # model-only final saves (as in the ablation TOMLs): the halt checkpoint must still be full
-    cmd = _cmd(d, *CKPT, *SLOW, "--checkpoint.last_save_model_only")
+    return _cmd(d, *CKPT, *SLOW, "--checkpoint.last_save_model_only")
+
+
+def _run_halted(d: Path) -> None:
+    """The slow run: SIGUSR1 after step 3, HALT after the dump; its exit code in d / "rc"."""
     log, metrics = d / "log_halted.txt", d / "metrics.jsonl"
     with open(log, "w") as f:
-        p = subprocess.Popen(cmd, cwd=ROOT, env=launch_env(), stdout=f, stderr=subprocess.STDOUT)
+        p = subprocess.Popen(_halted_cmd(d), cwd=ROOT, env=launch_env(), stdout=f, stderr=subprocess.STDOUT)
         try:
             _wait_for(lambda: _max_step(metrics) >= 3, p, log, "step 3")
             p.send_signal(signal.SIGUSR1)
@@ -234,7 +235,14 @@ def halted(tmp_path_factory):
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    return d, log.read_text(), p.returncode, cmd
+    (d / "rc").write_text(str(p.returncode))
+
+
+@pytest.fixture(scope="module")
+def halted(tmp_path_factory):
+    """The slow run, halted (read-only: a test that resumes it copies it); (dir, log text, rc)."""
+    d = built_once(tmp_path_factory, "halted", _run_halted)
+    return d, (d / "log_halted.txt").read_text(), int((d / "rc").read_text())
 
 
 @pytest.mark.slow
@@ -268,7 +276,7 @@ def test_stop_signal_to_the_process_group_halts_with_a_checkpoint(tmp_path, sig)
 
 @pytest.mark.slow
 def test_sigusr1_dumps_while_training_continues(halted):
-    d, text, rc, _ = halted
+    d, text, rc = halted
     dumps = sorted((d / "stalls").iterdir())
     assert len(dumps) == 1, dumps
     dump = dumps[0].read_text()
@@ -284,7 +292,7 @@ def test_sigusr1_dumps_while_training_continues(halted):
 
 @pytest.mark.slow
 def test_loader_wait_in_metrics_and_warning(halted):
-    d, text, _, _ = halted
+    d, text, _ = halted
     recs = _records(d / "metrics.jsonl")
     waits = [r["time_metrics/data_wait_per_step(s)"] for s, r in sorted(recs.items()) if s > 1]
     assert waits and all(0.14 < w < 1.0 for w in waits), waits  # the helper sleeps 0.15 s per batch
@@ -295,14 +303,17 @@ def test_loader_wait_in_metrics_and_warning(halted):
 
 
 @pytest.mark.slow
-def test_halt_file_then_resume_is_exact(uninterrupted, halted):
+def test_halt_file_then_resume_is_exact(uninterrupted, halted, tmp_path):
     _, _, ref = uninterrupted
-    d, text, rc, cmd = halted
+    src, text, rc = halted
+    d = tmp_path / "halted"  # the resume writes to its dump folder: a copy, the same command on it
+    shutil.copytree(src, d)
+    cmd = _halted_cmd(d)
     assert rc == EXIT_HALTED, text[-3000:]  # halted, not finished: its own exit code
     before = _records(d / "metrics.jsonl")
     n = max(before)
     assert 3 < n < STEPS, sorted(before)
-    assert f"ops: halt (halt file {d / 'HALT'}) on rank 0: stopping after step {n}" in text
+    assert f"ops: halt (halt file {src / 'HALT'}) on rank 0: stopping after step {n}" in text
     assert (d / "checkpoint" / f"step-{n}" / ".metadata").exists()
     assert not (d / "HALT").exists()  # consumed: the rerun does not halt again
     for s in range(1, n + 1):
