@@ -25,7 +25,7 @@ import torch
 from torchtitan.config import ConfigManager, JobConfig
 from torchtitan.train import main as titan_main
 
-from nsa_flex.errors import UserError, user_error
+from nsa_flex.errors import EXIT_USER_ERROR, UserError, user_error
 
 from . import console, curriculum
 from .args import nsa_flex_args
@@ -170,17 +170,17 @@ def run(args: list[str], prog: str = "nsa-train") -> int:
         world = os.environ.get("WORLD_SIZE", "1")
         args = args + ["--parallelism.data_parallel_replicate_degree", world,
                        "--parallelism.data_parallel_shard_degree", "1"]
-        if os.environ.get("RANK", "0") == "0":
+        if console.rank_zero():
             print(f"{prog}: warning: {world} processes without CUDA: DDP instead of the default FSDP "
                   "(gloo lacks FSDP's PREMUL_SUM); set [parallelism] data_parallel_replicate_degree = "
                   f"{world}, data_parallel_shard_degree = 1 to say so", file=sys.stderr, flush=True)
     elif problem:  # FSDP asked for explicitly: every rank stops, rank 0 says why
-        if os.environ.get("RANK", "0") == "0":
+        if console.rank_zero():
             return user_error(problem, prog=prog)
         # the other ranks wait for rank 0's exit, which makes the launcher stop them: a rank that
         # exited first would make the launcher kill rank 0 before its error line is out
         time.sleep(RANK0_ERROR_WAIT_S)
-        return 2
+        return EXIT_USER_ERROR
     console.setup()  # before torchtitan's main logs its first line (its version line)
     built: list[NSATrainer] = []
 
