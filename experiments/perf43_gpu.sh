@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Short sequences on one H100 (one device call, ~6 min): what the shared per-step masks
-# (nsa_flex.layer.StepMasks) and [compile] cudagraphs change at short sequences.
+# Short sequences on one GPU (one device call, ~6 min): what the shared per-step masks
+# (nsa_flex.layer.StepMasks) and [compile] cudagraphs (default "auto": on for one CUDA process)
+# change at short sequences.
 # Usage (device machine, repo root, torchtitan wheels on PYTHONPATH):
-#   bash experiments/perf43_gpu.sh OUT [STEP...]        # default: titan8k layer8k titan8kcg
+#   bash experiments/perf43_gpu.sh OUT [STEP...]        # default: titan8k layer8k titan8koff
 # DATA: the folder with fineweb_sample_2800.parquet and tiktoken_cache (default: shared/data, else
 # ../shared/data); BUDGET: seconds for all steps (default 345; a step gets at most what is left).
 # Steps, run in the order given (each logs, and a failing one does not stop the next):
@@ -11,7 +12,7 @@
 #   layer8k    the 125M-shape layer at 8k: full_layer and nsa_layer building their own masks, then
 #              nsa_layer given the step's shared masks (bench_attention.py --shared-masks): what
 #              each of a model's layers saves (layers.csv, column masks = shared)
-#   titan8kcg  torchtitan 125M at 8k, NSA with --compile.cudagraphs (titan.csv row nsa+cg)
+#   titan8koff torchtitan 125M at 8k, NSA with --compile.cudagraphs off (titan.csv row nsa+nocg)
 #   titan16k   torchtitan 125M at 16k, NSA and full attention
 #   layer32k   layer8k's three rows at 32k
 #   syncs      experiments/host_syncs.py at 8k: host syncs of one compiled layer step, inductor's
@@ -20,7 +21,7 @@
 # titan.csv, layers.csv, host_syncs.csv, perf43.tgz (every log and CSV, re-packed after each step).
 set -u
 OUT=${1:?usage: perf43_gpu.sh OUT [STEP...]}; shift
-STEPS=${*:-titan8k layer8k titan8kcg}
+STEPS=${*:-titan8k layer8k titan8koff}
 BUDGET=${BUDGET:-345}
 DATA=${DATA:-}
 for d in shared/data ../shared/data; do [ -z "$DATA" ] && [ -f "$d/fineweb_sample_2800.parquet" ] && DATA=$d; done
@@ -79,11 +80,11 @@ for s in $STEPS; do
   case $s in
     titan8k) titan 8192 ;;
     titan16k) titan 16384 ;;
-    titan8kcg) titan 8192 "--compile.cudagraphs" cg ;;
+    titan8koff) titan 8192 "--compile.cudagraphs off" nocg ;;
     layer8k) layer 8192 ;;
     layer32k) layer 32768 ;;
     syncs) syncs ;;
-    *) say "unknown step $s (titan8k titan16k titan8kcg layer8k layer32k syncs)" ;;
+    *) say "unknown step $s (titan8k titan16k titan8koff layer8k layer32k syncs)" ;;
   esac
   pack
 done

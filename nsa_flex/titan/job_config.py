@@ -19,7 +19,7 @@ Sections:
   [checkpoint] + ``allow_config_change`` (resume across a model / data-stream change).
   [experimental] default custom_import = "nsa_flex.titan.train_spec".
   [compile]   + ``combo_kernels`` (inductor's combo kernels for the compiled blocks; default on),
-              ``cudagraphs`` (inductor's CUDA graphs for them; default off).
+              ``cudagraphs`` (inductor's CUDA graphs for them: "auto", on for one CUDA process).
   [curriculum] short-then-long training from one TOML (nsa_flex/titan/curriculum.py).
   [ops]       operating long runs (nsa_flex/titan/ops.py): stall watchdog, SIGUSR1 dumps, HALT file /
               SIGTERM halt, data-wait telemetry; preflight thresholds.
@@ -154,12 +154,14 @@ class Compile:
     """inductor's combo_kernels for the compiled blocks (backend "inductor"): independent small
     kernels (NSA's per-step mask and block-list building, the gate) launched together as one
     kernel, fewer launches for the host to issue; false = each kernel its own launch"""
-    cudagraphs: bool = False
-    """inductor's CUDA graphs for the compiled blocks (backend "inductor", one GPU): each block's
-    forward and backward replay as one graph launch instead of ~100 kernel launches each, where
-    the host's launch rate bounds a step (short sequences). Costs the graphs' private memory pool
-    and a copy of each block's inputs into it; off by default until measured on a GPU
-    (experiments/perf43_gpu.sh)"""
+    cudagraphs: str = "auto"
+    """inductor's CUDA graphs for the compiled blocks: each block's forward and backward replay as
+    one graph launch instead of ~100 kernel launches each, where the host's launch rate bounds a
+    step (short sequences). "auto" (default): on where they can run -- backend "inductor", one
+    process, CUDA -- else off; "on": on, an error where they cannot run (several processes: FSDP
+    gathers the parameters into new memory every step, which a replay cannot follow; another
+    backend); "off". A TOML true / false reads as "on" / "off". Costs the graphs' private memory
+    pool (0.1-0.4 GiB in torchtitan 125M at 8k-32k)"""
 
 
 @dataclass

@@ -16,7 +16,7 @@ window masks) is built once a step outside the blocks and is an input of each co
 selection is computed inside each block from its activations. A block's graph has no host sync and
 no data-dependent shape (fullgraph=True fails on either), so a CUDA graph replay of it recomputes
 everything from its inputs. CUDA graphs come from one place, ``[compile] cudagraphs`` (inductor's,
-per block, one GPU; off by default); the compile backend "cudagraphs" and inductor's global
+per block; "auto": on for one CUDA process); the compile backend "cudagraphs" and inductor's global
 ``triton.cudagraphs`` (``TORCHINDUCTOR_CUDAGRAPHS=1``; llama3's ``apply_compile`` passes no
 ``mode``) are a :class:`CompileConfigError` naming it.
 """
@@ -45,42 +45,68 @@ def check_no_cudagraphs(backend: str) -> None:
     ``[compile] cudagraphs`` alone); else :class:`CompileConfigError`."""
     if "cudagraph" in backend:
         raise CompileConfigError(f"compile.backend={backend!r}: CUDA graphs for the blocks come from inductor "
-                                 "with [compile] cudagraphs = true (--compile.cudagraphs); use inductor")
+                                 "with [compile] cudagraphs (\"auto\" or \"on\"); use inductor")
     import torch._inductor.config as inductor_config
 
     if inductor_config.triton.cudagraphs:
         raise CompileConfigError("inductor's triton.cudagraphs is on (TORCHINDUCTOR_CUDAGRAPHS=1?): it would put "
-                                 "every compiled function in CUDA graphs; unset it, and set [compile] cudagraphs "
-                                 "= true for the blocks")
+                                 "every compiled function in CUDA graphs; unset it: [compile] cudagraphs (\"auto\": "
+                                 "on for one CUDA process) puts the blocks in graphs")
 
 
-def compile_options(compile_cfg, world_size: int) -> dict | None:
+CUDAGRAPHS_CHOICES = ("auto", "on", "off")
+
+
+def cudagraphs_choice(compile_cfg, world_size: int, cuda: bool) -> tuple[bool, str]:
+    """Whether the blocks run in inductor's CUDA graphs ([compile] cudagraphs), and why, for the
+    log. They can run with backend inductor in one process (FSDP gathers the parameters into new
+    memory every step, which a graph replay cannot follow) on CUDA: "auto" takes them there, "on"
+    is a :class:`CompileConfigError` elsewhere (on a CPU inductor runs the blocks without graphs)."""
+    value = compile_cfg.cudagraphs
+    if isinstance(value, bool):  # a TOML true / false
+        value = "on" if value else "off"
+    if value not in CUDAGRAPHS_CHOICES:
+        raise CompileConfigError(f"compile.cudagraphs={value!r}: allowed {', '.join(map(repr, CUDAGRAPHS_CHOICES))}")
+    if value == "off":
+        return False, "cudagraphs off"
+    blockers = [f"backend {compile_cfg.backend!r}"] if compile_cfg.backend != "inductor" else []
+    blockers += [f"{world_size} processes"] if world_size > 1 else []
+    if value == "on":
+        if blockers:
+            raise CompileConfigError(f"compile.cudagraphs='on' needs backend inductor and one process (got "
+                                     f"{' and '.join(blockers)}); use 'auto' or 'off'")
+        return True, "cudagraphs on"
+    blockers += [] if cuda else ["no CUDA"]
+    return not blockers, f"cudagraphs auto: {'off, ' + ', '.join(blockers) if blockers else 'on'}"
+
+
+def compile_options(compile_cfg, world_size: int, cuda: bool) -> dict | None:
     """Inductor's options for the blocks from [compile]: combo_kernels, and triton.cudagraphs where
-    ``cudagraphs`` is on (one process only: FSDP gathers the parameters into new memory every step,
-    which a graph replay cannot follow); None for another backend (cudagraphs then refused)."""
-    if compile_cfg.cudagraphs and (compile_cfg.backend != "inductor" or world_size > 1):
-        raise CompileConfigError(f"[compile] cudagraphs needs backend inductor and one process (got backend "
-                                 f"{compile_cfg.backend!r}, {world_size} processes)")
+    `cudagraphs_choice` takes them; None for another backend."""
+    graphs, _ = cudagraphs_choice(compile_cfg, world_size, cuda)
     if compile_cfg.backend != "inductor":
         return None
     options = {"combo_kernels": compile_cfg.combo_kernels}
-    if compile_cfg.cudagraphs:
+    if graphs:
         options["triton.cudagraphs"] = True
     return options
 
 
-def compile_blocks(model: nn.Module, compile_cfg, world_size: int = 1) -> None:
+def compile_blocks(model: nn.Module, compile_cfg, world_size: int = 1, cuda: bool | None = None) -> None:
     """torch.compile each transformer block with fullgraph=True (llama3's ``apply_compile``), and
     for the inductor backend with the options of [compile] (`compile_options`): combo kernels (the
     NSA layer's many small kernels in fewer, larger launches) and CUDA graphs, both for where the
-    host's launch rate bounds a step (short sequences)."""
-    options = compile_options(compile_cfg, world_size)
+    host's launch rate bounds a step (short sequences). ``cuda``: whether the blocks run on CUDA
+    (default: whether it is available)."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    options = compile_options(compile_cfg, world_size, cuda)
     model.graph_blocks = bool(options and options.get("triton.cudagraphs"))
     for layer_id, block in model.layers.named_children():
         model.layers.register_module(layer_id, torch.compile(block, backend=compile_cfg.backend,
                                                              fullgraph=True, options=options))
-    logger.info("Compiling each TransformerBlock with torch.compile (%s)",
-                ", ".join(f"{k}={v}" for k, v in options.items()) if options else compile_cfg.backend)
+    _, why = cudagraphs_choice(compile_cfg, world_size, cuda)
+    logger.info("Compiling each TransformerBlock with torch.compile (%s; %s)",
+                ", ".join(f"{k}={v}" for k, v in options.items()) if options else compile_cfg.backend, why)
 
 
 def cpu_data_parallel_problem(parallelism, world_size: int, cuda: bool) -> str | None:
@@ -148,7 +174,7 @@ def parallelize_nsa(model: nn.Module, parallel_dims: ParallelDims, job_config) -
 
     if model_compile_enabled:
         check_no_cudagraphs(compile_cfg.backend)
-        compile_blocks(model, compile_cfg, parallel_dims.world_size)  # per block, fullgraph=True
+        compile_blocks(model, compile_cfg, parallel_dims.world_size, torch.cuda.is_available())  # fullgraph=True
 
     if parallel_dims.fsdp_enabled:
         names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]

@@ -218,12 +218,13 @@ def test_compile_per_block_fullgraph():
 
 @pytest.mark.parametrize("cli,options", [((), {"combo_kernels": True}),
                                          (("--compile.no_combo_kernels",), {"combo_kernels": False}),
-                                         (("--compile.cudagraphs",),
+                                         (("--compile.cudagraphs", "on"),
                                           {"combo_kernels": True, "triton.cudagraphs": True}),
                                          (("--compile.backend", "aot_eager"), None)])
 def test_compile_options_from_config(monkeypatch, cli, options):
     """Every block is compiled with fullgraph=True and, on inductor, [compile] combo_kernels (on by
-    default: fewer launches where the host bounds a step); other backends get no inductor options."""
+    default: fewer launches where the host bounds a step); other backends get no inductor options.
+    On this CPU the default cudagraphs "auto" leaves the graphs off."""
     seen = []
     monkeypatch.setattr(torch, "compile", lambda block, **kw: seen.append(kw) or block)
     a = args_for("--training.seq_len", "64")
@@ -264,18 +265,47 @@ def test_shared_step_masks_equal_per_layer_masks(cli):
         assert torch.equal(g, ref_grads["m." + k]), k
 
 
-def test_cudagraphs_only_on_inductor_one_process():
-    """[compile] cudagraphs is inductor's, for one process (FSDP's gathered parameters move every
-    step): another backend or several processes are refused by name."""
+@pytest.mark.parametrize("cli,world_size,cuda,graphs,why", [
+    ((), 1, True, True, "cudagraphs auto: on"),
+    ((), 2, True, False, "cudagraphs auto: off, 2 processes"),
+    ((), 1, False, False, "cudagraphs auto: off, no CUDA"),
+    (("--compile.backend", "aot_eager"), 1, True, False, "cudagraphs auto: off, backend 'aot_eager'"),
+    (("--compile.cudagraphs", "on"), 1, True, True, "cudagraphs on"),
+    (("--compile.cudagraphs", "on"), 1, False, True, "cudagraphs on"),
+    (("--compile.cudagraphs", "off"), 1, True, False, "cudagraphs off")])
+def test_cudagraphs_auto_where_they_can_run(cli, world_size, cuda, graphs, why):
+    """[compile] cudagraphs "auto" (the default) puts the blocks in inductor's CUDA graphs where they
+    can run: backend inductor, one process (FSDP's gathered parameters move every step), CUDA."""
+    from nsa_flex.titan.parallelize import compile_options, cudagraphs_choice
+
+    cfg = job("--compile.enable", *cli).compile
+    assert cudagraphs_choice(cfg, world_size, cuda) == (graphs, why)
+    options = compile_options(cfg, world_size, cuda)
+    assert (options or {}).get("triton.cudagraphs", False) is graphs
+
+
+@pytest.mark.parametrize("cli,match", [
+    (("--compile.cudagraphs", "on", "--compile.backend", "aot_eager"),
+     "compile.cudagraphs='on' needs backend inductor and one process \\(got backend 'aot_eager'\\)"),
+    (("--compile.cudagraphs", "yes"), "compile.cudagraphs='yes': allowed 'auto', 'on', 'off'")])
+def test_cudagraphs_on_where_they_cannot_run_or_unknown_is_one_error(cli, match):
     from nsa_flex.titan.parallelize import CompileConfigError, compile_options
 
-    cfg = job("--compile.enable", "--compile.cudagraphs")
-    assert compile_options(cfg.compile, 1)["triton.cudagraphs"] is True
-    with pytest.raises(CompileConfigError, match="cudagraphs needs backend inductor and one process"):
-        compile_options(cfg.compile, 2)
-    with pytest.raises(CompileConfigError, match="cudagraphs needs backend inductor"):
-        compile_options(job("--compile.enable", "--compile.cudagraphs", "--compile.backend", "aot_eager").compile, 1)
-    assert "triton.cudagraphs" not in compile_options(job("--compile.enable").compile, 1)
+    with pytest.raises(CompileConfigError, match=match):
+        compile_options(job("--compile.enable", *cli).compile, 1, True)
+    with pytest.raises(CompileConfigError, match="needs backend inductor and one process \\(got 2 processes\\)"):
+        compile_options(job("--compile.enable", "--compile.cudagraphs", "on").compile, 2, True)
+
+
+@pytest.mark.parametrize("value,graphs", [("true", True), ("false", False)])
+def test_cudagraphs_toml_bool_reads_as_on_or_off(tmp_path, value, graphs):
+    from nsa_flex.titan.parallelize import cudagraphs_choice
+
+    toml = tmp_path / "job.toml"
+    toml.write_text(f'[job]\ncustom_config_module = "{CFG}"\n[compile]\ncudagraphs = {value}\n')
+    cfg = ConfigManager().parse_args(["--job.config_file", str(toml)]).compile
+    assert cudagraphs_choice(cfg, 1, True)[0] is graphs
+    assert cudagraphs_choice(cfg, 1, False)[0] is graphs  # "on" on a CPU: inductor runs without graphs
 
 
 def test_step_masks_without_documents_built_once_per_shape():
@@ -323,5 +353,5 @@ def test_blocks_in_cuda_graphs_copy_their_output_out_of_the_pool_without_grad():
         m.graph_blocks = True
         torch.testing.assert_close(m(tokens), want)
     m2 = build(args_for())
-    compile_blocks(m2, job("--compile.cudagraphs").compile)  # compiles lazily: nothing runs here
+    compile_blocks(m2, job("--compile.cudagraphs", "on").compile)  # compiles lazily: nothing runs here
     assert m2.graph_blocks
