@@ -1,9 +1,12 @@
 """Shared by the titan tests that launch a training process."""
 
 import contextlib
+import json
 import os
 import shutil
+import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -94,3 +97,38 @@ def built_once(tmp_path_factory, name: str, build) -> Path:
             build(folder)
             (folder / ".built").write_text("")
     return folder
+
+
+DEBUG_CONFIG = ROOT / "titan_configs" / "debug_nsa.toml"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_debug_trainer(args: list[str], log: Path, procs: int = 1) -> None:
+    """debug_nsa.toml's run with `args` (`nsa-train` in one process, torchrun for several), its
+    console in `log`; asserts that it ends with exit code 0."""
+    launcher = ([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={procs}",
+                 f"--master_port={free_port()}", "-m", "nsa_flex.titan.train"] if procs > 1
+                else [sys.executable, "-m", "nsa_flex.titan.cli"])
+    with open(log, "w") as f:
+        p = subprocess.run([*launcher, "--job.config_file", str(DEBUG_CONFIG), *args], cwd=ROOT,
+                           env=launch_env(), stdout=f, stderr=subprocess.STDOUT, timeout=300)
+    assert p.returncode == 0, log.read_text()[-4000:]
+
+
+def metrics_by_step(path: Path, key: str) -> dict[int, dict]:
+    """The records of metrics.jsonl that hold `key`, by step."""
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    return {rec["step"]: rec for rec in recs if key in rec}
+
+
+def seed_checkpoint(folder: Path, *args: str) -> Path:
+    """A seed checkpoint of debug_nsa.toml's model (with `args`) in `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    run_debug_trainer(["--job.dump_folder", str(folder), "--training.steps", "1", "--checkpoint.enable",
+                       "--checkpoint.create_seed_checkpoint", *args], folder / "seed.log")
+    return folder / "checkpoint" / "step-0"

@@ -11,10 +11,6 @@ NSA model); its two context ranks (torchtitan's SDPA ring attention, which has n
 GPUs, `gpu`) give the one-process losses.
 """
 
-import json
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,41 +18,11 @@ import pytest
 import torch
 
 from nsa_flex.titan.args import parallelism_problems
-from tests.titan.helpers import launch_env
+from tests.titan.helpers import metrics_by_step as _records
+from tests.titan.helpers import run_debug_trainer as _run
+from tests.titan.helpers import seed_checkpoint as _seed
 
-ROOT = Path(__file__).resolve().parents[2]
-CONFIG = ROOT / "titan_configs" / "debug_nsa.toml"
 STEPS = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run(args: list[str], log: Path, procs: int = 1) -> None:
-    launcher = ([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={procs}",
-                 f"--master_port={_free_port()}", "-m", "nsa_flex.titan.train"] if procs > 1
-                else [sys.executable, "-m", "nsa_flex.titan.cli"])
-    with open(log, "w") as f:
-        p = subprocess.run([*launcher, "--job.config_file", str(CONFIG), *args], cwd=ROOT,
-                           env=launch_env(), stdout=f, stderr=subprocess.STDOUT, timeout=300)
-    assert p.returncode == 0, log.read_text()[-4000:]
-
-
-def _records(path: Path, key: str) -> dict[int, dict]:
-    """The records of metrics.jsonl that hold `key`, by step."""
-    recs = [json.loads(line) for line in path.read_text().splitlines()]
-    return {rec["step"]: rec for rec in recs if key in rec}
-
-
-def _seed(folder: Path, *args: str) -> Path:
-    """A seed checkpoint of debug_nsa.toml's model (with `args`) in `folder`."""
-    folder.mkdir(parents=True, exist_ok=True)
-    _run(["--job.dump_folder", str(folder), "--training.steps", "1", "--checkpoint.enable",
-          "--checkpoint.create_seed_checkpoint", *args], folder / "seed.log")
-    return folder / "checkpoint" / "step-0"
 
 
 @pytest.fixture(scope="module")
