@@ -14,6 +14,7 @@
 #              each of a model's layers saves (layers.csv, column masks = shared)
 #   titan8koff torchtitan 125M at 8k, NSA with --compile.cudagraphs off (titan.csv row nsa+nocg)
 #   titan16k   torchtitan 125M at 16k, NSA and full attention
+#   titan32k   torchtitan 125M at 32k, NSA and full attention
 #   layer32k   layer8k's three rows at 32k
 #   syncs      experiments/host_syncs.py at 8k: host syncs of one compiled layer step, inductor's
 #              CUDA-graph skip reasons and the layer's fwd+bwd ms with and without CUDA graphs
@@ -80,11 +81,12 @@ for s in $STEPS; do
   case $s in
     titan8k) titan 8192 ;;
     titan16k) titan 16384 ;;
+    titan32k) titan 32768 ;;
     titan8koff) titan 8192 "--compile.cudagraphs off" nocg ;;
     layer8k) layer 8192 ;;
     layer32k) layer 32768 ;;
     syncs) syncs ;;
-    *) say "unknown step $s (titan8k titan16k titan8koff layer8k layer32k syncs)" ;;
+    *) say "unknown step $s (titan8k titan16k titan32k titan8koff layer8k layer32k syncs)" ;;
   esac
   pack
 done
