@@ -13,6 +13,8 @@
 #              nsa_layer given the step's shared masks (bench_attention.py --shared-masks): what
 #              each of a model's layers saves (layers.csv, column masks = shared)
 #   titan8koff torchtitan 125M at 8k, NSA with --compile.cudagraphs off (titan.csv row nsa+nocg)
+#   cmpwin8k, cmpwin16k, cmpwin32k  torchtitan 125M, NSA with [nsa] recompute = "cmp_win" (memory
+#              against full attention's at that length; titan.csv row nsa+cmpwin)
 #   titan16k   torchtitan 125M at 16k, NSA and full attention
 #   titan32k   torchtitan 125M at 32k, NSA and full attention
 #   layer32k   layer8k's three rows at 32k
@@ -83,10 +85,11 @@ for s in $STEPS; do
     titan16k) titan 16384 ;;
     titan32k) titan 32768 ;;
     titan8koff) titan 8192 "--compile.cudagraphs off" nocg ;;
+    cmpwin8k|cmpwin16k|cmpwin32k) k=${s#cmpwin}; titan $(( ${k%k} * 1024 )) "--nsa.recompute cmp_win" cmpwin ;;
     layer8k) layer 8192 ;;
     layer32k) layer 32768 ;;
     syncs) syncs ;;
-    *) say "unknown step $s (titan8k titan16k titan32k titan8koff layer8k layer32k syncs)" ;;
+    *) say "unknown step $s (titan8k titan16k titan32k titan8koff cmpwin8k cmpwin16k cmpwin32k layer8k layer32k syncs)" ;;
   esac
   pack
 done
