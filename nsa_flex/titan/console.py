@@ -108,7 +108,6 @@ def setup() -> None:
     # [compile] cudagraphs: inductor's graph trees warn once when a compiled block runs again while
     # outputs of the step still await their backward, which a training step's blocks do by design
     # (the next block's forward, activation checkpointing's recompute); the graphs still replay
-    # (experiments/results/perf/run24: 1.73x the tokens/s without them at 8k)
     warnings.filterwarnings("ignore", message="Unable to hit fast path of CUDAGraphs", category=UserWarning)
     if not torch.cuda.is_available():
         warnings.filterwarnings("ignore", message=r"DTensor .* may not have complete support on cpu device mesh",

@@ -80,10 +80,9 @@ def cudagraphs_choice(compile_cfg, world_size: int, cuda: bool) -> tuple[bool, s
     return not blockers, f"cudagraphs auto: {'off, ' + ', '.join(blockers) if blockers else 'on'}"
 
 
-def compile_options(compile_cfg, world_size: int, cuda: bool) -> dict | None:
+def compile_options(compile_cfg, graphs: bool) -> dict | None:
     """Inductor's options for the blocks from [compile]: combo_kernels, and triton.cudagraphs where
-    `cudagraphs_choice` takes them; None for another backend."""
-    graphs, _ = cudagraphs_choice(compile_cfg, world_size, cuda)
+    ``graphs`` (`cudagraphs_choice`); None for another backend."""
     if compile_cfg.backend != "inductor":
         return None
     options = {"combo_kernels": compile_cfg.combo_kernels}
@@ -98,13 +97,12 @@ def compile_blocks(model: nn.Module, compile_cfg, world_size: int = 1, cuda: boo
     NSA layer's many small kernels in fewer, larger launches) and CUDA graphs, both for where the
     host's launch rate bounds a step (short sequences). ``cuda``: whether the blocks run on CUDA
     (default: whether it is available)."""
-    cuda = torch.cuda.is_available() if cuda is None else cuda
-    options = compile_options(compile_cfg, world_size, cuda)
-    model.graph_blocks = bool(options and options.get("triton.cudagraphs"))
+    graphs, why = cudagraphs_choice(compile_cfg, world_size, torch.cuda.is_available() if cuda is None else cuda)
+    options = compile_options(compile_cfg, graphs)
+    model.graph_blocks = graphs
     for layer_id, block in model.layers.named_children():
         model.layers.register_module(layer_id, torch.compile(block, backend=compile_cfg.backend,
                                                              fullgraph=True, options=options))
-    _, why = cudagraphs_choice(compile_cfg, world_size, cuda)
     logger.info("Compiling each TransformerBlock with torch.compile (%s; %s)",
                 ", ".join(f"{k}={v}" for k, v in options.items()) if options else compile_cfg.backend, why)
 
@@ -174,7 +172,7 @@ def parallelize_nsa(model: nn.Module, parallel_dims: ParallelDims, job_config) -
 
     if model_compile_enabled:
         check_no_cudagraphs(compile_cfg.backend)
-        compile_blocks(model, compile_cfg, parallel_dims.world_size, torch.cuda.is_available())  # fullgraph=True
+        compile_blocks(model, compile_cfg, parallel_dims.world_size)  # per block, fullgraph=True
 
     if parallel_dims.fsdp_enabled:
         names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]

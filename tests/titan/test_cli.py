@@ -3,7 +3,6 @@ per-sequence DP sharding gives the 2-rank run the same global batch as the 1-ran
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from nsa_flex.titan import cli
+from tests.titan.helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,12 +39,6 @@ def test_setup_env_single_process(monkeypatch):
     assert os.environ["RANK"] == "3"
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _losses(path: Path) -> dict[int, float]:
     return {r["step"]: r["loss_metrics/global_avg_loss"] for r in map(json.loads, path.read_text().splitlines())}
 
@@ -60,7 +54,7 @@ def test_two_rank_ddp_matches_one_rank(tmp_path):
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr[-3000:]
     two = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
          "-m", "nsa_flex.titan.train", *common, "--training.local_batch_size", "2",
          "--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
          "--job.dump_folder", str(tmp_path / "two")],

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.titan.helpers import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
@@ -122,11 +124,7 @@ def _torchrun2(tmp_path, *extra):
     env = {k: v for k, v in ENV.items()
            if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env["CUDA_VISIBLE_DEVICES"] = ""
-    import socket
-
-    with socket.socket() as sock:  # torchrun's --master_port=0 hangs the rendezvous
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # torchrun's --master_port=0 hangs the rendezvous
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
                            "-m", "nsa_flex.titan.cli", "--training.steps", "2", "--training.local_batch_size", "2",
                            "--job.dump_folder", str(tmp_path), *extra],

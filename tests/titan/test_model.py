@@ -280,7 +280,7 @@ def test_cudagraphs_auto_where_they_can_run(cli, world_size, cuda, graphs, why):
 
     cfg = job("--compile.enable", *cli).compile
     assert cudagraphs_choice(cfg, world_size, cuda) == (graphs, why)
-    options = compile_options(cfg, world_size, cuda)
+    options = compile_options(cfg, graphs)
     assert (options or {}).get("triton.cudagraphs", False) is graphs
 
 
@@ -289,12 +289,12 @@ def test_cudagraphs_auto_where_they_can_run(cli, world_size, cuda, graphs, why):
      "compile.cudagraphs='on' needs backend inductor and one process \\(got backend 'aot_eager'\\)"),
     (("--compile.cudagraphs", "yes"), "compile.cudagraphs='yes': allowed 'auto', 'on', 'off'")])
 def test_cudagraphs_on_where_they_cannot_run_or_unknown_is_one_error(cli, match):
-    from nsa_flex.titan.parallelize import CompileConfigError, compile_options
+    from nsa_flex.titan.parallelize import CompileConfigError, cudagraphs_choice
 
     with pytest.raises(CompileConfigError, match=match):
-        compile_options(job("--compile.enable", *cli).compile, 1, True)
+        cudagraphs_choice(job("--compile.enable", *cli).compile, 1, True)
     with pytest.raises(CompileConfigError, match="needs backend inductor and one process \\(got 2 processes\\)"):
-        compile_options(job("--compile.enable", "--compile.cudagraphs", "on").compile, 2, True)
+        cudagraphs_choice(job("--compile.enable", "--compile.cudagraphs", "on").compile, 2, True)
 
 
 @pytest.mark.parametrize("value,graphs", [("true", True), ("false", False)])
