@@ -17,12 +17,13 @@
 #     EVAL_EACH_CKPT=1 TRAIN_S=1360 PLAN="..." bash experiments/retrieval_gate.sh $JOB_OUT/gate .data'
 #   bash experiments/device_job.sh poll 540; bash experiments/device_job.sh poll 420
 # Compile cache: the job's torch.compile cache (inductor's FX graphs, AOT autograd, Triton kernels)
-# lives in .cache/inductor of the copied tree, seeded from a carried .cache/inductor.tgz; the last
-# poll returns it compressed in parts of 15 MiB (what comes back is at most 16 MiB a file),
-# $OUT/inductor.tgz.0, .1, ..., where it fits in 56 MiB. Join them into the checkout's .cache/
-# (git-ignored): `mkdir -p .cache && cat FILES_AT/inductor.tgz.* > .cache/inductor.tgz`, and carry
-# ".cache" too (the carried tree's limit is 64 MiB): the next machine's runs of the same shapes
-# skip most of their compile.
+# lives in .cache/inductor of the copied tree, seeded from a carried .cache/inductor.txz; the last
+# poll returns it xz-compressed (a 125M NSA run's ~390 MB: ~17 MB; gzip: ~50 MB) in parts of 15 MiB
+# (what comes back is at most 16 MiB a file), $OUT/inductor.txz.0, .1, ..., where it fits in 56
+# MiB. Join them into the checkout's .cache/ (git-ignored):
+# `mkdir -p .cache && cat FILES_AT/inductor.txz.* > .cache/inductor.txz`, and carry ".cache" too
+# (the tracked tree and every carried path travel in 64 MiB together): the next machine's runs of
+# the same shapes and code skip most of their compile.
 set -uo pipefail
 MODE=${1:?usage: device_job.sh start LIMIT COMMAND | poll LIMIT}
 LIMIT=${2:?usage: device_job.sh start LIMIT COMMAND | poll LIMIT}
@@ -39,8 +40,8 @@ if [ "$MODE" = start ]; then
   python3 -c "import torch; print('torch', torch.__version__, 'GPUs', torch.cuda.device_count())" || exit 3
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   rm -rf "$JOB" && mkdir -p "$JOB/out" && cp -r . "$JOB/repo"
-  if [ -f "$JOB/repo/.cache/inductor.tgz" ]; then
-    tar xzf "$JOB/repo/.cache/inductor.tgz" -C "$JOB/repo/.cache" && rm "$JOB/repo/.cache/inductor.tgz"
+  if [ -f "$JOB/repo/.cache/inductor.txz" ]; then
+    tar xJf "$JOB/repo/.cache/inductor.txz" -C "$JOB/repo/.cache" && rm "$JOB/repo/.cache/inductor.txz"
   fi
   git rev-parse --short HEAD 2>/dev/null > "$JOB/out/commit" || true
   mkdir -p "$JOB/repo/.cache/inductor"
@@ -63,10 +64,10 @@ cp "$JOB/job.log" "$JOB/out/" 2>/dev/null
 mkdir -p "${OUT:-/tmp/device_out}"
 tar czf "${OUT:-/tmp/device_out}/job.tgz" -C "$JOB" out
 if [ -f "$JOB/rc" ]; then  # the job is done: its compile cache, in parts, where it fits what comes back
-  C=$JOB/inductor.tgz
-  tar czf "$C" -C "$JOB/repo/.cache" inductor
+  C=$JOB/inductor.txz
+  tar cf - -C "$JOB/repo/.cache" inductor | xz -6 -T0 > "$C"
   if [ "$(stat -c %s "$C")" -le $((56 * 1024 * 1024)) ]; then
-    split -b 15m -d -a 1 "$C" "${OUT:-/tmp/device_out}/inductor.tgz."
+    split -b 15m -d -a 1 "$C" "${OUT:-/tmp/device_out}/inductor.txz."
   else
     echo "compile cache $(du -h "$C" | cut -f1) compressed: over 56 MiB, not returned"
   fi

@@ -33,7 +33,7 @@
 # while a run trains, every POLL_S (30) seconds its metrics.jsonl is copied into OUT/NAME and each
 # newly completed checkpoint (its .metadata written) gets the passkey evaluation in
 # OUT/NAME/needle_step-N, on the run's first GPU beside the training: what a machine lost before the
-# end still leaves in OUT; default off).
+# end still leaves in OUT; 0, the default: off).
 set -uo pipefail
 OUT=${1:?usage: retrieval_gate.sh OUT DATA}
 DATA=${2:?usage: retrieval_gate.sh OUT DATA}
@@ -48,6 +48,7 @@ mkdir -p "$OUT" "$RUNS"
 OUT=$(cd "$OUT" && pwd)
 export TIKTOKEN_CACHE_DIR=$(cd "$DATA" && pwd)/tiktoken_cache PYTHONUNBUFFERED=1
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+case "${EVAL_EACH_CKPT:=0}" in 0|1) ;; *) echo "retrieval_gate.sh: EVAL_EACH_CKPT=$EVAL_EACH_CKPT: allowed 0 or 1" >&2; exit 2;; esac
 START=$(date +%s)
 progress() { echo "[$(date -u +%FT%TZ) +$(( $(date +%s) - START ))s] $*" | tee -a "$OUT/progress.txt"; }
 # the short phase's sequence length and filler ([curriculum] short items, else the TOML's [training])
@@ -116,7 +117,7 @@ variant() {  # GPUS MASKS NAME [EXTRA_TRAIN_ARGS...]; GPUS "0", or "0,1" for dat
   local tpid=$! seen="" ck
   bash experiments/halt_after.sh "$t" "$tpid" "$dump/short/HALT" > >(while read -r l; do progress "$name: $l"; done) &
   local wpid=$!
-  while [ -n "${EVAL_EACH_CKPT:-}" ] && kill -0 "$tpid" 2>/dev/null; do
+  while [ "$EVAL_EACH_CKPT" = 1 ] && kill -0 "$tpid" 2>/dev/null; do
     sleep "${POLL_S:-30}"
     cp "$dump/short/metrics.jsonl" "$d/" 2>/dev/null
     ck=$(latest_ckpt "$dump")
