@@ -213,10 +213,13 @@ def test_gate_evaluates_each_completed_checkpoint_while_training(tmp_path):
     assert "training rc=4" in progress and "checkpoint step-200" in progress
     assert "nsa_dp: needle of step-200 rc=0 length 2048: 7/10 right, from step-200" in progress
     assert (run / "metrics.jsonl").read_text().count("step") == 2
-    r = _gate(tmp_path, "0", TRAIN_S="600", PYTHON=fake)  # off: the final evaluation alone
-    progress = (tmp_path / "o" / "progress.txt").read_text().split("training (masks")[-1]
-    assert "needle_step" not in progress and not (run / "needle_step-100").exists()
-    assert "needle of step-200" in progress
+    for off in ({}, {"EVAL_EACH_CKPT": "0"}):  # off: the final evaluation alone
+        r = _gate(tmp_path, "0", TRAIN_S="600", POLL_S="0.5", PYTHON=fake, **off)
+        progress = (tmp_path / "o" / "progress.txt").read_text().split("training (masks")[-1]
+        assert "needle_step" not in progress and not (run / "needle_step-100").exists(), off
+        assert "needle of step-200" in progress
+    r = _gate(tmp_path, "0", TRAIN_S="600", EVAL_EACH_CKPT="yes", PYTHON=fake)
+    assert r.returncode == 2 and "EVAL_EACH_CKPT=yes: allowed 0 or 1" in r.stderr
 
 
 HALT_FILE_PYTHON = """#!/usr/bin/env bash
