@@ -17,7 +17,10 @@ and prints the first step where each variant reached 50% and 95% exact. Where th
 ran (OUT/<variant>/needle/needle.csv; else the newest of a run's evaluations while it trained,
 needle_step-N/, named in the column "evaluated"), also DIR/gate_depth.csv: per variant and needle depth the
 prompts answered right and the mean selection recall of the needle's block at the question (NSA:
-whether the answers come from the selection or only from the window).
+whether the answers come from the selection or only from the window). Where NSA's telemetry was
+logged (`[nsa] telemetry_every`), also DIR/gate_layers.csv: per variant, step and layer the gates'
+shares of the three branches, the mean selection distance (blocks back) and the distillation's KL
+(the indexer's; '' without), so runs whose copy formed and runs whose did not compare layer by layer.
 """
 
 import argparse
@@ -118,6 +121,26 @@ def depth_rows(folder: str, name: str) -> list[dict]:
     return out
 
 
+LAYER_KEYS = {"share_cmp": "gate_share/cmp", "share_sel": "gate_share/sel", "share_win": "gate_share/win",
+              "sel_dist_mean": "sel_dist_mean", "sel_distill_kl": "sel_distill_kl"}
+
+
+def layer_rows(folder: str, name: str) -> list[dict]:
+    """Per telemetry step and layer of the variant's metrics.jsonl: LAYER_KEYS' values ('' where the
+    run did not log one); [] without metrics.jsonl or telemetry."""
+    path = os.path.join(folder, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return []
+    out = []
+    for step, r in read_metrics(path).items():
+        layers = sorted({int(m[1]) for k in r if (m := re.fullmatch(r"nsa/layer(\d+)/gate_share/sel", k))})
+        for i in layers:
+            out.append({"variant": name, "step": step, "layer": i,
+                        **{col: (f"{r[f'nsa/layer{i}/{key}']:.4f}" if f"nsa/layer{i}/{key}" in r else "")
+                           for col, key in LAYER_KEYS.items()}})
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("run", help="the gate's OUT folder")
@@ -147,6 +170,12 @@ def main(argv=None) -> int:
         for r in depths:
             print(f"{r['variant']:24s} ({r['evaluated']}) depth {r['depth']:>4s}%: {r['correct']}/{r['prompts']} right"
                   + (f", selection recall {r['sel_recall']}" if r["sel_recall"] else ""))
+    layers = [r for n in names for r in layer_rows(os.path.join(a.run, n), n)]
+    if layers:
+        with open(os.path.join(out, "gate_layers.csv"), "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(layers[0]))
+            w.writeheader()
+            w.writerows(layers)
     for n, rows in curves.items():
         first = {t: next((r["step"] for r in rows if r["exact"] >= t), None) for t in (0.5, 0.95)}
         last = rows[-1] if rows else {}

@@ -30,7 +30,10 @@ def test_report_reads_logs_and_metrics_and_finds_the_thresholds(tmp_path, capsys
             {"step": 100, "validation_metrics/loss": 2.0},
             {"step": 200, "retrieval/passkey_answer_loss": 1.0, "retrieval/passkey_exact": 0.6,
              "retrieval/passkey_exact_near": 1.0, "retrieval/passkey_exact_far": 0.2,
-             "retrieval/passkey_sel_recall": 0.75, "retrieval/passkey_sel_recall_best": 0.9}]
+             "retrieval/passkey_sel_recall": 0.75, "retrieval/passkey_sel_recall_best": 0.9},
+            {"step": 200, **{f"nsa/layer{i}/gate_share/{b}": v for i in (0, 1)
+                             for b, v in (("cmp", 0.25), ("sel", 0.5), ("win", 0.25))},
+             "nsa/layer1/sel_dist_mean": 7.5, "nsa/layer0/sel_distill_kl": 0.125}]
     jl.write_text("\n".join(map(json.dumps, recs)) + "\n{\"step\": 3\n")  # a cut last line: skipped
     assert gr.main([str(tmp_path), "--tokens-per-step", "10"]) == 0
     out = capsys.readouterr().out
@@ -46,6 +49,11 @@ def test_report_reads_logs_and_metrics_and_finds_the_thresholds(tmp_path, capsys
     assert rows[4]["sel_recall"] == "0.7500" and rows[3]["sel_recall"] == ""  # with retrieval_recall_docs
     assert rows[4]["sel_recall_best"] == "0.9000"  # the best layer's
     assert (tmp_path / "gate.png").stat().st_size > 1000
+    layers = list(csv.DictReader(open(tmp_path / "gate_layers.csv")))  # the telemetry, per layer
+    assert [(r["variant"], r["step"], r["layer"], r["share_sel"]) for r in layers] == [
+        ("nsa", "200", "0", "0.5000"), ("nsa", "200", "1", "0.5000")]
+    assert (layers[0]["sel_distill_kl"], layers[0]["sel_dist_mean"]) == ("0.1250", "")
+    assert (layers[1]["sel_distill_kl"], layers[1]["sel_dist_mean"]) == ("", "7.5000")
 
 
 def test_gate_script_needs_a_short_phase(tmp_path):
