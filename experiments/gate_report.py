@@ -141,6 +141,14 @@ def layer_rows(folder: str, name: str) -> list[dict]:
     return out
 
 
+def write_rows(path: str, rows: list[dict]) -> None:
+    """A CSV of dicts with the first row's keys as its header."""
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("run", help="the gate's OUT folder")
@@ -163,19 +171,13 @@ def main(argv=None) -> int:
                            + [f"{r[k]:.4f}" if k in r else "" for k in OPTIONAL])
     depths = [r for n in names for r in depth_rows(os.path.join(a.run, n), n)]
     if depths:
-        with open(os.path.join(out, "gate_depth.csv"), "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(depths[0]))
-            w.writeheader()
-            w.writerows(depths)
+        write_rows(os.path.join(out, "gate_depth.csv"), depths)
         for r in depths:
             print(f"{r['variant']:24s} ({r['evaluated']}) depth {r['depth']:>4s}%: {r['correct']}/{r['prompts']} right"
                   + (f", selection recall {r['sel_recall']}" if r["sel_recall"] else ""))
     layers = [r for n in names for r in layer_rows(os.path.join(a.run, n), n)]
     if layers:
-        with open(os.path.join(out, "gate_layers.csv"), "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(layers[0]))
-            w.writeheader()
-            w.writerows(layers)
+        write_rows(os.path.join(out, "gate_layers.csv"), layers)
     for n, rows in curves.items():
         first = {t: next((r["step"] for r in rows if r["exact"] >= t), None) for t in (0.5, 0.95)}
         last = rows[-1] if rows else {}
