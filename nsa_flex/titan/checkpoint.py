@@ -291,6 +291,12 @@ def _steps(folder: str) -> list[int]:
     return sorted(out, reverse=True)
 
 
+def newest_complete(folder: str) -> str | None:
+    """The newest checkpoint in ``folder`` whose save completed (DCP writes .metadata last), else None."""
+    steps = _steps(folder) if os.path.isdir(folder) else []
+    return os.path.join(folder, f"step-{steps[0]}") if steps else None
+
+
 def _set_aside(folder: str, step: int, why: str) -> str:
     import torch.distributed as dist
 

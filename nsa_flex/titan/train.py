@@ -8,7 +8,9 @@ trainer subclass. Before torchtitan starts: the config file exists and is valid 
 numbers are in range, the folders are writable and rank 0 locks the dump and checkpoint folders. User errors
 (:class:`nsa_flex.errors.UserError`, config-parsing errors) are printed as one line, exit code 2;
 a non-finite step exits with 3 (:data:`nsa_flex.titan.ops.EXIT_NONFINITE`), a halted run (halt
-file, SIGTERM, Ctrl-C; a checkpoint to resume from) with 4 (:data:`nsa_flex.titan.ops.EXIT_HALTED`).
+file, SIGTERM, Ctrl-C; a checkpoint to resume from) with 4 (:data:`nsa_flex.titan.ops.EXIT_HALTED`);
+a data loader worker that died (the host's out-of-memory killer, most often) is one message naming
+the step and the checkpoint a rerun resumes from, exit code 1 (:func:`data_worker_died`).
 ``--section.field true|false`` of a boolean field is accepted (:func:`bool_flags`). ``nsa-train``
 (:mod:`nsa_flex.titan.cli`) is this entry point plus the single-process environment and a default
 config.
@@ -34,6 +36,7 @@ from .job_config import JobConfig as NSAJobConfig
 from .ops import EXIT_HALTED, EXIT_NONFINITE, NonFiniteError
 from .parallelize import cpu_data_parallel_problem
 from .preflight import range_problems
+from .checkpoint import newest_complete
 from .runlock import check_writable, lock_run, release_all
 from .trainer import NSATrainer
 
@@ -146,6 +149,34 @@ def titan_parses(args: list[str]):
         ConfigManager.parse_args.__defaults__ = saved
 
 
+# torch's DataLoader on a worker's death: "DataLoader worker (pid 123) is killed by signal: Killed." /
+# "DataLoader worker (pid(s) 123) exited unexpectedly"
+_WORKER_DIED = re.compile(r"DataLoader worker \(pid")
+
+
+def data_worker_died(e: BaseException, trainer: NSATrainer | None) -> str | None:
+    """The message for a training run whose data loader worker process died (``[training.dataloader]
+    num_workers`` > 0): the step it stopped in, the likely cause and the newest complete checkpoint
+    that rerunning the same command resumes from; None for any other error. The step in flight is
+    not saved: the loader's position is lost with its worker."""
+    if not isinstance(e, RuntimeError) or not _WORKER_DIED.search(str(e)):
+        return None
+    what = str(e).strip()
+    step = f" in step {trainer.step}" if trainer is not None and trainer.step > 0 else ""
+    msg = (f"the data loader's worker process died{step} ({what}); a worker killed by SIGKILL is most "
+           "often the host's out-of-memory killer: fewer [training.dataloader] num_workers or a smaller "
+           "prefetch_factor use less host memory")
+    if trainer is None:
+        return msg + "; rerunning the same command resumes from the newest complete checkpoint, if any"
+    if not trainer.job_config.checkpoint.enable:
+        return msg + "; no checkpoint ([checkpoint] enable = false): a rerun starts from the beginning"
+    ck = trainer.job_config.checkpoint
+    newest = newest_complete(os.path.join(trainer.job_config.job.dump_folder, ck.folder))
+    if newest is None:
+        return msg + "; no checkpoint was saved yet: a rerun starts from the beginning"
+    return msg + f"; the newest checkpoint: {newest}; rerun the same command to resume from it"
+
+
 def run(args: list[str], prog: str = "nsa-train") -> int:
     """Parse ``args``, check the run and train with :class:`NSATrainer`; the exit code."""
     try:  # parse once up front: every error here is the user's (file, TOML, field, value)
@@ -196,6 +227,11 @@ def run(args: list[str], prog: str = "nsa-train") -> int:
         return user_error(str(e), EXIT_NONFINITE, prog=prog)
     except UserError as e:
         return user_error(str(e), prog=prog)
+    except RuntimeError as e:
+        msg = data_worker_died(e, built[-1] if built else None)
+        if msg is None:
+            raise
+        return user_error(msg, 1, prog=prog)
     finally:
         release_all()
     return EXIT_HALTED if built and built[-1].halted_at is not None else 0

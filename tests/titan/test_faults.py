@@ -1,18 +1,22 @@
 """Faults reproduced for real through nsa-train (subprocesses, CPU debug model, issue 45): a disk
 that fills during a checkpoint save (a 3 MiB tmpfs), an exploding learning rate with a checkpoint
-every step. Each ends in one message or recovers, with nothing lost or silently wrong. (A
+every step, a data loader worker killed mid-run (as the out-of-memory killer does). Each ends in
+one message or recovers, with nothing lost or silently wrong. (A
 same-size corruption of a real DCP checkpoint and the fallback: tests/titan/test_run_guard.py; the
 fallback through a training run: tests/titan/test_train.py.)"""
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from nsa_flex.titan.runlock import LOCK_NAME
-from tests.titan.helpers import launch_env, tmpfs
+from tests.titan.helpers import launch_env, running, tmpfs
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "titan_configs" / "debug_nsa.toml"
@@ -62,3 +66,64 @@ def test_an_exploding_lr_keeps_a_checkpoint_a_lower_lr_resumes_from(tmp_path):
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-4000:]
     assert "step: 6/6" in out
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        kids += [int(k) for k in (task / "children").read_text().split()]
+    return kids
+
+
+@pytest.mark.slow  # two training runs
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the worker process through /proc")
+def test_a_killed_data_loader_worker_is_one_message_and_a_rerun_resumes(tmp_path):
+    d, log = tmp_path / "run", tmp_path / "train.log"
+    cmd = [sys.executable, "-m", "nsa_flex.titan.cli", "--job.config_file", str(CONFIG), "--job.dump_folder",
+           str(d), "--training.steps", "2000", "--checkpoint.enable", "--checkpoint.interval", "2",
+           "--training.dataloader.num_workers", "1"]
+    with running(cmd, log) as p:
+        deadline = time.time() + 240
+        while "step: 5/" not in log.read_text() and p.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        workers = _children(p.pid)
+        assert p.poll() is None and len(workers) == 1, log.read_text()[-3000:]
+        os.kill(workers[0], signal.SIGKILL)
+        assert p.wait(timeout=120) == 1, log.read_text()[-3000:]
+    out = log.read_text()
+    err = [line for line in out.splitlines() if line.startswith("nsa-train: error:")]
+    assert len(err) == 1 and "the data loader's worker process died in step" in err[0], out[-3000:]
+    assert "is killed by signal" in err[0] and "out-of-memory killer" in err[0]
+    newest = max(int(c.name.split("-")[1]) for c in (d / "checkpoint").glob("step-*"))
+    assert newest >= 4 and f"the newest checkpoint: {d / 'checkpoint' / f'step-{newest}'}; rerun" in err[0], err
+    assert "Traceback" not in out
+    r = _train(d, newest + 2, "--training.dataloader.num_workers", "1")  # the same run, resumed
+    resumed = f"Loading the checkpoint from {d / 'checkpoint' / f'step-{newest}'}"
+    assert r.returncode == 0 and resumed in r.stdout + r.stderr, (r.stdout + r.stderr)[-3000:]
+
+
+def test_data_worker_died_names_the_step_and_the_checkpoint_and_nothing_else(tmp_path):
+    from types import SimpleNamespace
+
+    from nsa_flex.titan.train import data_worker_died
+
+    def trainer(enable: bool):
+        ck = SimpleNamespace(enable=enable, folder="checkpoint")
+        job = SimpleNamespace(dump_folder=str(tmp_path))
+        return SimpleNamespace(step=9, job_config=SimpleNamespace(checkpoint=ck, job=job))
+
+    died = RuntimeError("DataLoader worker (pid(s) 4242) exited unexpectedly")
+    assert data_worker_died(RuntimeError("CUDA out of memory"), trainer(True)) is None
+    assert data_worker_died(ValueError(str(died)), trainer(True)) is None
+    msg = data_worker_died(died, trainer(True))
+    assert "died in step 9 (DataLoader worker (pid(s) 4242) exited unexpectedly)" in msg
+    assert msg.endswith("no checkpoint was saved yet: a rerun starts from the beginning")
+    (tmp_path / "checkpoint" / "step-6").mkdir(parents=True)  # cut while saving: no .metadata
+    (tmp_path / "checkpoint" / "step-4").mkdir()
+    (tmp_path / "checkpoint" / "step-4" / ".metadata").touch()
+    msg = data_worker_died(died, trainer(True))
+    newest = tmp_path / "checkpoint" / "step-4"
+    assert msg.endswith(f"the newest checkpoint: {newest}; rerun the same command to resume from it")
+    assert data_worker_died(died, trainer(False)).endswith(
+        "no checkpoint ([checkpoint] enable = false): a rerun starts from the beginning")
+    assert data_worker_died(died, None).endswith("resumes from the newest complete checkpoint, if any")
