@@ -282,3 +282,27 @@ def test_halt_after_writes_the_halt_files_only_while_the_run_lives(tmp_path):
     assert r.returncode == 0 and r.stdout == "" and not (tmp_path / "c").exists()
     r = subprocess.run(["bash", script, "1", str(run.pid)], capture_output=True, text=True)
     assert r.returncode == 2 and "usage: halt_after.sh SECONDS PID HALT_FILE" in r.stderr
+
+
+def test_formation_table_finds_each_copy_and_skips_repeated_runs(tmp_path, capsys):
+    import gate_formation
+
+    head = "variant,step,tokens,answer_loss,exact,exact_near,exact_far,val_loss\n"
+    (tmp_path / "gate_run3").mkdir()
+    (tmp_path / "gate_run3" / "gate.csv").write_text(head + "nsa,100,1,1.0,0.1,,,4.0\n")  # no near / far
+    (tmp_path / "gate_run4").mkdir()
+    (tmp_path / "gate_run4" / "gate.csv").write_text(
+        head + "nsa,100,1,3.0,0.0,0.1,0.0,4.4\nnsa,200,2,2.0,0.3,0.6,0.1,2.4\nnsa,300,3,1.0,0.5,0.9,0.3,1.3\n"
+        + "full,100,1,3.0,0.0,0.0,0.0,4.4\n")
+    (tmp_path / "gate_run5").mkdir()
+    (tmp_path / "gate_run5" / "gate.csv").write_text(  # run 4's nsa again, beside a new run
+        head + "nsa_run4,100,1,3.0,0.0,0.1,0.0,4.4\nnsa_run4,200,2,2.0,0.3,0.6,0.1,2.4\n"
+        + "nsa_run4,300,3,1.0,0.5,0.9,0.3,1.3\nnsa,100,1,3.0,0.0,0.7,0.25,2.0\n")
+    out = tmp_path / "f.csv"
+    assert gate_formation.main(["--results", str(tmp_path), "--out", str(out)]) == 0
+    rows = [(r["run"], r["variant"], r["filler_copy_step"], r["near_copy_step"], r["far_copy_step"], r["last_step"])
+            for r in csv.DictReader(open(out))]
+    assert rows == [("4", "nsa", "200", "200", "300", "300"), ("4", "full", "", "", "", "100"),
+                    ("5", "nsa", "100", "100", "100", "100")]
+    with pytest.raises(SystemExit, match="no gate_run"):
+        gate_formation.main(["--results", str(tmp_path / "none")])
