@@ -16,7 +16,8 @@
 # (training.passkey_filler in [curriculum] short; the evaluation's follows).
 # Other knobs: STEPS (the short phase's training.steps, e.g. 7000 where a session's device time is
 # short: the cosine then ends there; default the TOML's; an entry's own "--training.steps=N" among
-# its flags overrides it for that entry, e.g. full attention's faster steps), VAL_FREQ (its validation.freq, e.g. 250:
+# its flags overrides it for that entry, e.g. full attention's faster steps; likewise an
+# entry's flag for any other item of [curriculum] short, e.g. "--training.passkey_questions=3"), VAL_FREQ (its validation.freq, e.g. 250:
 # each validation of 128 documents costs NSA ~0.7 s; default the TOML's), CKPT_EVERY (its
 # checkpoint.interval, e.g. 2000: each save of the 125M model and optimizer costs ~6 s; the halt
 # at TRAIN_S saves one anyway; default the TOML's), TRAIN_S (seconds from the start before each
@@ -51,20 +52,22 @@ export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:Tr
 case "${EVAL_EACH_CKPT:=0}" in 0|1) ;; *) echo "retrieval_gate.sh: EVAL_EACH_CKPT=$EVAL_EACH_CKPT: allowed 0 or 1" >&2; exit 2;; esac
 START=$(date +%s)
 progress() { echo "[$(date -u +%FT%TZ) +$(( $(date +%s) - START ))s] $*" | tee -a "$OUT/progress.txt"; }
-# the short phase's sequence length and filler ([curriculum] short items, else the TOML's [training])
-read -r SEQ FILLER < <($PY -c "import sys, tomllib; c = tomllib.load(open(sys.argv[1], 'rb'))
+# the short phase's sequence length and filler ([curriculum] short items, else the TOML's
+# [training]) and the names of its items (as flags: --training.seq_len,...)
+read -r SEQ FILLER SHORT_ITEMS < <($PY -c "import sys, tomllib; c = tomllib.load(open(sys.argv[1], 'rb'))
 items = dict(i.split('=', 1) for i in c['curriculum']['short'] if '=' in i)
 filler = items.get('training.passkey_filler', c['training'].get('passkey_filler', 'sentences'))
-print(items['training.seq_len'], 'synthetic' if filler == 'sentences' else filler)" "$TOML") \
+print(items['training.seq_len'], 'synthetic' if filler == 'sentences' else filler,
+      ','.join('--' + k for k in items))" "$TOML") \
   || { echo "retrieval_gate.sh: $TOML has no training.seq_len in [curriculum] short" >&2; exit 2; }
 
-# entry_toml TOML N STEPS VAL_FREQ CKPT_EVERY: TOML with the short phase's training/validation
-# local batch sizes divided by N (the same global batch on N data-parallel GPUs) and, where STEPS /
-# VAL_FREQ / CKPT_EVERY are not empty, its training.steps / validation.freq / checkpoint.interval
-# set to them; exits 2 where a batch size does
-# not divide or a value is no count
+# entry_toml TOML N STEPS VAL_FREQ CKPT_EVERY [ITEM=VALUE ...]: TOML with the short phase's
+# training/validation local batch sizes divided by N (the same global batch on N data-parallel
+# GPUs), where STEPS / VAL_FREQ / CKPT_EVERY are not empty its training.steps / validation.freq /
+# checkpoint.interval set to them, and each ITEM (an item of [curriculum] short) set to VALUE;
+# exits 2 where a batch size does not divide or a value is no count
 entry_toml() {
-  $PY - "$1" "$2" "$3" "$4" "$5" <<'PY'
+  $PY - "$@" <<'PY'
 import re, sys
 text, n = open(sys.argv[1]).read(), int(sys.argv[2])
 def per_gpu(m):
@@ -80,6 +83,9 @@ for knob, item, value in (("STEPS", "training.steps", sys.argv[3]), ("VAL_FREQ",
         text, k = re.subn(rf'"{re.escape(item)}=\d+"', f'"{item}={int(value)}"', text)
         if k != 1:
             sys.exit(f"retrieval_gate.sh: {knob} needs one \"{item}=N\" item in [curriculum] short")
+for pair in sys.argv[6:]:  # an entry's own flags for short-phase items
+    item, value = pair.split("=", 1)
+    text = re.sub(rf'"{re.escape(item)}=[^"]*"', lambda m: f'"{item}={value}"', text, count=1)
 print(text, end="")
 PY
 }
@@ -87,11 +93,14 @@ PY
 variant() {  # GPUS MASKS NAME [EXTRA_TRAIN_ARGS...]; GPUS "0", or "0,1" for data parallel
   local gpu=$1 masks=$2 name=$3; shift 3
   local d=$OUT/$name dump=$RUNS/$name toml=$TOML launch=(-m nsa_flex.titan.cli)
-  # an entry's --training.steps=N is its own STEPS (the short phase's items override the command
-  # line, so it goes into the entry's TOML)
-  local steps=${STEPS:-} a rest=()
+  # an entry's --training.steps=N is its own STEPS; its flags --S.F=V for other items of the
+  # short phase (e.g. --training.passkey_questions=3) go into its TOML too: the phase's items
+  # override the command line
+  local steps=${STEPS:-} a rest=() items=()
   for a in "$@"; do
-    if [[ $a == --training.steps=* ]]; then steps=${a#*=}; else rest+=("$a"); fi
+    if [[ $a == --training.steps=* ]]; then steps=${a#*=}
+    elif [[ $a == --*=* && ",$SHORT_ITEMS," == *",${a%%=*},"* ]]; then items+=("${a#--}")
+    else rest+=("$a"); fi
   done
   set -- ${rest[@]+"${rest[@]}"}
   local n=$(( $(tr -cd , <<< "$gpu" | wc -c) + 1 ))
@@ -99,9 +108,9 @@ variant() {  # GPUS MASKS NAME [EXTRA_TRAIN_ARGS...]; GPUS "0", or "0,1" for dat
   # one is cut before its own copy (its training resumes from RUNS/NAME where that holds a run)
   rm -rf "$d/metrics.jsonl" "$d"/needle "$d"/needle.log "$d"/needle_step-*
   mkdir -p "$d"
-  if [ "$n" -gt 1 ] || [ -n "$steps${VAL_FREQ:-}${CKPT_EVERY:-}" ]; then
+  if [ "$n" -gt 1 ] || [ -n "$steps${VAL_FREQ:-}${CKPT_EVERY:-}" ] || [ ${#items[@]} -gt 0 ]; then
     toml=$RUNS/$name.toml
-    entry_toml "$TOML" "$n" "$steps" "${VAL_FREQ:-}" "${CKPT_EVERY:-}" > "$toml" 2> "$d/toml.err" \
+    entry_toml "$TOML" "$n" "$steps" "${VAL_FREQ:-}" "${CKPT_EVERY:-}" ${items[@]+"${items[@]}"} > "$toml" 2> "$d/toml.err" \
       || { progress "$name: $(cat "$d/toml.err")"; return; }
   fi
   [ "$n" -gt 1 ] && launch=(-m torch.distributed.run --standalone --nproc_per_node "$n" -m nsa_flex.titan.train)

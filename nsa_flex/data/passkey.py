@@ -156,13 +156,23 @@ def check_questions(questions) -> int:
     return questions
 
 
+def check_min_gap(gap) -> int:
+    """``[training] passkey_min_gap``: an int >= 0, else DatasetError."""
+    if isinstance(gap, bool) or not isinstance(gap, int) or gap < 0:
+        raise DatasetError(f"training.passkey_min_gap={gap!r}: must be an integer >= 0 (0: answers anywhere)")
+    return gap
+
+
 class PasskeyCorpus:
-    """Deterministic passkey documents of exactly ``length`` tokens (``length = seq_len + 1``)."""
+    """Deterministic passkey documents of exactly ``length`` tokens (``length = seq_len + 1``).
+    ``min_gap`` > 0: every answer lies at least that many filler tokens after the copy of its key
+    before it (the needle, or the previous question's answer): :meth:`draw_layout`."""
 
     def __init__(self, tokenizer, length: int, seed: int = 0, split: str = "train",
-                 questions: int = 1, filler: str = "sentences"):
+                 questions: int = 1, filler: str = "sentences", min_gap: int = 0):
         check_questions(questions)
         self.filler = check_filler(filler)
+        self.min_gap = check_min_gap(min_gap)
         self.tok = tokenizer
         self.length = length
         self.seed = seed
@@ -182,17 +192,55 @@ class PasskeyCorpus:
                 f"passkey: seq_len={length - 1} is too short for a passkey document with "
                 f"passkey_questions={questions} (needs seq_len >= {fixed + 7} with this tokenizer)"
             )
+        # the gaps must fit the filler of the longest key, with a few tokens to spare for keys that
+        # tokenize longer
+        if min_gap and self._n_fill(99999, questions - 1) - 4 < questions * min_gap:
+            need = length - 1 - self._n_fill(99999, questions - 1) + 4 + questions * min_gap
+            raise DatasetError(
+                f"training.passkey_min_gap={min_gap} with passkey_questions={questions}: {questions} gaps of "
+                f"{min_gap} tokens do not fit seq_len={length - 1} (needs seq_len >= {need}, or fewer "
+                "questions, or a smaller gap)")
 
     def _parts(self, key: int) -> tuple[list[int], list[int]]:
         return (self.tok.encode(PASSKEY_NEEDLE.format(key=key)), self.tok.encode(PASSKEY_ANSWER.format(key=key)))
+
+    def _head_fill(self, key: int, n_extra: int) -> tuple[list[int], int]:
+        """(head, filler tokens) of a document with ``key`` and ``n_extra`` extra questions."""
+        needle, answer = self._parts(key)
+        qa = len(self._question) + len(answer)
+        fixed = len(needle) + qa + len(self._eos) + qa * n_extra
+        head = self._bos + self._intro
+        if self.length - len(head) - fixed < 8:  # drop the intro when the sequence is short
+            head = list(self._bos)
+        return head, self.length - len(head) - fixed
+
+    def _n_fill(self, key: int, n_extra: int) -> int:
+        return self._head_fill(key, n_extra)[1]
+
+    def draw_layout(self, rng: random.Random, key: int) -> tuple[float, list[float]]:
+        """(depth, extra_questions) for :meth:`build`, drawn from ``rng``: uniform (the needle's
+        depth, each extra question's fraction of the filler after the needle); with ``min_gap`` the
+        needle and the questions in filler positions p_0 < p_1 < ... < p_q = the end (the last
+        question) with every p_(i+1) - p_i >= min_gap, uniform among such layouts."""
+        if not self.min_gap:
+            return rng.random(), [rng.random() for _ in range(self.questions - 1)]
+        n_fill, q, gap = self._n_fill(key, self.questions - 1), self.questions, self.min_gap
+        slack = n_fill - q * gap
+        if slack < 0:
+            raise DatasetError(f"training.passkey_min_gap={gap}: key {key} leaves {n_fill} filler tokens, "
+                               f"{q} gaps need {q * gap}")
+        at = [int(u) + i * gap for i, u in enumerate(sorted(rng.uniform(0, slack) for _ in range(q)))]
+        # build() maps depth d to the cut min(int(d * (n_fill + 1)), n_fill) and an extra question's
+        # fraction f to min(int(f * (n_fill - cut + 1)), n_fill - cut) after it: the centres give at
+        depth = (at[0] + 0.5) / (n_fill + 1)
+        return depth, [(p - at[0] + 0.5) / (n_fill - at[0] + 1) for p in at[1:]]
 
     def document(self, index: int) -> tuple[list[int], int, int]:
         """(tokens, answer_start, key) of document ``index``; tokens[answer_start:-1] is the answer
         (" 12345.", the space included)."""
         rng = random.Random(f"passkey:{self.split}:{self.seed}:{index}")
         key = rng.randint(10000, 99999)
-        depth = rng.random()
-        extra = [rng.random() for _ in range(self.questions - 1)]
+        depth, extra = self.draw_layout(rng, key)
         filler = synthetic_filler(self.tok, self.length, f"{self.split}:{self.seed}:{index}", self.filler)
         toks, answer_start = self.build(key, depth, filler, extra_questions=extra)
         return toks, answer_start, key
@@ -208,13 +256,8 @@ class PasskeyCorpus:
         filler = cue_free(synthetic_filler(self.tok, self.length, "build") if filler is None else filler, self.cue)
         needle, answer = self._parts(key)
         qa = self._question + answer
-        head = self._bos + self._intro
         tail = qa + self._eos
-        fixed = len(needle) + len(tail) + len(qa) * len(extra_questions)
-        n_fill = self.length - len(head) - fixed
-        if n_fill < 8:  # drop the intro when the sequence is short
-            head = list(self._bos)
-            n_fill = self.length - len(head) - fixed
+        head, n_fill = self._head_fill(key, len(extra_questions))
         if len(filler) < n_fill:
             raise DatasetError(f"passkey: filler of {len(filler)} tokens, the document needs {n_fill}")
         # n_fill + 1 insertion points, from right after the head (depth 0) to right before the

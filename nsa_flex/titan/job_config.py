@@ -103,6 +103,13 @@ class Training:
     window sees most repeats) | far_words (the same words, passages of 16 .. half the document
     tokens: repeats at every distance, beyond the window too); training, validation and retrieval
     metrics alike"""
+    passkey_min_gap: int = 0
+    """generated single-key training documents (passkey, passkey_mix, pysource): every answer lies
+    at least this many filler tokens after the copy of its key before it (the needle, or the
+    previous question's answer), so no answer is a copy within that distance: e.g. 512 with NSA's
+    512-token window (every answer then copies from beyond the window); 0 = anywhere. The
+    passkey_questions gaps must fit the document (one error says the seq_len they need);
+    validation documents ask once, anywhere"""
     passkey_keys: int = 1
     """generated retrieval documents (dataset passkey, passkey_mix of a text dataset): 1 = single-key
     passkey documents; K in 2..16 = half of them multi-key documents with K needles naming different

@@ -156,6 +156,8 @@ def config_problems(jc) -> list[str]:
         probs.append(f"training.passkey_questions={t.passkey_questions!r}: must be in [1, 16]")
     if not 1 <= getattr(t, "passkey_keys", 1) <= 16:
         probs.append(f"training.passkey_keys={t.passkey_keys!r}: must be in [1, 16]")
+    if getattr(t, "passkey_min_gap", 0) < 0:
+        probs.append(f"training.passkey_min_gap={t.passkey_min_gap!r}: must be >= 0")
     for name, v in (("training.mixed_precision_param", t.mixed_precision_param),
                     ("training.mixed_precision_reduce", t.mixed_precision_reduce), ("training.dtype", t.dtype)):
         if v not in DTYPES:

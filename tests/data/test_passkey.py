@@ -186,3 +186,44 @@ def test_far_words_repeat_beyond_the_window_words_mostly_inside(offline):
     corpus = PasskeyCorpus(tok, 2048, questions=8, filler="far_words")
     doc = tok.decode(corpus.document(0)[0])
     assert doc.count("The pass key is:") == 2 + 8
+
+
+def _key_copies(toks: list[int], key_toks: list[int]) -> list[int]:
+    """Where each copy of the key's tokens starts (the needle's two, then each answer)."""
+    n = len(key_toks)
+    return [i for i in range(len(toks) - n + 1) if toks[i:i + n] == key_toks]
+
+
+@pytest.mark.parametrize("seq_len,questions,gap", [(2048, 3, 512), (4096, 4, 700), (1000, 1, 700), (2048, 1, 0)])
+def test_min_gap_puts_every_answer_that_far_after_its_key(seq_len, questions, gap):
+    """passkey_min_gap: each answer starts >= gap tokens after the copy of its key before it (the
+    needle's second mention, or the previous answer); the layouts vary; gap 0 is the plain corpus."""
+    tok = ByteTokenizer()
+    corpus = PasskeyCorpus(tok, seq_len + 1, seed=5, questions=questions, min_gap=gap)
+    plain = PasskeyCorpus(tok, seq_len + 1, seed=5, questions=questions)
+    firsts = set()
+    for i in range(30):
+        toks, ans, key = corpus.document(i)
+        assert len(toks) == seq_len + 1 and tok.decode(toks[ans:-1]) == f" {key}." and toks[-1] == tok.eos_id
+        copies = _key_copies(toks, tok.encode(f" {key}"))
+        needle, answers = copies[:2], copies[2:]
+        assert len(answers) == questions and answers[-1] == ans
+        assert min(b - a for a, b in zip([needle[1]] + answers, answers)) >= gap
+        firsts.add(answers[0] - needle[1])
+        assert corpus.document(i) == (toks, ans, key)
+        if gap == 0:
+            assert plain.document(i) == (toks, ans, key)
+    assert len(firsts) > 10  # not one fixed layout
+
+
+def test_min_gap_that_does_not_fit_names_the_fields_and_the_length_it_needs():
+    tok = ByteTokenizer()
+    with pytest.raises(DatasetError, match=r"training.passkey_min_gap=512 with passkey_questions=8: 8 gaps of "
+                                           r"512 tokens do not fit seq_len=2048 \(needs seq_len >= \d+"):
+        PasskeyCorpus(tok, 2049, questions=8, min_gap=512)
+    for bad in (-1, 1.5, True, "512"):
+        with pytest.raises(DatasetError, match="training.passkey_min_gap=.*must be an integer >= 0"):
+            PasskeyCorpus(tok, 2049, min_gap=bad)
+    need = int(str(pytest.raises(DatasetError, PasskeyCorpus, tok, 2049, questions=8, min_gap=512).value)
+               .split("needs seq_len >= ")[1].split(",")[0])
+    PasskeyCorpus(tok, need + 1, questions=8, min_gap=512).document(0)  # the length it names fits

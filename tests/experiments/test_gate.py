@@ -117,6 +117,13 @@ def test_gate_steps_val_freq_and_ckpt_every_set_the_short_phase(tmp_path):
     assert r.returncode == 0, r.stderr
     toml = (tmp_path / "runs" / "full.toml").read_text()
     assert toml == orig.replace('"training.steps=9000"', '"training.steps=12000"')
+    # its flags for other short-phase items: into its TOML (the phase's items override the command
+    # line); other flags pass on
+    r = _gate(tmp_path, "0", TRAIN_S="0", PLAN="nsa gap --training.passkey_questions=3 --nsa.phi=avg "
+              "--training.passkey_min_gap=512")
+    assert r.returncode == 0, r.stderr
+    toml = (tmp_path / "runs" / "gap.toml").read_text()
+    assert toml == orig.replace('"training.passkey_questions=8"', '"training.passkey_questions=3"')
     for knob, bad in (("STEPS", "7k"), ("VAL_FREQ", "0"), ("CKPT_EVERY", "-5")):
         r = _gate(tmp_path, "0", TRAIN_S="600", **{knob: bad})
         assert f"{knob}='{bad}': allowed a whole number >= 1" in (tmp_path / "o" / "progress.txt").read_text()

@@ -180,3 +180,35 @@ def test_loader_workers_run_in_their_own_process_group():
     it._shutdown_workers()
     worker.join(timeout=30)
     assert not worker.is_alive()
+
+
+def test_passkey_min_gap_reaches_the_training_documents_not_the_validation():
+    """``[training] passkey_min_gap``: the passkey dataset's documents (single- and multi-key corpus
+    alike) put every answer that far after its key's earlier copy; validation documents ask once,
+    anywhere; a gap that does not fit is one error naming both fields."""
+    from nsa_flex.titan.data import build_validation_dataloader
+
+    def batch(*args, validation=False):
+        job = _job("--training.seq_len", "2048", "--training.local_batch_size", "8", "--training.passkey_questions",
+                   "2", "--validation.seq_len", "2048", "--validation.local_batch_size", "8",
+                   "--validation.dataset", "passkey", "--validation.steps", "1", *args)
+        build = build_validation_dataloader if validation else build_dataloader
+        return next(iter(build(1, 0, TOK, job)))[0]["input"].tolist()
+
+    def gaps(rows):
+        out = []
+        for row in rows:
+            text = TOK.decode(row)
+            if "What is the pass key? The pass key is:" not in text:
+                continue  # a multi-key document
+            key = text.split("The pass key is: ")[1][:5]
+            copies = [i for i in range(len(text)) if text.startswith(f": {key}", i)]
+            out.append(min(b - a for a, b in zip(copies[1:], copies[2:])))
+        return out
+
+    assert min(gaps(batch())) < 400  # questions anywhere
+    assert min(gaps(batch("--training.passkey_min_gap", "400"))) >= 400
+    assert min(gaps(batch("--training.passkey_min_gap", "400", "--training.passkey_keys", "4"))) >= 400
+    assert min(gaps(batch("--training.passkey_min_gap", "400", validation=True))) < 400
+    with pytest.raises(DatasetError, match="training.passkey_min_gap=1000 with passkey_questions=2"):
+        batch("--training.passkey_min_gap", "1000")
