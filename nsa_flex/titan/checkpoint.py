@@ -143,7 +143,7 @@ def check_config(manager, path: str) -> None:
     if old is None:
         logger.warning(f"Checkpoint {path} has no {run_record.FILE}: its config is not checked")
         return
-    refused, applied = run_record.compare(old, run_record.record(jc))
+    refused, applied = run_record.compare(old, run_record.record(jc), run_record.defaults(jc))
     allow = getattr(jc.checkpoint, "allow_config_change", False)
     if refused and not allow:
         raise ConfigChangeError(

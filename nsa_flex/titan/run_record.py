@@ -83,12 +83,22 @@ def is_model_data(key: str) -> bool:
     return key in MODEL_DATA or any(p.endswith(".*") and key.startswith(p[:-1]) for p in MODEL_DATA)
 
 
-def compare(old: dict, new: dict) -> tuple[list[str], list[str]]:
+def defaults(job_config) -> dict:
+    """:func:`record` of the recorded sections' defaults (each section's dataclass built bare)."""
+    return record(type("Defaults", (), {sec: type(obj)() for sec in SECTIONS
+                                        if dataclasses.is_dataclass(obj := getattr(job_config, sec, None))}))
+
+
+def compare(old: dict, new: dict, default: dict | None = None) -> tuple[list[str], list[str]]:
     """(refused, applied): "key old -> new" for each field that differs, split by :func:`is_model_data`.
-    A field only one side has (another version of the config) is compared as missing."""
+    A field only one side has (another version of the config) is compared as missing, except a field
+    added since the old record whose new value is its ``default`` (:func:`defaults`): the version
+    that saved it behaved as that default."""
     refused, applied = [], []
     for key in sorted(set(old) | set(new)):
         a, b = old.get(key, "<absent>"), new.get(key, "<absent>")
+        if key not in old and default is not None and key in default and b == default[key]:
+            continue
         if a != b:
             (refused if is_model_data(key) else applied).append(f"{key} {a!r} -> {b!r}")
     return refused, applied

@@ -145,6 +145,14 @@ def test_config_record_compare():
                                                "nsa.sel_kernel", "nsa.telemetry_every",
                                                "optimizer.lr", "training.steps"]
     assert run_record.compare(old, old) == ([], [])
+    # a record from before a field existed: its default is no change, another value is
+    default = run_record.defaults(_job())
+    assert default["training.passkey_min_gap"] == 0 and default["nsa.window"] is None
+    older = {k: v for k, v in old.items() if k != "training.passkey_min_gap"}
+    assert run_record.compare(older, old, default) == ([], [])
+    assert run_record.compare(older, old) == (["training.passkey_min_gap '<absent>' -> 0"], [])
+    gapped = run_record.record(_job(training__passkey_min_gap=512))
+    assert run_record.compare(older, gapped, default) == (["training.passkey_min_gap '<absent>' -> 512"], [])
 
 
 class _Manager:
