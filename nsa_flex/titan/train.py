@@ -9,8 +9,9 @@ numbers are in range, the folders are writable and rank 0 locks the dump and che
 (:class:`nsa_flex.errors.UserError`, config-parsing errors) are printed as one line, exit code 2;
 a non-finite step exits with 3 (:data:`nsa_flex.titan.ops.EXIT_NONFINITE`), a halted run (halt
 file, SIGTERM, Ctrl-C; a checkpoint to resume from) with 4 (:data:`nsa_flex.titan.ops.EXIT_HALTED`);
-a data loader worker that died (the host's out-of-memory killer, most often) is one message naming
-the step and the checkpoint a rerun resumes from, exit code 1 (:func:`data_worker_died`).
+a data loader worker that died (the host's out-of-memory killer, most often) or a step out of
+memory is one message naming the step and the checkpoint a rerun resumes from, exit code 1
+(:func:`crash_message`).
 ``--section.field true|false`` of a boolean field is accepted (:func:`bool_flags`). ``nsa-train``
 (:mod:`nsa_flex.titan.cli`) is this entry point plus the single-process environment and a default
 config.
@@ -154,18 +155,25 @@ def titan_parses(args: list[str]):
 _WORKER_DIED = re.compile(r"DataLoader worker \(pid")
 
 
-def data_worker_died(e: BaseException, trainer: NSATrainer | None) -> str | None:
-    """The message for a training run whose data loader worker process died (``[training.dataloader]
-    num_workers`` > 0): the step it stopped in, the likely cause and the newest complete checkpoint
-    that rerunning the same command resumes from; None for any other error. The step in flight is
-    not saved: the loader's position is lost with its worker."""
-    if not isinstance(e, RuntimeError) or not _WORKER_DIED.search(str(e)):
-        return None
+def crash_message(e: BaseException, trainer: NSATrainer | None) -> str | None:
+    """The message for a training run stopped by a fault a rerun can get past: a data loader worker
+    process that died (``[training.dataloader] num_workers`` > 0), or a step that ran out of
+    memory (torch's ``OutOfMemoryError``): the step it stopped in, the likely cause, what to change
+    and the newest complete checkpoint that rerunning resumes from; None for any other error. The
+    step in flight is not saved (a dead worker takes the loader's position with it; an
+    out-of-memory step is half done)."""
     what = str(e).strip()
     step = f" in step {trainer.step}" if trainer is not None and trainer.step > 0 else ""
-    msg = (f"the data loader's worker process died{step} ({what}); a worker killed by SIGKILL is most "
-           "often the host's out-of-memory killer: fewer [training.dataloader] num_workers or a smaller "
-           "prefetch_factor use less host memory")
+    if isinstance(e, torch.OutOfMemoryError):
+        msg = (f"out of memory{step} ({what}); less memory a step: a smaller [training] local_batch_size "
+               "or seq_len, [activation_checkpoint] mode = \"full\", [nsa] recompute = \"all\" "
+               "(nsa-train --preflight estimates the step's memory)")
+    elif isinstance(e, RuntimeError) and _WORKER_DIED.search(what):
+        msg = (f"the data loader's worker process died{step} ({what}); a worker killed by SIGKILL is most "
+               "often the host's out-of-memory killer: fewer [training.dataloader] num_workers or a smaller "
+               "prefetch_factor use less host memory")
+    else:
+        return None
     if trainer is None:
         return msg + "; rerunning the same command resumes from the newest complete checkpoint, if any"
     if not trainer.job_config.checkpoint.enable:
@@ -228,7 +236,7 @@ def run(args: list[str], prog: str = "nsa-train") -> int:
     except UserError as e:
         return user_error(str(e), prog=prog)
     except RuntimeError as e:
-        msg = data_worker_died(e, built[-1] if built else None)
+        msg = crash_message(e, built[-1] if built else None)
         if msg is None:
             raise
         return user_error(msg, 1, prog=prog)

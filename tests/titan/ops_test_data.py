@@ -5,12 +5,15 @@ two more names whose training data loader misbehaves, to exercise [ops] on CPU.
     --model.name nsa_flex_block    the loader blocks forever when batch BLOCK_AT is requested
     --model.name nsa_flex_slow     the loader sleeps SLOW_S before every batch (same data, same losses)
     --model.name nsa_flex_nan      the loss is NaN from training step NAN_AT on (the non-finite guard)
+    --model.name nsa_flex_oom      training step OOM_AT raises torch's out-of-memory error (as the CUDA
+                                   allocator does when a step does not fit)
 """
 
 import dataclasses
 import threading
 import time
 
+import torch
 from torchtitan.protocols.train_spec import _extra_train_specs, register_train_spec
 
 from nsa_flex.titan import train_spec  # registers "nsa_flex"
@@ -18,6 +21,7 @@ from nsa_flex.titan.data import build_dataloader
 
 BLOCK_AT = 3  # 1-based batch index: step 3 never gets its data
 NAN_AT = 5  # 1-based training step whose loss (and so its gradients) is NaN
+OOM_AT = 5  # 1-based training step that runs out of memory
 SLOW_S = 0.15
 
 
@@ -58,7 +62,7 @@ def _spec(mode: str):
     return dataclasses.replace(train_spec.get_train_spec(), build_dataloader_fn=build)
 
 
-def _nan_spec():
+def _loss_spec(fault: str):
     base = train_spec.get_train_spec()
 
     def build_loss(job_config, **kw):
@@ -67,7 +71,10 @@ def _nan_spec():
         def loss(pred, labels):
             calls[0] += 1  # one call per training step (no gradient accumulation, no validation)
             out = inner(pred, labels)
-            return out * float("nan") if calls[0] >= NAN_AT else out
+            if fault == "oom" and calls[0] == OOM_AT:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+                                             "capacity of 79.19 GiB of which 1.06 GiB is free.")
+            return out * float("nan") if fault == "nan" and calls[0] >= NAN_AT else out
 
         return loss
 
@@ -77,5 +84,6 @@ def _nan_spec():
 for _mode in ("block", "slow"):
     if f"nsa_flex_{_mode}" not in _extra_train_specs:
         register_train_spec(f"nsa_flex_{_mode}", _spec(_mode))
-if "nsa_flex_nan" not in _extra_train_specs:
-    register_train_spec("nsa_flex_nan", _nan_spec())
+for _fault in ("nan", "oom"):
+    if f"nsa_flex_{_fault}" not in _extra_train_specs:
+        register_train_spec(f"nsa_flex_{_fault}", _loss_spec(_fault))

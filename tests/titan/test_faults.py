@@ -102,10 +102,12 @@ def test_a_killed_data_loader_worker_is_one_message_and_a_rerun_resumes(tmp_path
     assert r.returncode == 0 and resumed in r.stdout + r.stderr, (r.stdout + r.stderr)[-3000:]
 
 
-def test_data_worker_died_names_the_step_and_the_checkpoint_and_nothing_else(tmp_path):
+def test_crash_message_names_the_step_the_cause_and_the_checkpoint_and_nothing_else(tmp_path):
     from types import SimpleNamespace
 
-    from nsa_flex.titan.train import data_worker_died
+    import torch
+
+    from nsa_flex.titan.train import crash_message
 
     def trainer(enable: bool):
         ck = SimpleNamespace(enable=enable, folder="checkpoint")
@@ -113,17 +115,37 @@ def test_data_worker_died_names_the_step_and_the_checkpoint_and_nothing_else(tmp
         return SimpleNamespace(step=9, job_config=SimpleNamespace(checkpoint=ck, job=job))
 
     died = RuntimeError("DataLoader worker (pid(s) 4242) exited unexpectedly")
-    assert data_worker_died(RuntimeError("CUDA out of memory"), trainer(True)) is None
-    assert data_worker_died(ValueError(str(died)), trainer(True)) is None
-    msg = data_worker_died(died, trainer(True))
+    assert crash_message(RuntimeError("an error of ours"), trainer(True)) is None
+    assert crash_message(ValueError(str(died)), trainer(True)) is None
+    msg = crash_message(died, trainer(True))
     assert "died in step 9 (DataLoader worker (pid(s) 4242) exited unexpectedly)" in msg
     assert msg.endswith("no checkpoint was saved yet: a rerun starts from the beginning")
     (tmp_path / "checkpoint" / "step-6").mkdir(parents=True)  # cut while saving: no .metadata
     (tmp_path / "checkpoint" / "step-4").mkdir()
     (tmp_path / "checkpoint" / "step-4" / ".metadata").touch()
-    msg = data_worker_died(died, trainer(True))
+    msg = crash_message(died, trainer(True))
     newest = tmp_path / "checkpoint" / "step-4"
     assert msg.endswith(f"the newest checkpoint: {newest}; rerun the same command to resume from it")
-    assert data_worker_died(died, trainer(False)).endswith(
+    assert crash_message(died, trainer(False)).endswith(
         "no checkpoint ([checkpoint] enable = false): a rerun starts from the beginning")
-    assert data_worker_died(died, None).endswith("resumes from the newest complete checkpoint, if any")
+    assert crash_message(died, None).endswith("resumes from the newest complete checkpoint, if any")
+    oom = crash_message(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB."), trainer(True))
+    assert oom.startswith("out of memory in step 9 (CUDA out of memory. Tried to allocate 2.00 GiB.)")
+    assert 'mode = "full"' in oom and "--preflight" in oom and oom.endswith(f"{newest}; rerun the same command "
+                                                                            "to resume from it")
+
+
+@pytest.mark.slow  # a training run
+def test_a_step_out_of_memory_is_one_message_naming_the_checkpoint(tmp_path):
+    """A step that runs out of memory (tests/titan/ops_test_data.py's nsa_flex_oom: its loss raises
+    torch's OutOfMemoryError at step 5, as the CUDA allocator does) stops the run with one line: the
+    step, torch's words, what lowers the memory, the newest checkpoint; exit 1, no traceback."""
+    d = tmp_path / "run"
+    p = _train(d, 8, "--experimental.custom_import", "tests.titan.ops_test_data", "--model.name", "nsa_flex_oom")
+    out = p.stdout + p.stderr
+    assert p.returncode == 1, out[-3000:]
+    err = _errors(p)
+    assert len(err) == 1 and err[0].startswith("nsa-train: error: out of memory in step 5 (CUDA out of memory."), out
+    assert err[0].endswith(f"the newest checkpoint: {d / 'checkpoint' / 'step-4'}; rerun the same command to "
+                           "resume from it"), err
+    assert "Traceback" not in out
