@@ -18,7 +18,7 @@
 #   bash experiments/device_job.sh poll 540; bash experiments/device_job.sh poll 420
 # Compile cache: the job's torch.compile cache (inductor's FX graphs, AOT autograd, Triton kernels)
 # lives in .cache/inductor of the copied tree, seeded from a carried .cache/inductor.txz; the last
-# poll returns it xz-compressed (a 125M NSA run's ~390 MB: ~17 MB; gzip: ~50 MB) in parts of 15 MiB
+# poll returns it xz-compressed (about a third of gzip's size for these caches) in parts of 15 MiB
 # (what comes back is at most 16 MiB a file), $OUT/inductor.txz.0, .1, ..., where it fits in 56
 # MiB. Join them into the checkout's .cache/ (git-ignored):
 # `mkdir -p .cache && cat FILES_AT/inductor.txz.* > .cache/inductor.txz`, and carry ".cache" too

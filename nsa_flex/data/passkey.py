@@ -194,8 +194,9 @@ class PasskeyCorpus:
             )
         # the gaps must fit the filler of the longest key, with a few tokens to spare for keys that
         # tokenize longer
-        if min_gap and self._n_fill(99999, questions - 1) - 4 < questions * min_gap:
-            need = length - 1 - self._n_fill(99999, questions - 1) + 4 + questions * min_gap
+        room = self._head_fill(99999, questions - 1)[1] - 4
+        if min_gap and room < questions * min_gap:
+            need = length - 1 - room + questions * min_gap
             raise DatasetError(
                 f"training.passkey_min_gap={min_gap} with passkey_questions={questions}: {questions} gaps of "
                 f"{min_gap} tokens do not fit seq_len={length - 1} (needs seq_len >= {need}, or fewer "
@@ -214,9 +215,6 @@ class PasskeyCorpus:
             head = list(self._bos)
         return head, self.length - len(head) - fixed
 
-    def _n_fill(self, key: int, n_extra: int) -> int:
-        return self._head_fill(key, n_extra)[1]
-
     def draw_layout(self, rng: random.Random, key: int) -> tuple[float, list[float]]:
         """(depth, extra_questions) for :meth:`build`, drawn from ``rng``: uniform (the needle's
         depth, each extra question's fraction of the filler after the needle); with ``min_gap`` the
@@ -224,7 +222,7 @@ class PasskeyCorpus:
         question) with every p_(i+1) - p_i >= min_gap, uniform among such layouts."""
         if not self.min_gap:
             return rng.random(), [rng.random() for _ in range(self.questions - 1)]
-        n_fill, q, gap = self._n_fill(key, self.questions - 1), self.questions, self.min_gap
+        n_fill, q, gap = self._head_fill(key, self.questions - 1)[1], self.questions, self.min_gap
         slack = n_fill - q * gap
         if slack < 0:
             raise DatasetError(f"training.passkey_min_gap={gap}: key {key} leaves {n_fill} filler tokens, "

@@ -47,13 +47,15 @@ def _plain(v):
     return str(v)
 
 
-def record(job_config) -> dict:
-    """{"section.field": value} of the recorded sections (JSON-safe values)."""
+def record(job_config, bare: bool = False) -> dict:
+    """{"section.field": value} of the recorded sections (JSON-safe values); ``bare``: each
+    section's defaults (its dataclass built anew) instead of its values."""
     out = {}
     for sec in SECTIONS:
         obj = getattr(job_config, sec, None)
         if obj is None or not dataclasses.is_dataclass(obj):
             continue
+        obj = type(obj)() if bare else obj
         for f in dataclasses.fields(obj):
             if not f.name.startswith("_"):
                 out[f"{sec}.{f.name}"] = _plain(getattr(obj, f.name))
@@ -84,9 +86,8 @@ def is_model_data(key: str) -> bool:
 
 
 def defaults(job_config) -> dict:
-    """:func:`record` of the recorded sections' defaults (each section's dataclass built bare)."""
-    return record(type("Defaults", (), {sec: type(obj)() for sec in SECTIONS
-                                        if dataclasses.is_dataclass(obj := getattr(job_config, sec, None))}))
+    """:func:`record` of the recorded sections' defaults."""
+    return record(job_config, bare=True)
 
 
 def compare(old: dict, new: dict, default: dict | None = None) -> tuple[list[str], list[str]]:

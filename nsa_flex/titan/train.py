@@ -32,12 +32,12 @@ from nsa_flex.errors import EXIT_USER_ERROR, UserError, user_error
 
 from . import console, curriculum
 from .args import nsa_flex_args
+from .checkpoint import newest_complete
 from .flags import check_config_file
 from .job_config import JobConfig as NSAJobConfig
 from .ops import EXIT_HALTED, EXIT_NONFINITE, NonFiniteError
 from .parallelize import cpu_data_parallel_problem
 from .preflight import range_problems
-from .checkpoint import newest_complete
 from .runlock import check_writable, lock_run, release_all
 from .trainer import NSATrainer
 
