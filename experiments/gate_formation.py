@@ -8,8 +8,8 @@ the first validation step where
   - the near passkey copy: >= 50% exact where the needle lies within 512 tokens of the answer,
   - the far passkey copy: >= 20% exact where it lies beyond (the copy the gate needs from NSA),
 
-and the run's last step with its far exact. Runs before gate run 4 logged no near / far split; a
-variant whose rows repeat an earlier table's (an earlier run plotted beside a later one) is left out.
+and the run's last step with its far exact. A table without the near / far columns, and a variant
+whose rows repeat an earlier table's (an earlier run plotted beside a later one), are left out.
 
     python experiments/gate_formation.py [--results experiments/results/quality] [--out CSV]
 """

@@ -6,7 +6,7 @@
 #   2. the 125M-shape selected branch and layer at 32k on the trained trace and on random
 #      selections, for each q-block layout ROWS[:DQ] (the op's SelectedTuning rows and dq_atomic):
 #      16 = 2 positions (G=8), 32 = 4, 64 = 8; DQ 1 = dQ accumulated in the dK/dV pass (no dQ
-#      kernel), 0 = not, absent = by shape (padded heads, issue 24's 16:1, were deleted in issue 44);
+#      kernel), 0 = not, absent = by shape (there are no padded-head layouts);
 #      with PROFILE=1 (default) each run appends its kernels' times to its OUT/NAME/kernels.txt;
 #   3. torchtitan 125M at 32k, NSA and full attention: tokens/s and peak memory (TITAN=1; needs
 #      the torchtitan wheels on PYTHONPATH and DATA with the FineWeb sample).
