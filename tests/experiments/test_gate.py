@@ -97,12 +97,12 @@ def test_gate_steps_val_freq_and_ckpt_every_set_the_short_phase(tmp_path):
     validation.freq / checkpoint.interval in RUNS/NAME.toml, the rest as the TOML has it; a value
     that is no count is named and nothing trains."""
     orig = (ROOT / "titan_configs/quality_curriculum.toml").read_text()
-    assert '"training.steps=9000"' in orig and '"validation.freq=100"' in orig
+    assert '"training.steps=7000"' in orig and '"validation.freq=100"' in orig
     assert '"checkpoint.interval=500"' in orig
-    r = _gate(tmp_path, "0", TRAIN_S="0", STEPS="7000")
+    r = _gate(tmp_path, "0", TRAIN_S="0", STEPS="6000")
     assert r.returncode == 0, r.stderr
     toml = (tmp_path / "runs" / "nsa_dp.toml").read_text()
-    assert toml == orig.replace('"training.steps=9000"', '"training.steps=7000"')
+    assert toml == orig.replace('"training.steps=7000"', '"training.steps=6000"')
     r = _gate(tmp_path, "0", TRAIN_S="0", VAL_FREQ="250")
     assert r.returncode == 0, r.stderr
     toml = (tmp_path / "runs" / "nsa_dp.toml").read_text()
@@ -111,19 +111,20 @@ def test_gate_steps_val_freq_and_ckpt_every_set_the_short_phase(tmp_path):
     assert r.returncode == 0, r.stderr
     toml = (tmp_path / "runs" / "nsa_dp.toml").read_text()
     assert toml == orig.replace('"checkpoint.interval=500"', '"checkpoint.interval=2000"').replace(
-        '"training.steps=9000"', '"training.steps=8000"')
+        '"training.steps=7000"', '"training.steps=8000"')
     # an entry's own --training.steps=N: its TOML's, over STEPS; the flag is not passed on
-    r = _gate(tmp_path, "0", TRAIN_S="0", STEPS="7000", PLAN="full_causal full --training.steps=12000")
+    r = _gate(tmp_path, "0", TRAIN_S="0", STEPS="6000", PLAN="full_causal full --training.steps=12000")
     assert r.returncode == 0, r.stderr
     toml = (tmp_path / "runs" / "full.toml").read_text()
-    assert toml == orig.replace('"training.steps=9000"', '"training.steps=12000"')
+    assert toml == orig.replace('"training.steps=7000"', '"training.steps=12000"')
     # its flags for other short-phase items: into its TOML (the phase's items override the command
     # line); other flags pass on
-    r = _gate(tmp_path, "0", TRAIN_S="0", PLAN="nsa gap --training.passkey_questions=3 --nsa.phi=avg "
-              "--training.passkey_min_gap=512")
+    r = _gate(tmp_path, "0", TRAIN_S="0", PLAN="nsa gap --training.passkey_questions=2 --nsa.phi=avg "
+              "--training.passkey_min_gap=256")
     assert r.returncode == 0, r.stderr
     toml = (tmp_path / "runs" / "gap.toml").read_text()
-    assert toml == orig.replace('"training.passkey_questions=8"', '"training.passkey_questions=3"')
+    assert toml == orig.replace('"training.passkey_questions=3"', '"training.passkey_questions=2"').replace(
+        '"training.passkey_min_gap=512"', '"training.passkey_min_gap=256"')
     for knob, bad in (("STEPS", "7k"), ("VAL_FREQ", "0"), ("CKPT_EVERY", "-5")):
         r = _gate(tmp_path, "0", TRAIN_S="600", **{knob: bad})
         assert f"{knob}='{bad}': allowed a whole number >= 1" in (tmp_path / "o" / "progress.txt").read_text()
