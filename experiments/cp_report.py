@@ -6,7 +6,10 @@ split) and divides by the non-data-parallel size (the context degree N), so `tps
 GPU (a 32k sequence over 2 GPUs at 0.218 s a step logs 75k: 32768 / 0.218 / 2); peak_GiB: the largest `memory:` figure (max reserved, per GPU); status: ok,
 oom, timeout, failed or skipped (OUT/NAME.rc holds the run's exit code).
 
-    python experiments/cp_report.py OUT [--warmup 4]   # writes OUT/cp.csv, OUT/cp.png
+    python experiments/cp_report.py OUT [--warmup 4] [--merge CSV]   # writes OUT/cp.csv, OUT/cp.png
+
+--merge CSV keeps the rows of an earlier cp.csv (e.g. experiments/results/perf/cp.csv, measured on
+another machine) that OUT's logs do not measure again (same attention, degree, length and card).
 """
 
 import argparse
@@ -55,18 +58,33 @@ def summarize(path: str, warmup: int) -> dict | None:
                 device=device)
 
 
+def _key(r: dict) -> tuple:
+    return r["attention"], r["cp"], r["seq_len"], r["device"]
+
+
+def read_csv(path: str) -> list[dict]:
+    """Rows of a cp.csv with their numbers as numbers (empty cells stay empty)."""
+    def num(v: str, kind):
+        return kind(v) if v != "" else ""
+    with open(path, newline="") as f:
+        return [dict(r, seq_len=int(r["seq_len"]), cp=int(r["cp"]),
+                     tokens_per_s_per_gpu=num(r["tokens_per_s_per_gpu"], int), peak_GiB=num(r["peak_GiB"], float))
+                for r in csv.DictReader(f)]
+
+
 def plot(rows: list[dict], path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for key in sorted({(r["attention"], r["cp"]) for r in rows}):
-        ok = sorted((r for r in rows if (r["attention"], r["cp"]) == key and r["status"] == "ok"),
+    several = len({r["device"] for r in rows}) > 1  # rows from several cards: each line names its card
+    for key in sorted({(r["attention"], r["cp"], r["device"]) for r in rows}):
+        ok = sorted((r for r in rows if (r["attention"], r["cp"], r["device"]) == key and r["status"] == "ok"),
                     key=lambda r: r["seq_len"])
         if not ok:
             continue
-        label = f"{key[0]}, {key[1]} GPU{'s' if key[1] > 1 else ''}"
+        label = f"{key[0]}, {key[1]} GPU{'s' if key[1] > 1 else ''}" + (f" ({key[2]})" if several else "")
         x = [r["seq_len"] // 1024 for r in ok]
         a.plot(x, [r["tokens_per_s_per_gpu"] / 1e3 for r in ok], "o-", label=label)
         b.plot(x, [r["peak_GiB"] for r in ok], "o-", label=label)
@@ -85,11 +103,14 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("out")
     ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--merge", metavar="CSV", help="an earlier cp.csv whose other rows to keep")
     args = ap.parse_args(argv)
     # a run the budget skipped has an .rc and no log
     names = {os.path.splitext(p)[0] for ext in ("log", "rc")
              for p in glob.glob(os.path.join(args.out, f"*.{ext}"))}
     rows = [r for r in (summarize(n + ".log", args.warmup) for n in sorted(names)) if r]
+    if args.merge:
+        rows += [r for r in read_csv(args.merge) if _key(r) not in {_key(m) for m in rows}]
     rows.sort(key=lambda r: (r["attention"], r["cp"], r["seq_len"]))
     with open(os.path.join(args.out, "cp.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=FIELDS, lineterminator="\n")

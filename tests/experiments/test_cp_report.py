@@ -30,3 +30,22 @@ def test_rows_take_torchtitans_per_gpu_tps_after_the_warmup(tmp_path):
     assert rows["nsa2"]["peak_GiB"] == "7.14" and rows["nsa2"]["status"] == "ok"
     assert rows["full2"]["status"] == "timeout" and rows["full2"]["tokens_per_s_per_gpu"] == ""
     assert rows["nsa2"]["device"] == "NVIDIA H100 80GB HBM3"
+
+
+def test_merge_keeps_an_earlier_csvs_other_rows(tmp_path):
+    """--merge CSV: rows of an earlier cp.csv that this OUT does not measure again (another card,
+    another length) are kept; a row this OUT measures again is replaced by the new one."""
+    old = tmp_path / "old"
+    old.mkdir()
+    write_run(old, "nsa_cp2_32768", [1, 1, 1, 1, 70_000, 70_000, 70_000])
+    write_run(old, "nsa_cp2_65536", [1, 1, 1, 1, 104_000, 104_000, 104_000], mem=13.26)
+    cp_report.main([str(old)])
+    new = tmp_path / "new"
+    new.mkdir()
+    write_run(new, "nsa_cp2_32768", [1, 1, 1, 1, 80_000, 80_000, 80_000])
+    write_run(new, "full_cp2_131072", [1, 1, 1, 1, 28_939, 28_939, 28_939], mem=15.47)
+    rows = cp_report.main([str(new), "--merge", str(old / "cp.csv")])
+    got = {(r["attention"], r["seq_len"]): r["tokens_per_s_per_gpu"] for r in rows}
+    assert got == {("nsa", 32768): 80_000, ("nsa", 65536): 104_000, ("full", 131072): 28_939}
+    assert list(csv.DictReader(open(new / "cp.csv")))[-1]["peak_GiB"] == "13.26"
+    assert (new / "cp.png").stat().st_size > 0
