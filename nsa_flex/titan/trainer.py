@@ -1,7 +1,7 @@
 """``NSATrainer``: torchtitan's ``Trainer`` with the run control of nsa_flex as methods.
 
 Started by ``nsa-train`` and by ``torchrun ... -m nsa_flex.titan.train`` (:mod:`nsa_flex.titan.train`).
-The training loop is torchtitan's (``Trainer.train``); this subclass overrides five public methods:
+The training loop is torchtitan's (``Trainer.train``); this subclass overrides six public methods:
 
   * ``__init__``: checks the versions (:func:`check_versions`), applies the CPU device shim
     (:mod:`nsa_flex.titan.cpu`, no CUDA only) and the console filter (:mod:`nsa_flex.titan.console`)
@@ -11,6 +11,8 @@ The training loop is torchtitan's (``Trainer.train``); this subclass overrides f
     locks the dump and checkpoint folders (:mod:`nsa_flex.titan.runlock`), SIGTERM / SIGINT
     handlers, a gloo group for the ranks' agreement, the ``[ops]`` monitor (stall watchdog, SIGUSR1
     dumps, data wait);
+  * ``train``: torchtitan's loop, without its closing 2-second wait for other ranks in a run of one
+    process;
   * ``train_step``: before torchtitan's step, the selection's dense warm-up
     (``[nsa] sel_dense_steps``: :func:`nsa_flex.titan.model.set_dense_selection`); after it
     (optimizer step done, checkpoint not yet saved), :meth:`end_of_step` decides whether to halt or
@@ -54,6 +56,7 @@ import threading
 import time
 
 import torch
+import torchtitan.train as titan_train
 from torchtitan.tools.logging import logger as log
 from torchtitan.train import Trainer
 
@@ -123,6 +126,18 @@ class _EndOfRun(logging.Filter):
                           f"raise --training.steps (e.g. --training.steps {steps * 2}) to train further")
             record.args = None
         return True
+
+
+class _TimeWithoutSleep:
+    """``time`` for torchtitan.train while one process trains (``NSATrainer.train``): ``sleep`` does
+    not wait, everything else is the time module's."""
+
+    @staticmethod
+    def sleep(seconds: float) -> None:
+        pass
+
+    def __getattr__(self, name):
+        return getattr(time, name)
 
 
 class NSATrainer(Trainer):
@@ -230,6 +245,19 @@ class NSATrainer(Trainer):
             log.warning(f"ops: halted after step {self.halted_at} ({self.halt_reason}); {where}")
 
     # ------------------------------------------------------------------ the loop
+    def train(self):
+        """torchtitan's loop. Its rank 0 then sleeps 2 s "for other ranks to complete"; a run of one
+        process has none, so there the wait is skipped (torchtitan.train's ``time.sleep``, called
+        nowhere else in that module, is a no-op while the loop runs)."""
+        if self.world > 1:
+            return super().train()
+        real = titan_train.time
+        titan_train.time = _TimeWithoutSleep()
+        try:
+            return super().train()
+        finally:
+            titan_train.time = real
+
     def train_step(self, data_iterator):
         self.steps_run += 1
         dense = any([set_dense_selection(m, self.step) for m in self.model_parts])

@@ -305,3 +305,30 @@ def test_a_child_exit_pending_with_the_stop_signal_raises_nothing(tmp_path, monk
         assert unraisable == []
     finally:
         _restore(saved)
+
+
+def test_one_process_skips_torchtitans_closing_wait(monkeypatch):
+    """torchtitan's loop ends with rank 0 sleeping 2 s "for other ranks to complete": skipped in a
+    run of one process (every CPU test run and single-GPU run saved 2 s), kept with several, and
+    torchtitan.train's ``time`` is the time module again afterwards. Upstream guard: the closing
+    wait is still torchtitan.train's only sleep (else the no-op would skip another one)."""
+    import torchtitan.train as titan_train
+    from torchtitan.train import Trainer
+
+    source = inspect.getsource(titan_train)
+    assert source.count("time.sleep(") == 1 and 'Sleeping 2 seconds for other ranks' in source
+    slept = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+
+    def loop(self):  # torchtitan's loop, reduced to its last line and a timer read
+        titan_train.time.perf_counter()
+        titan_train.time.sleep(2)
+
+    monkeypatch.setattr(Trainer, "train", loop)
+    trainer = object.__new__(NSATrainer)
+    trainer.world = 1
+    trainer.train()
+    assert slept == [] and titan_train.time is time
+    trainer.world = 2
+    trainer.train()
+    assert slept == [2]
