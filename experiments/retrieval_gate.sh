@@ -15,9 +15,9 @@
 # attention). The documents' filler is the TOML's
 # (training.passkey_filler in [curriculum] short; the evaluation's follows).
 # Other knobs: STEPS (the short phase's training.steps, e.g. 7000 where a session's device time is
-# short: the cosine then ends there; default the TOML's; an entry's own "--training.steps=N" among
-# its flags overrides it for that entry, e.g. full attention's faster steps; likewise an
-# entry's flag for any other item of [curriculum] short, e.g. "--training.passkey_questions=3"), VAL_FREQ (its validation.freq, e.g. 250:
+# short: the cosine then ends there; default the TOML's; an entry's own flag for an item of
+# [curriculum] short overrides it for that entry, e.g. "--training.steps=12000" for full
+# attention's faster steps, or "--training.passkey_questions=3"), VAL_FREQ (its validation.freq, e.g. 250:
 # each validation of 128 documents costs NSA ~0.7 s; default the TOML's), CKPT_EVERY (its
 # checkpoint.interval, e.g. 2000: each save of the 125M model and optimizer costs ~6 s; the halt
 # at TRAIN_S saves one anyway; default the TOML's), TRAIN_S (seconds from the start before each
@@ -93,14 +93,12 @@ PY
 variant() {  # GPUS MASKS NAME [EXTRA_TRAIN_ARGS...]; GPUS "0", or "0,1" for data parallel
   local gpu=$1 masks=$2 name=$3; shift 3
   local d=$OUT/$name dump=$RUNS/$name toml=$TOML launch=(-m nsa_flex.titan.cli)
-  # an entry's --training.steps=N is its own STEPS; its flags --S.F=V for other items of the
-  # short phase (e.g. --training.passkey_questions=3) go into its TOML too: the phase's items
-  # override the command line
+  # an entry's flags --S.F=V for items of the short phase (e.g. --training.steps=12000,
+  # --training.passkey_questions=3) go into its TOML, over STEPS: the phase's items override the
+  # command line
   local steps=${STEPS:-} a rest=() items=()
   for a in "$@"; do
-    if [[ $a == --training.steps=* ]]; then steps=${a#*=}
-    elif [[ $a == --*=* && ",$SHORT_ITEMS," == *",${a%%=*},"* ]]; then items+=("${a#--}")
-    else rest+=("$a"); fi
+    if [[ $a == --*=* && ",$SHORT_ITEMS," == *",${a%%=*},"* ]]; then items+=("${a#--}"); else rest+=("$a"); fi
   done
   set -- ${rest[@]+"${rest[@]}"}
   local n=$(( $(tr -cd , <<< "$gpu" | wc -c) + 1 ))

@@ -121,8 +121,8 @@ def _state_bytes(manager) -> int:
 def check_free_space(manager) -> None:
     """One more checkpoint fits on the checkpoint folder's disk; else :class:`DiskSpaceError`."""
     folder = manager.folder
-    steps = _steps(folder) if os.path.isdir(folder) else []
-    need = _folder_bytes(os.path.join(folder, f"step-{steps[0]}")) if steps else _state_bytes(manager)
+    newest = newest_complete(folder)
+    need = _folder_bytes(newest) if newest else _state_bytes(manager)
     free = _free(folder)
     if free < need:
         raise DiskSpaceError(f"checkpoint folder {folder}: {_gib(free)} free, one checkpoint needs about "

@@ -58,7 +58,7 @@ def _field(flag: str) -> str:
 def shadowed_flags(args: list[str], items: list[str]) -> list[str]:
     """The fields that the command line sets and the short phase's items set again (the items come
     last, so they win in the short phase): named in a warning, since a user who passes
-    ``--training.steps 100`` with a curriculum would otherwise not know it ran 9000 there."""
+    ``--training.steps 100`` with a curriculum would otherwise not know it ran 7000 there."""
     mine = {_field(i) for i in items}
     return sorted({_field(a) for a in args if a.startswith("--") and "." in a} & mine)
 
