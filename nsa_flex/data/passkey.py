@@ -163,16 +163,26 @@ def check_min_gap(gap) -> int:
     return gap
 
 
+def check_min_gap_share(share) -> float:
+    """``[training] passkey_min_gap_share``: a number in [0, 1], else DatasetError."""
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
+        raise DatasetError(f"training.passkey_min_gap_share={share!r}: must be a number in [0, 1] (the share of "
+                           "single-key training documents laid out with passkey_min_gap)")
+    return float(share)
+
+
 class PasskeyCorpus:
     """Deterministic passkey documents of exactly ``length`` tokens (``length = seq_len + 1``).
     ``min_gap`` > 0: every answer lies at least that many filler tokens after the copy of its key
-    before it (the needle, or the previous question's answer): :meth:`draw_layout`."""
+    before it (the needle, or the previous question's answer), in a ``min_gap_share`` of the
+    documents (the others: answers anywhere): :meth:`draw_layout`."""
 
     def __init__(self, tokenizer, length: int, seed: int = 0, split: str = "train",
-                 questions: int = 1, filler: str = "sentences", min_gap: int = 0):
+                 questions: int = 1, filler: str = "sentences", min_gap: int = 0, min_gap_share: float = 1.0):
         check_questions(questions)
         self.filler = check_filler(filler)
         self.min_gap = check_min_gap(min_gap)
+        self.min_gap_share = check_min_gap_share(min_gap_share)
         self.tok = tokenizer
         self.length = length
         self.seed = seed
@@ -219,8 +229,12 @@ class PasskeyCorpus:
         """(depth, extra_questions) for :meth:`build`, drawn from ``rng``: uniform (the needle's
         depth, each extra question's fraction of the filler after the needle); with ``min_gap`` the
         needle and the questions in filler positions p_0 < p_1 < ... < p_q = the end (the last
-        question) with every p_(i+1) - p_i >= min_gap, uniform among such layouts."""
-        if not self.min_gap:
+        question) with every p_(i+1) - p_i >= min_gap, uniform among such layouts; that in a
+        ``min_gap_share`` of the documents, drawn from ``rng`` (a share of 0 or 1 draws nothing for
+        it: the documents of no gap or of every document gapped)."""
+        share = self.min_gap_share
+        gapped = self.min_gap and share > 0 and (share >= 1 or rng.random() < share)
+        if not gapped:
             return rng.random(), [rng.random() for _ in range(self.questions - 1)]
         n_fill, q, gap = self._head_fill(key, self.questions - 1)[1], self.questions, self.min_gap
         slack = n_fill - q * gap

@@ -173,13 +173,15 @@ def pysource_source(tokenizer, split: str = "train", seed: int = 0, path: str | 
 
 
 def pysource_retrieval(tokenizer, length: int, split: str = "train", seed: int = 0, path: str | None = None,
-                       multikey_share: float = 0.5, questions: int = 1, min_gap: int = 0) -> RetrievalCorpus:
+                       multikey_share: float = 0.5, questions: int = 1, min_gap: int = 0,
+                       min_gap_share: float = 1.0) -> RetrievalCorpus:
     """Passkey / multi-key documents of ``length`` tokens whose filler is source of the ``split``
-    packages, each asking ``questions`` times (single-key ones ``min_gap`` apart: PasskeyCorpus)."""
+    packages, each asking ``questions`` times (single-key ones ``min_gap`` apart in a ``min_gap_share``
+    of them: PasskeyCorpus)."""
     units = _units_or_error(split, parse_roots(path), seed)
     return RetrievalCorpus(tokenizer, length, lambda i, n: read_unit(*units[i], max_chars=n, skip_bad=True),
                            len(units), seed=seed, split=split, multikey_share=multikey_share,
-                           questions=questions, min_gap=min_gap)
+                           questions=questions, min_gap=min_gap, min_gap_share=min_gap_share)
 
 
 def pysource_texts(split: str = "validation", path: str | None = None, seed: int = 0) -> list[str]:

@@ -42,7 +42,8 @@ class RetrievalCorpus:
     n_keys: int = 4
     questions: int = 1
     synthetic: str | None = None
-    min_gap: int = 0  # single-key documents: PasskeyCorpus's min_gap
+    min_gap: int = 0  # single-key documents: PasskeyCorpus's min_gap and min_gap_share
+    min_gap_share: float = 1.0
     passkey: PasskeyCorpus = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -51,7 +52,8 @@ class RetrievalCorpus:
         elif self.texts is None or self.n_texts < 1:
             raise DatasetError("retrieval documents need a filler: texts (and n_texts >= 1) or a synthetic kind")
         self.passkey = PasskeyCorpus(self.tokenizer, self.length, seed=self.seed, split=self.split,
-                                     questions=self.questions, min_gap=self.min_gap)
+                                     questions=self.questions, min_gap=self.min_gap,
+                                     min_gap_share=self.min_gap_share)
         if self.multikey_share > 0:  # the longest names must fit: fail now, not at the first multi-key document
             n, longest = self.n_keys, sorted(MULTIKEY_NAMES, key=len)[-self.n_keys:]
             extra = [(n - 1, 0.0)] * (self.questions - 1)
@@ -108,12 +110,13 @@ def extra_names(rng: random.Random, n_keys: int, n: int) -> list[int]:
 
 
 def synthetic_retrieval(tokenizer, length: int, seed: int = 0, split: str = "train", questions: int = 1,
-                        filler: str = "sentences", keys: int = 1, min_gap: int = 0):
+                        filler: str = "sentences", keys: int = 1, min_gap: int = 0, min_gap_share: float = 1.0):
     """The generated retrieval documents of ``[training] passkey_keys`` = ``keys``: single-key passkey
     documents (:class:`PasskeyCorpus`) for 1; for more, half of them multi-key documents with
     ``keys`` needles (a RetrievalCorpus over the synthetic ``filler``)."""
     if keys == 1:
         return PasskeyCorpus(tokenizer, length, seed=seed, split=split, questions=questions, filler=filler,
-                             min_gap=min_gap)
+                             min_gap=min_gap, min_gap_share=min_gap_share)
     return RetrievalCorpus(tokenizer, length, None, 0, seed=seed, split=split, multikey_share=0.5,
-                           n_keys=keys, questions=questions, synthetic=filler, min_gap=min_gap)
+                           n_keys=keys, questions=questions, synthetic=filler, min_gap=min_gap,
+                           min_gap_share=min_gap_share)

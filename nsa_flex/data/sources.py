@@ -82,6 +82,7 @@ def build_source(
     passkey_filler: str = "sentences",
     passkey_keys: int = 1,
     passkey_min_gap: int = 0,
+    passkey_min_gap_share: float = 1.0,
 ):
     """The document source of dataset ``name`` (see the module docstring); validates name and path."""
     name = name.lower()
@@ -92,7 +93,8 @@ def build_source(
             raise DatasetError("dataset 'passkey' is generated: leave dataset_path unset")
         return PasskeySource(synthetic_retrieval(tokenizer, seq_len + 1, seed=seed, split=split,
                                                  questions=passkey_questions, filler=passkey_filler,
-                                                 keys=passkey_keys, min_gap=passkey_min_gap))
+                                                 keys=passkey_keys, min_gap=passkey_min_gap,
+                                                 min_gap_share=passkey_min_gap_share))
     if name == "pysource":
         return pysource_source(tokenizer, split, seed, path, skip_bad)
     if name == "local" and not path:

@@ -17,7 +17,7 @@ from torchtitan.tools.logging import logger
 
 from nsa_flex.data.errors import DatasetError
 from nsa_flex.data.packing import PackedTokenDataset
-from nsa_flex.data.passkey import check_filler, check_keys, check_min_gap, check_questions
+from nsa_flex.data.passkey import check_filler, check_keys, check_min_gap, check_min_gap_share, check_questions
 from nsa_flex.data.retrieval import synthetic_retrieval
 from nsa_flex.data.pysource import pysource_retrieval
 from nsa_flex.data.sources import DATASET_CHOICES, build_source
@@ -50,6 +50,7 @@ def _build(section, job_config, dp_world_size, dp_rank, tokenizer, infinite, spl
     questions = check_questions(getattr(training, "passkey_questions", 1)) if split == "train" else 1
     # validation documents ask once, anywhere: the retrieval metrics' near / far split reads them
     min_gap = check_min_gap(getattr(training, "passkey_min_gap", 0)) if split == "train" else 0
+    gap_share = check_min_gap_share(getattr(training, "passkey_min_gap_share", 1.0))
     name = section.dataset.lower()
     if isinstance(mix, bool) or not isinstance(mix, (int, float)) or not 0.0 <= mix <= 1.0:
         raise DatasetError(f"training.passkey_mix={mix!r}: must be a number in [0, 1]")
@@ -74,6 +75,7 @@ def _build(section, job_config, dp_world_size, dp_rank, tokenizer, infinite, spl
         passkey_filler=filler,
         passkey_keys=keys,
         passkey_min_gap=min_gap,
+        passkey_min_gap_share=gap_share,
     )
     if keys > 1 and name != "pysource" and (name == "passkey" or mix > 0):  # the generated documents
         logger.info(f"Generated retrieval documents ({split}): half of them hold {keys} keys naming different "
@@ -81,12 +83,13 @@ def _build(section, job_config, dp_world_size, dp_rank, tokenizer, infinite, spl
     passkey = None
     if mix > 0 and name == "pysource":
         passkey = pysource_retrieval(tokenizer, section.seq_len + 1, split, seed, section.dataset_path,
-                                     questions=questions, min_gap=min_gap)
+                                     questions=questions, min_gap=min_gap, min_gap_share=gap_share)
         logger.info(f"Dataset pysource: {100 * mix:g}% of the sequences are retrieval documents (passkey "
                     f"and {passkey.n_keys}-key needles, half each, in source-code filler)")
     elif mix > 0:
         passkey = synthetic_retrieval(tokenizer, section.seq_len + 1, seed=seed, split=split,
-                                      questions=questions, filler=filler, keys=keys, min_gap=min_gap)
+                                      questions=questions, filler=filler, keys=keys, min_gap=min_gap,
+                                      min_gap_share=gap_share)
         logger.info(f"Dataset {section.dataset}: {100 * mix:g}% of the sequences are passkey documents")
     ds = PackedTokenDataset(source, section.seq_len, dp_rank, dp_world_size, infinite=infinite,
                             restart_each_iter=split == "validation", passkey=passkey, passkey_mix=mix)

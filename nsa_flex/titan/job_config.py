@@ -110,6 +110,10 @@ class Training:
     512-token window (every answer then copies from beyond the window); 0 = anywhere. The
     passkey_questions gaps must fit the document (one error says the seq_len they need);
     validation documents ask once, anywhere"""
+    passkey_min_gap_share: float = 1.0
+    """the share (0..1) of those single-key training documents laid out with passkey_min_gap; the
+    others ask passkey_questions times anywhere (near copies too: full attention forms its copy
+    from near answers first, NSA's window answers those itself); 1 = every document"""
     passkey_keys: int = 1
     """generated retrieval documents (dataset passkey, passkey_mix of a text dataset): 1 = single-key
     passkey documents; K in 2..16 = half of them multi-key documents with K needles naming different

@@ -158,6 +158,8 @@ def config_problems(jc) -> list[str]:
         probs.append(f"training.passkey_keys={t.passkey_keys!r}: must be in [1, 16]")
     if getattr(t, "passkey_min_gap", 0) < 0:
         probs.append(f"training.passkey_min_gap={t.passkey_min_gap!r}: must be >= 0")
+    if not 0.0 <= getattr(t, "passkey_min_gap_share", 1.0) <= 1.0:
+        probs.append(f"training.passkey_min_gap_share={t.passkey_min_gap_share!r}: must be in [0, 1]")
     for name, v in (("training.mixed_precision_param", t.mixed_precision_param),
                     ("training.mixed_precision_reduce", t.mixed_precision_reduce), ("training.dtype", t.dtype)):
         if v not in DTYPES:

@@ -25,7 +25,8 @@ MODEL_DATA = (
     "model.name", "model.flavor", "model.tokenizer", "nsa.*",
     "training.dataset", "training.dataset_path", "training.dataset_config", "training.dataset_text_column",
     "training.dataset_seed", "training.passkey_mix", "training.passkey_questions",
-    "training.passkey_filler", "training.passkey_keys", "training.passkey_min_gap", "training.seq_len",
+    "training.passkey_filler", "training.passkey_keys", "training.passkey_min_gap",
+    "training.passkey_min_gap_share", "training.seq_len",
     "training.local_batch_size", "training.global_batch_size",
 )
 # [nsa] fields that choose how the same function is computed (executors, recomputation, chunking),

@@ -216,6 +216,31 @@ def test_min_gap_puts_every_answer_that_far_after_its_key(seq_len, questions, ga
     assert len(firsts) > 10  # not one fixed layout
 
 
+def test_min_gap_share_gaps_that_share_of_the_documents_and_leaves_the_rest_anywhere():
+    """passkey_min_gap_share: about that share of the documents keep every answer >= min_gap after
+    its key, the others put answers anywhere (some nearer); share 1 is the gapped corpus document
+    for document, share 0 the plain one; a share outside [0, 1] is one error naming the field."""
+    tok = ByteTokenizer()
+    args = dict(seed=3, questions=3, min_gap=400)
+    half = PasskeyCorpus(tok, 2049, min_gap_share=0.5, **args)
+    smallest = []
+    for i in range(200):
+        toks, ans, key = half.document(i)
+        copies = _key_copies(toks, tok.encode(f" {key}"))
+        assert len(copies) == 2 + 3 and copies[-1] == ans
+        smallest.append(min(b - a for a, b in zip(copies[1:], copies[2:])))
+    gapped = sum(g >= 400 for g in smallest)
+    assert 70 <= gapped <= 130, gapped  # ~100 gapped, plus the few ungapped that land that far apart
+    assert min(smallest) < 200
+    everyone, plain = PasskeyCorpus(tok, 2049, **args), PasskeyCorpus(tok, 2049, seed=3, questions=3)
+    ones, zeros = (PasskeyCorpus(tok, 2049, min_gap_share=s, **args) for s in (1.0, 0.0))
+    for i in range(20):
+        assert ones.document(i) == everyone.document(i) and zeros.document(i) == plain.document(i)
+    for bad in (-0.1, 1.5, True, "0.5"):
+        with pytest.raises(DatasetError, match=r"training.passkey_min_gap_share=.*must be a number in \[0, 1\]"):
+            PasskeyCorpus(tok, 2049, min_gap_share=bad, **args)
+
+
 def test_min_gap_that_does_not_fit_names_the_fields_and_the_length_it_needs():
     tok = ByteTokenizer()
     with pytest.raises(DatasetError, match=r"training.passkey_min_gap=512 with passkey_questions=8: 8 gaps of "

@@ -212,3 +212,6 @@ def test_passkey_min_gap_reaches_the_training_documents_not_the_validation():
     assert min(gaps(batch("--training.passkey_min_gap", "400", validation=True))) < 400
     with pytest.raises(DatasetError, match="training.passkey_min_gap=1000 with passkey_questions=2"):
         batch("--training.passkey_min_gap", "1000")
+    # a share of the documents gapped, the others anywhere (the byte tokenizer: 400 characters)
+    mixed = gaps(batch("--training.passkey_min_gap", "400", "--training.passkey_min_gap_share", "0.5"))
+    assert min(mixed) < 400 <= max(mixed)
