@@ -19,8 +19,8 @@ Both sides are attention calls: block masses are an attention output whose value
 one-hot selection block (target; keys -> blocks) or Eq. 9's overlap weights (pred; compressed
 blocks -> blocks), so the flex backend runs them fused and never holds a [T, T] score matrix.
 The dense target costs a causal attention forward over the sequence (head dim of the values:
-the number of selection blocks, padded): meant for short-context training, e.g. a curriculum's
-short phase.
+the number of selection blocks, padded; one forward per MAX_VALUE_WIDTH of them): meant for
+short-context training, e.g. a curriculum's short phase.
 
 The loss enters through the layer's output (`attach_loss`: an identity whose backward also seeds
 the loss), so the trainer's loss, its logs and validation are unchanged.
@@ -43,6 +43,13 @@ def value_width(ns: int) -> int:
     return max(16, 1 << (ns - 1).bit_length())
 
 
+# The widest values one attention call of block_mass takes: flex's forward tiles hold a block of
+# values in shared memory, and at 256 columns (16k tokens: 256 selection blocks) its default tiles
+# need 262144 bytes, over an H100 / H200's 232448, so inductor finds no config. 128 is the value
+# head dim of the model's own branches, whose calls compile with the default tiles.
+MAX_VALUE_WIDTH = 128
+
+
 def block_onehot(S: int, l_sel: int, width: int, device, dtype) -> Tensor:
     """[S, width]: key s -> one-hot of its selection block s // l_sel."""
     return torch.nn.functional.one_hot(torch.arange(S, device=device) // l_sel, width).to(dtype)
@@ -56,12 +63,15 @@ def overlap_values(nc: int, ns: int, cfg, width: int, device, dtype) -> Tensor:
 
 def block_mass(q: Tensor, k: Tensor, values: Tensor, spec: MaskSpec, backend: str) -> Tensor:
     """Each query head's attention mass on the columns of `values` ([S, width], shared by every
-    batch row and KV head) -> [B, Hkv, T, width] fp32, the mean over each GQA group's heads."""
+    batch row and KV head) -> [B, Hkv, T, width] fp32, the mean over each GQA group's heads.
+    Wider values than MAX_VALUE_WIDTH go in column slices, one attention call each (an output
+    column depends on its value column alone, so the slices' outputs are the whole call's)."""
     B, H, T, _ = q.shape
     Hkv, S = k.shape[1], k.shape[2]
-    v = values.expand(B, Hkv, S, values.shape[-1])
     attend = attend_reference if resolve_backend(backend, q.device) == "reference" else attend_flex
-    out, _ = attend(q, k, v, spec)
+    outs = [attend(q, k, values[:, c:c + MAX_VALUE_WIDTH].contiguous().expand(B, Hkv, S, -1), spec)[0]
+            for c in range(0, values.shape[-1], MAX_VALUE_WIDTH)]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, -1)
     return out.float().view(B, Hkv, H // Hkv, T, -1).mean(2)
 
 

@@ -210,3 +210,33 @@ def test_flex_equals_reference_on_gpu():
     with torch.autocast("cuda", torch.bfloat16):
         (0 * c(x, doc_ids)).sum().backward()
     assert abs(float(flex.telemetry_stats[tm.DISTILL]) - kl_ref) < 0.03 * kl_ref
+
+
+@pytest.mark.parametrize("width", [16, 128, 256, 512])
+def test_block_mass_passes_at_most_128_value_columns_to_one_call(monkeypatch, width):
+    """block_mass: an attention call takes at most MAX_VALUE_WIDTH value columns (flex's forward at
+    256 columns -- 16k tokens of 64-token selection blocks -- needs more shared memory than an H100
+    has: no config compiles), and the slices' masses are the dense softmax's, document masks too."""
+    import nsa_flex.distill as distill
+
+    widths = []
+
+    def spy(q, k, v, spec):
+        widths.append(v.shape[-1])
+        return attend_reference(q, k, v, spec)
+
+    from nsa_flex.attention import attend_reference
+    monkeypatch.setattr(distill, "attend_reference", spy)
+    cfg = NSAConfig(**DBG)
+    B, H, Hkv, T, D = 2, 4, 2, 40, 16
+    g = torch.Generator().manual_seed(width)
+    q, k = torch.randn(B, H, T, D, generator=g), torch.randn(B, Hkv, T, D, generator=g)
+    values = torch.randn(T, width, generator=g)
+    docs = _docs(B, T, [13])
+    spec = builder_info("causal").fn(MaskContext(cfg, B, T, "cpu", doc_ids=docs))
+    got = distill.block_mass(q, k, values, spec, "reference")
+    assert max(widths) <= distill.MAX_VALUE_WIDTH == 128 and len(widths) == -(-width // 128)
+    vis = (torch.arange(T).view(T, 1) >= torch.arange(T)) & (docs.view(B, 1, T, 1) == docs.view(B, 1, 1, T))
+    s = (q.view(B, Hkv, H // Hkv, T, D) @ k.unsqueeze(2).transpose(-1, -2)) / math.sqrt(D)
+    p = s.masked_fill(~vis.unsqueeze(1), float("-inf")).softmax(-1)
+    torch.testing.assert_close(got, (p @ values).mean(2), rtol=1e-5, atol=1e-5)
