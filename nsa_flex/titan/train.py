@@ -9,8 +9,9 @@ numbers are in range, the folders are writable and rank 0 locks the dump and che
 (:class:`nsa_flex.errors.UserError`, config-parsing errors) are printed as one line, exit code 2;
 a non-finite step exits with 3 (:data:`nsa_flex.titan.ops.EXIT_NONFINITE`), a halted run (halt
 file, SIGTERM, Ctrl-C; a checkpoint to resume from) with 4 (:data:`nsa_flex.titan.ops.EXIT_HALTED`);
-a data loader worker that died (the host's out-of-memory killer, most often) or a step out of
-memory is one message naming the step and the checkpoint a rerun resumes from, exit code 1
+a data loader worker that died (the host's out-of-memory killer, most often), a step out of
+memory or a failed torch.compile is one message naming the step and the checkpoint a rerun
+resumes from, exit code 1
 (:func:`crash_message`).
 ``--section.field true|false`` of a boolean field is accepted (:func:`bool_flags`). ``nsa-train``
 (:mod:`nsa_flex.titan.cli`) is this entry point plus the single-process environment and a default
@@ -25,6 +26,7 @@ import sys
 import time
 
 import torch
+from torch._dynamo.exc import BackendCompilerFailed
 from torchtitan.config import ConfigManager, JobConfig
 from torchtitan.train import main as titan_main
 
@@ -157,11 +159,12 @@ _WORKER_DIED = re.compile(r"DataLoader worker \(pid")
 
 def crash_message(e: BaseException, trainer: NSATrainer | None) -> str | None:
     """The message for a training run stopped by a fault a rerun can get past: a data loader worker
-    process that died (``[training.dataloader] num_workers`` > 0), or a step that ran out of
-    memory (torch's ``OutOfMemoryError``): the step it stopped in, the likely cause, what to change
-    and the newest complete checkpoint that rerunning resumes from; None for any other error. The
-    step in flight is not saved (a dead worker takes the loader's position with it; an
-    out-of-memory step is half done)."""
+    process that died (``[training.dataloader] num_workers`` > 0), a step that ran out of memory
+    (torch's ``OutOfMemoryError``), or torch.compile's backend that failed (e.g. inductor finding
+    no kernel config within the GPU's shared memory): the step it stopped in, the likely cause,
+    what to change and the newest complete checkpoint that rerunning resumes from; None for any
+    other error. The step in flight is not saved (a dead worker takes the loader's position with
+    it; an out-of-memory step is half done)."""
     what = str(e).strip()
     step = f" in step {trainer.step}" if trainer is not None and trainer.step > 0 else ""
     if isinstance(e, torch.OutOfMemoryError):
@@ -172,6 +175,10 @@ def crash_message(e: BaseException, trainer: NSATrainer | None) -> str | None:
         msg = (f"the data loader's worker process died{step} ({what}); a worker killed by SIGKILL is most "
                "often the host's out-of-memory killer: fewer [training.dataloader] num_workers or a smaller "
                "prefetch_factor use less host memory")
+    elif isinstance(e, BackendCompilerFailed):  # inductor's InductorError too
+        first = next((line.strip() for line in what.splitlines() if line.strip()), type(e).__name__)
+        msg = (f"torch.compile failed{step} (inductor: {first}); --compile.no-enable ([compile] enable = "
+               "false) trains without it, slower; TORCHDYNAMO_VERBOSE=1 shows where")
     else:
         return None
     if trainer is None:

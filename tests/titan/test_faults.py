@@ -149,3 +149,21 @@ def test_a_step_out_of_memory_is_one_message_naming_the_checkpoint(tmp_path):
     assert err[0].endswith(f"the newest checkpoint: {d / 'checkpoint' / 'step-4'}; rerun the same command to "
                            "resume from it"), err
     assert "Traceback" not in out
+
+
+@pytest.mark.slow  # a training run
+def test_a_failed_compile_is_one_message_naming_the_way_around(tmp_path):
+    """torch.compile's backend failing (here for real: inductor with no working C++ compiler, CXX
+    = /bin/false, and an empty compile cache; on a GPU e.g. no kernel config within the shared
+    memory) stops the run with one line: the step, inductor's own first line, how to train
+    without compiling; exit 1, no traceback."""
+    env = {**launch_env(), "CXX": "/bin/false", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    cmd = [sys.executable, "-m", "nsa_flex.titan.cli", "--job.config_file", str(CONFIG),
+           "--job.dump_folder", str(tmp_path / "run"), "--training.steps", "3", "--compile.enable"]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = p.stdout + p.stderr
+    assert p.returncode == 1, out[-3000:]
+    err = _errors(p)
+    assert len(err) == 1 and err[0].startswith("nsa-train: error: torch.compile failed in step 1 (inductor: "
+                                               "InvalidCxxCompiler: No working C++ compiler"), out[-3000:]
+    assert "--compile.no-enable" in err[0] and "Traceback" not in out
