@@ -19,8 +19,8 @@ Both sides are attention calls: block masses are an attention output whose value
 one-hot selection block (target; keys -> blocks) or Eq. 9's overlap weights (pred; compressed
 blocks -> blocks), so the flex backend runs them fused and never holds a [T, T] score matrix.
 The dense target costs a causal attention forward over the sequence (head dim of the values:
-the number of selection blocks, padded; one forward per MAX_VALUE_WIDTH of them): meant for
-short-context training, e.g. a curriculum's short phase.
+the number of selection blocks, padded; one forward per MAX_VALUE_WIDTH of them), so at long
+context it takes back part of NSA's speed in training (never in evaluation or decoding).
 
 The loss enters through the layer's output (`attach_loss`: an identity whose backward also seeds
 the loss), so the trainer's loss, its logs and validation are unchanged.

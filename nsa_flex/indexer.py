@@ -21,8 +21,8 @@ only gradient: `sel_distill` > 0 is required).
 
 Cost: one causal attention over the sequence (`indexer_heads` heads a KV group, head dim
 `indexer_dim`, values the one-hot selection blocks: width Ns, one call per 128 of them), as the
-distillation's target costs, and the [B, Hkv, T, Ns] fp32 scores: for short-context training, as
-the distillation is.
+distillation's target costs, and the [B, Hkv, T, Ns] fp32 scores; unlike the distillation it also
+runs in evaluation (decoding refuses it: nsa_flex.inference.decode.branch_modes).
 """
 
 import torch
