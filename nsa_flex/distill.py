@@ -43,10 +43,10 @@ def value_width(ns: int) -> int:
     return max(16, 1 << (ns - 1).bit_length())
 
 
-# The widest values one attention call of block_mass takes: flex's forward tiles hold a block of
-# values in shared memory, and at 256 columns (16k tokens: 256 selection blocks) its default tiles
-# need 262144 bytes, over an H100 / H200's 232448, so inductor finds no config. 128 is the value
-# head dim of the model's own branches, whose calls compile with the default tiles.
+# The widest values one attention call of block_mass takes: flex's forward keeps a q tile and, per
+# pipeline stage, a k and a v tile in shared memory. Its H100 / H200 default at d_qk 64 in bf16
+# (128 x 128 tiles, 3 stages) needs 262144 bytes at 256 value columns (16k tokens: 256 selection
+# blocks), over the card's 232448, so inductor finds no config; at 128 columns 163840.
 MAX_VALUE_WIDTH = 128
 
 

@@ -240,3 +240,20 @@ def test_block_mass_passes_at_most_128_value_columns_to_one_call(monkeypatch, wi
     s = (q.view(B, Hkv, H // Hkv, T, D) @ k.unsqueeze(2).transpose(-1, -2)) / math.sqrt(D)
     p = s.masked_fill(~vis.unsqueeze(1), float("-inf")).softmax(-1)
     torch.testing.assert_close(got, (p @ values).mean(2), rtol=1e-5, atol=1e-5)
+
+
+def test_block_mass_slices_fit_flex_forward_tiles_on_h100():
+    """The shared memory of flex's default forward tiles on an H100 / H200 (inductor's own table)
+    for a block_mass call at d_qk 64 in bf16: the q tile and, per pipeline stage, a k and a v tile.
+    At 256 value columns that is 262144 bytes, what inductor reported for the indexer at 16k (no
+    config compiled, the card has 232448); at MAX_VALUE_WIDTH it fits."""
+    heuristics = pytest.importorskip("torch._inductor.template_heuristics.triton")
+    import nsa_flex.distill as distill
+
+    conf = heuristics.CUDAConfigHeuristic().h100_default_flex_config[(torch.bfloat16, 64)]
+
+    def shared_bytes(width):
+        return 2 * (conf.block_m * 64 + conf.num_stages * conf.block_n * (64 + width))
+
+    assert shared_bytes(256) == 262144
+    assert shared_bytes(distill.MAX_VALUE_WIDTH) <= 232448
