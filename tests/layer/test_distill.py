@@ -218,6 +218,7 @@ def test_block_mass_passes_at_most_128_value_columns_to_one_call(monkeypatch, wi
     256 columns -- 16k tokens of 64-token selection blocks -- needs more shared memory than an H100
     has: no config compiles), and the slices' masses are the dense softmax's, document masks too."""
     import nsa_flex.distill as distill
+    from nsa_flex.attention import attend_reference
 
     widths = []
 
@@ -225,7 +226,6 @@ def test_block_mass_passes_at_most_128_value_columns_to_one_call(monkeypatch, wi
         widths.append(v.shape[-1])
         return attend_reference(q, k, v, spec)
 
-    from nsa_flex.attention import attend_reference
     monkeypatch.setattr(distill, "attend_reference", spy)
     cfg = NSAConfig(**DBG)
     B, H, Hkv, T, D = 2, 4, 2, 40, 16
