@@ -4,6 +4,7 @@ stderr and exits with code 2; a traceback is left for bugs. A leaf: imports noth
 
 import errno
 import sys
+from collections.abc import Callable
 
 EXIT_USER_ERROR = 2
 
@@ -22,18 +23,24 @@ class DiskSpaceError(UserError, OSError):
     """A disk is (or would be) full: a checkpoint's folder, the metrics file."""
 
 
-def space_error(e: BaseException | None, depth: int = 0) -> BaseException | None:
-    """The full-disk error that ``e`` is or wraps (ENOSPC, torch's "unexpected pos" of a short
-    write; within DCP's ``CheckpointException``, a ``BaseException`` holding each rank's error, or
-    a cause), else None."""
+def find_error(e: BaseException | None, match: Callable[[BaseException], bool],
+               depth: int = 0) -> BaseException | None:
+    """The first error in ``e``, the errors it wraps (DCP's ``CheckpointException``, a
+    ``BaseException`` holding each rank's error) and their causes that ``match`` accepts, else None."""
     if e is None or depth > 8:
         return None
-    if (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or (
-            isinstance(e, RuntimeError) and "unexpected pos" in str(e)):
+    if match(e):
         return e
     failures = getattr(e, "failures", None)
     for f in (failures.values() if isinstance(failures, dict) else ()):
-        found = space_error(f[0] if isinstance(f, tuple) else f, depth + 1)
+        found = find_error(f[0] if isinstance(f, tuple) else f, match, depth + 1)
         if found is not None:
             return found
-    return space_error(e.__cause__ or e.__context__, depth + 1)
+    return find_error(e.__cause__ or e.__context__, match, depth + 1)
+
+
+def space_error(e: BaseException | None) -> BaseException | None:
+    """The full-disk error that ``e`` is or wraps (ENOSPC, torch's "unexpected pos" of a short
+    write), else None."""
+    return find_error(e, lambda x: (isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT))
+                      or (isinstance(x, RuntimeError) and "unexpected pos" in str(x)))

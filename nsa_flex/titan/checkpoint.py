@@ -28,10 +28,12 @@ restored step.
 :class:`nsa_flex.titan.ops.NonFiniteError`); a full disk during the save (ENOSPC, or torch's
 "unexpected pos" of a short write, also wrapped in DCP's ``CheckpointException``, which is no
 ``Exception``) removes the partial folder and raises one :class:`DiskSpaceError` naming the folder
-and the free space; after a save rank 0 writes the config record and the checksums beside the
-checkpoint and keeps exactly ``keep_latest_k`` step folders (torchtitan 0.2.2 does not purge after
-its last-step save). Old folders are removed at once by rank 0 (:func:`purge`), a folder that could
-not be removed is logged as such (torchtitan's purge thread logs "deleted" whatever happened).
+and the free space; any other error that cuts a save short removes its folder too, where DCP's
+``.metadata`` (written last) is missing, and goes on; after a save rank 0 writes the config record
+and the checksums beside the checkpoint and keeps exactly ``keep_latest_k`` step folders
+(torchtitan 0.2.2 does not purge after its last-step save). Old folders are removed at once by
+rank 0 (:func:`purge`), a folder that could not be removed is logged as such (torchtitan's purge
+thread logs "deleted" whatever happened).
 """
 
 import errno
@@ -395,10 +397,12 @@ def save_checked(manager, original, curr_step: int, last_step: bool = False) -> 
         original(manager, curr_step, last_step)
     except BaseException as e:  # DCP's CheckpointException is not an Exception
         full = space_error(e)
+        # a save cut short (a full disk: whatever it wrote; a dead worker, a second Ctrl-C: a folder
+        # without DCP's .metadata, which is written last) leaves no partial folder
+        if _rank0() and (full is not None or not os.path.exists(os.path.join(path, ".metadata"))):
+            shutil.rmtree(path, ignore_errors=True)
         if full is None:
             raise
-        if _rank0():
-            shutil.rmtree(path, ignore_errors=True)
         raise DiskSpaceError(f"checkpoint folder {manager.folder}: the disk is full ({_gib(_free(manager.folder))} "
                              f"free) while saving step {curr_step} ({type(full).__name__}: {full}); the partial "
                              f"{path} is removed, older checkpoints are intact: free space and rerun to "

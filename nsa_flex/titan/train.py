@@ -27,10 +27,11 @@ import time
 
 import torch
 from torch._dynamo.exc import BackendCompilerFailed
+from torch.distributed.checkpoint.api import CheckpointException
 from torchtitan.config import ConfigManager, JobConfig
 from torchtitan.train import main as titan_main
 
-from nsa_flex.errors import EXIT_USER_ERROR, UserError, user_error
+from nsa_flex.errors import EXIT_USER_ERROR, UserError, find_error, user_error
 
 from . import console, curriculum
 from .args import nsa_flex_args
@@ -164,17 +165,20 @@ def crash_message(e: BaseException, trainer: NSATrainer | None) -> str | None:
     no kernel config within the GPU's shared memory): the step it stopped in, the likely cause,
     what to change and the newest complete checkpoint that rerunning resumes from; None for any
     other error. The step in flight is not saved (a dead worker takes the loader's position with
-    it; an out-of-memory step is half done)."""
+    it, also when it dies during that step's checkpoint save; an out-of-memory step is half done)."""
     what = str(e).strip()
     step = f" in step {trainer.step}" if trainer is not None and trainer.step > 0 else ""
+    # a worker's death reaches the training process as torch's SIGCHLD handler raising wherever
+    # that process is: inside a checkpoint save, DCP wraps it in a CheckpointException
+    died = find_error(e, lambda x: isinstance(x, RuntimeError) and bool(_WORKER_DIED.search(str(x))))
     if isinstance(e, torch.OutOfMemoryError):
         msg = (f"out of memory{step} ({what}); less memory a step: a smaller [training] local_batch_size "
                "or seq_len, [activation_checkpoint] mode = \"full\", [nsa] recompute = \"all\" "
                "(nsa-train --preflight estimates the step's memory)")
-    elif isinstance(e, RuntimeError) and _WORKER_DIED.search(what):
-        msg = (f"the data loader's worker process died{step} ({what}); a worker killed by SIGKILL is most "
-               "often the host's out-of-memory killer: fewer [training.dataloader] num_workers or a smaller "
-               "prefetch_factor use less host memory")
+    elif died is not None:
+        msg = (f"the data loader's worker process died{step} ({str(died).strip()}); a worker killed by "
+               "SIGKILL is most often the host's out-of-memory killer: fewer [training.dataloader] "
+               "num_workers or a smaller prefetch_factor use less host memory")
     elif isinstance(e, BackendCompilerFailed):  # inductor's InductorError too
         first = next((line.strip() for line in what.splitlines() if line.strip()), type(e).__name__)
         msg = (f"torch.compile failed{step} (inductor: {first}); --compile.no-enable ([compile] enable = "
@@ -242,7 +246,7 @@ def run(args: list[str], prog: str = "nsa-train") -> int:
         return user_error(str(e), EXIT_NONFINITE, prog=prog)
     except UserError as e:
         return user_error(str(e), prog=prog)
-    except RuntimeError as e:
+    except (RuntimeError, CheckpointException) as e:  # DCP's: a save that a dead worker broke
         msg = crash_message(e, built[-1] if built else None)
         if msg is None:
             raise

@@ -129,6 +129,22 @@ def test_crash_message_names_the_step_the_cause_and_the_checkpoint_and_nothing_e
     assert crash_message(died, trainer(False)).endswith(
         "no checkpoint ([checkpoint] enable = false): a rerun starts from the beginning")
     assert crash_message(died, None).endswith("resumes from the newest complete checkpoint, if any")
+    # the worker dying while the training process writes a checkpoint: torch's SIGCHLD handler raises
+    # inside the save, and DCP hands it on wrapped in a CheckpointException (no Exception)
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    def wrapped(err):
+        try:
+            raise err
+        except RuntimeError as e:
+            return CheckpointException("save", {0: _wrap_exception(e)})
+
+    in_save = crash_message(wrapped(RuntimeError("DataLoader worker (pid 4242) is killed by signal: Killed.")),
+                            trainer(True))
+    assert in_save.startswith("the data loader's worker process died in step 9 (DataLoader worker (pid 4242) is "
+                              "killed by signal: Killed.)") and in_save.endswith(f"{newest}; rerun the same "
+                                                                                  "command to resume from it")
+    assert crash_message(wrapped(RuntimeError("an error of ours")), trainer(True)) is None
     oom = crash_message(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB."), trainer(True))
     assert oom.startswith("out of memory in step 9 (CUDA out of memory. Tried to allocate 2.00 GiB.)")
     assert 'mode = "full"' in oom and "--preflight" in oom and oom.endswith(f"{newest}; rerun the same command "
@@ -167,3 +183,32 @@ def test_a_failed_compile_is_one_message_naming_the_way_around(tmp_path):
     assert len(err) == 1 and err[0].startswith("nsa-train: error: torch.compile failed in step 1 (inductor: "
                                                "InvalidCxxCompiler: No working C++ compiler"), out[-3000:]
     assert "--compile.no-enable" in err[0] and "Traceback" not in out
+
+
+def test_a_save_cut_short_leaves_no_partial_folder(tmp_path):
+    """A checkpoint save that an error cuts short (here the worker's death as DCP hands it on)
+    removes its step folder where DCP's .metadata, written last, is missing, and re-raises; a
+    folder whose .metadata was written stays."""
+    from types import SimpleNamespace
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from nsa_flex.titan.checkpoint import save_checked
+
+    manager = SimpleNamespace(folder=str(tmp_path), states={}, _should_save=lambda step, last: True)
+
+    def cut_short(metadata: bool):
+        def original(m, step, last):
+            (tmp_path / f"step-{step}").mkdir()
+            (tmp_path / f"step-{step}" / "__0_0.distcp").write_bytes(b"x" * 100)
+            if metadata:
+                (tmp_path / f"step-{step}" / ".metadata").write_bytes(b"m")
+            raise CheckpointException("save", {0: (RuntimeError("DataLoader worker (pid 1) is killed"), None)})
+        return original
+
+    with pytest.raises(CheckpointException):
+        save_checked(manager, cut_short(False), 6)
+    assert not (tmp_path / "step-6").exists()
+    with pytest.raises(CheckpointException):
+        save_checked(manager, cut_short(True), 8)
+    assert (tmp_path / "step-8" / ".metadata").exists()
