@@ -19,7 +19,10 @@
   nor their Python warnings;
 * without CUDA, what only concerns NCCL or a CUDA mesh is dropped: torchtitan's
   "ENV[TORCH_NCCL_ASYNC_ERROR_HANDLING] ... will be overridden" and DTensor's "may not have complete
-  support on cpu device mesh" warnings (the CPU data-parallel runs use gloo and DDP).
+  support on cpu device mesh" warnings (the CPU data-parallel runs use gloo and DDP);
+* a data loader worker's death raised inside a log call (torch's SIGCHLD handler raises it
+  wherever the training process is) goes on up to the trainer, which says it in one line
+  (``nsa_flex.titan.train.crash_message``), instead of logging's "--- Logging error ---" traceback.
 """
 
 import json
@@ -99,8 +102,31 @@ def rank_zero() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
+# torch's DataLoader on a worker's death: "DataLoader worker (pid 123) is killed by signal: Killed." /
+# "DataLoader worker (pid(s) 123) exited unexpectedly"
+_WORKER_DIED = re.compile(r"DataLoader worker \(pid")
+
+
+def worker_died(e: BaseException) -> bool:
+    """Whether ``e`` is torch's error for a data loader worker process that died."""
+    return isinstance(e, RuntimeError) and bool(_WORKER_DIED.search(str(e)))
+
+
+def _handle_error(original):
+    def handleError(self, record):  # inside emit's except: sys.exc_info() is the emit's error
+        err = sys.exc_info()[1]
+        if err is not None and worker_died(err):
+            raise err
+        return original(self, record)
+
+    handleError.nsa_flex = True
+    return handleError
+
+
 def setup() -> None:
     """Install the filters (idempotent)."""
+    if not getattr(logging.Handler.handleError, "nsa_flex", False):
+        logging.Handler.handleError = _handle_error(logging.Handler.handleError)
     root = logging.getLogger()
     if not any(isinstance(f, ConsoleFilter) for f in root.filters):
         root.addFilter(ConsoleFilter(color=sys.stdout.isatty()))

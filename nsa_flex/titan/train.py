@@ -153,11 +153,6 @@ def titan_parses(args: list[str]):
         ConfigManager.parse_args.__defaults__ = saved
 
 
-# torch's DataLoader on a worker's death: "DataLoader worker (pid 123) is killed by signal: Killed." /
-# "DataLoader worker (pid(s) 123) exited unexpectedly"
-_WORKER_DIED = re.compile(r"DataLoader worker \(pid")
-
-
 def crash_message(e: BaseException, trainer: NSATrainer | None) -> str | None:
     """The message for a training run stopped by a fault a rerun can get past: a data loader worker
     process that died (``[training.dataloader] num_workers`` > 0), a step that ran out of memory
@@ -170,7 +165,7 @@ def crash_message(e: BaseException, trainer: NSATrainer | None) -> str | None:
     step = f" in step {trainer.step}" if trainer is not None and trainer.step > 0 else ""
     # a worker's death reaches the training process as torch's SIGCHLD handler raising wherever
     # that process is: inside a checkpoint save, DCP wraps it in a CheckpointException
-    died = find_error(e, lambda x: isinstance(x, RuntimeError) and bool(_WORKER_DIED.search(str(x))))
+    died = find_error(e, console.worker_died)
     if isinstance(e, torch.OutOfMemoryError):
         msg = (f"out of memory{step} ({what}); less memory a step: a smaller [training] local_batch_size "
                "or seq_len, [activation_checkpoint] mode = \"full\", [nsa] recompute = \"all\" "

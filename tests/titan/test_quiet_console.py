@@ -108,3 +108,39 @@ def test_only_rank_zero_logs_and_cpu_runs_drop_nccl_notes(monkeypatch):
     assert f.filter(record(logging.INFO, "step: 1/2  loss: 6.2"))
     nccl = "ENV[TORCH_NCCL_ASYNC_ERROR_HANDLING] = 1 will be overridden to 3 based on job config"
     assert f.filter(record(logging.WARNING, nccl)) == torch.cuda.is_available()
+
+
+def test_a_worker_death_inside_a_log_call_reaches_the_trainer(capsys):
+    """torch's SIGCHLD handler raises a dead data loader worker's error wherever the training
+    process is, inside a log call too, where logging would print "--- Logging error ---" with a
+    traceback and go on: under the console's setup that error goes on up (to the trainer's one-line
+    message); any other error inside a log call is logging's as before."""
+    import io
+
+    from nsa_flex.titan import console
+
+    class Failing(io.StringIO):
+        def __init__(self, err):
+            super().__init__()
+            self.err = err
+
+        def write(self, s):
+            raise self.err
+
+    console.setup()
+    console.setup()  # idempotent: one wrapper
+    log = logging.getLogger("nsa_flex.tests.worker_death")
+    log.propagate = False
+    died = RuntimeError("DataLoader worker (pid 7) is killed by signal: Killed. ")
+    for err, raises in ((died, True), (ValueError("a bug in a handler"), False)):
+        handler = logging.StreamHandler(Failing(err))
+        log.addHandler(handler)
+        try:
+            if raises:
+                with pytest.raises(RuntimeError, match=r"DataLoader worker \(pid 7\) is killed"):
+                    log.warning("step 5")
+            else:
+                log.warning("step 5")
+                assert "--- Logging error ---" in capsys.readouterr().err
+        finally:
+            log.removeHandler(handler)
