@@ -215,8 +215,8 @@ def test_indexer_and_distillation_compile_and_train_at_16k():
     """The 125M layer with quality_curriculum.toml's [nsa] selection (indexer, distillation, the
     learned compression, RoPE base 1e6) compiled by inductor at 16k tokens, forward and backward in
     bf16: 256 selection blocks, so the indexer's and the target's one-hot values are 256 wide,
-    which one flex call could not hold in an H100's shared memory (no config compiled); the block
-    masses now go in 128-column slices. The KL and the indexer's gradient come out finite."""
+    more than one flex call holds in an H100's shared memory: block_mass's 128-column slices
+    compile. The KL and the indexer's gradient come out finite."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     torch._dynamo.reset()

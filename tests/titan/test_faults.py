@@ -22,11 +22,12 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "titan_configs" / "debug_nsa.toml"
 
 
-def _train(dump: Path, steps: int, *extra: str) -> subprocess.CompletedProcess:
+def _train(dump: Path, steps: int, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "nsa_flex.titan.cli", "--job.config_file", str(CONFIG),
            "--job.dump_folder", str(dump), "--training.steps", str(steps), "--checkpoint.enable",
            "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "3", *extra]
-    return subprocess.run(cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, cwd=ROOT, env={**launch_env(), **(env or {})}, capture_output=True, text=True,
+                          timeout=300)
 
 
 def _errors(p) -> list[str]:
@@ -173,10 +174,8 @@ def test_a_failed_compile_is_one_message_naming_the_way_around(tmp_path):
     = /bin/false, and an empty compile cache; on a GPU e.g. no kernel config within the shared
     memory) stops the run with one line: the step, inductor's own first line, how to train
     without compiling; exit 1, no traceback."""
-    env = {**launch_env(), "CXX": "/bin/false", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-    cmd = [sys.executable, "-m", "nsa_flex.titan.cli", "--job.config_file", str(CONFIG),
-           "--job.dump_folder", str(tmp_path / "run"), "--training.steps", "3", "--compile.enable"]
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    p = _train(tmp_path / "run", 3, "--compile.enable",
+               env={"CXX": "/bin/false", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})
     out = p.stdout + p.stderr
     assert p.returncode == 1, out[-3000:]
     err = _errors(p)
