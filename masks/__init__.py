@@ -3,7 +3,7 @@
     from masks import get_mask_builder, causal, sliding_window, and_masks
 """
 
-from .builders import (causal, compressed_causal, doc_start, document, drop_forced,
+from .builders import (causal, compressed_causal, doc_start, document, drop_forced, key_range,
                        forced_blocks, forced_parts, selection, selection_block_flags, sliding_window)
 from .core import MaskSpec, Selection, and_masks, at_offset, band_block_flags, block_mask_from_flags, or_masks
 from .registry import (PRESETS, BuilderInfo, MaskBuilderError, MaskContext, builder_info,
@@ -14,6 +14,6 @@ __all__ = [
     "MaskSpec", "Selection", "at_offset", "MaskContext", "BuilderInfo", "builder_info", "and_masks", "or_masks", "band_block_flags", "forced_blocks",
     "forced_parts", "drop_forced", "block_mask_from_flags",
     "causal", "sliding_window", "compressed_causal", "selection", "selection_block_flags",
-    "document", "doc_start", "PRESETS", "get_mask_builder", "list_mask_builders",
+    "document", "doc_start", "key_range", "PRESETS", "get_mask_builder", "list_mask_builders",
     "register_mask_builder", "MaskBuilderError", "check_causal", "import_builder_modules",
 ]

@@ -74,6 +74,19 @@ def document(doc_ids: Tensor, kv_stride: int = 1, kv_span: int = 1) -> MaskSpec:
     return MaskSpec(mask_mod, interval=interval, name="document")
 
 
+def key_range(lo: int, hi: int) -> MaskSpec:
+    """Keys lo .. hi - 1 only, for every query: one span of the keys, for attention split by key
+    span (and-ed with a causal mask; alone it is not causal)."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx >= lo) & (kv_idx < hi)
+
+    def interval(q):
+        return torch.full_like(q, lo).unsqueeze(0), torch.full_like(q, hi - 1).unsqueeze(0)
+
+    return MaskSpec(mask_mod, interval=interval, name=f"key_range({lo},{hi})")
+
+
 def doc_start(doc_ids: Tensor) -> Tensor:
     """[B, T] -> first position of each token's document (doc_ids non-decreasing along T)."""
     B, T = doc_ids.shape

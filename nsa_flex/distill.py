@@ -18,9 +18,10 @@ with a KL loss toward the main attention's mass; here the same for NSA's scorer,
 Both sides are attention calls: block masses are an attention output whose values are each key's
 one-hot selection block (target; keys -> blocks) or Eq. 9's overlap weights (pred; compressed
 blocks -> blocks), so the flex backend runs them fused and never holds a [T, T] score matrix.
-The dense target costs a causal attention forward over the sequence (head dim of the values:
-the number of selection blocks, padded; one forward per MAX_VALUE_WIDTH of them), so at long
-context it takes back part of NSA's speed in training (never in evaluation or decoding).
+The dense target costs about one causal attention forward over the sequence (values: the one-hot
+selection blocks, at most MAX_VALUE_WIDTH of them a call, each call over its blocks' keys alone:
+`token_block_mass`), so at long context it takes back part of NSA's speed in training (never in
+evaluation or decoding).
 
 The loss enters through the layer's output (`attach_loss`: an identity whose backward also seeds
 the loss), so the trainer's loss, its logs and validation are unchanged.
@@ -29,7 +30,7 @@ the loss), so the trainer's loss, its logs and validation are unchanged.
 import torch
 from torch import Tensor
 
-from masks import MaskSpec
+from masks import MaskSpec, and_masks, key_range
 
 from .attention import attend_flex, attend_reference
 from .config import resolve_backend
@@ -75,15 +76,47 @@ def block_mass(q: Tensor, k: Tensor, values: Tensor, spec: MaskSpec, backend: st
     return out.float().view(B, Hkv, H // Hkv, T, -1).mean(2)
 
 
+def token_block_mass(q: Tensor, k: Tensor, spec: MaskSpec, l_sel: int, backend: str) -> Tensor:
+    """Each query head's attention mass on the selection blocks of its token keys (key s in block
+    s // l_sel) -> [B, Hkv, T, Ns] fp32, the mean over each GQA group's heads: `block_mass` of the
+    one-hot values. Over MAX_VALUE_WIDTH blocks, one attention call per span of that many blocks
+    over the span's keys alone (`key_range`; a block's mass depends on its own keys only), each
+    rescaled to the whole softmax by the spans' log-sum-exps: about one causal pass at any length,
+    where a call per column slice over every key costs a pass each. CPU flex returns no
+    log-sum-exp: there the column slices."""
+    B, H, T, _ = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    ns, W = -(-S // l_sel), MAX_VALUE_WIDTH
+    reference = resolve_backend(backend, q.device) == "reference"
+    if value_width(ns) <= W or not (reference or q.is_cuda):
+        return block_mass(q, k, block_onehot(S, l_sel, value_width(ns), q.device, q.dtype), spec,
+                          backend)[..., :ns]
+    attend = attend_reference if reference else attend_flex
+    span = W * l_sel
+    onehot = block_onehot(span, l_sel, W, q.device, q.dtype)
+    outs, lses = [], []
+    for lo in range(0, S, span):
+        hi = min(lo + span, S)
+        v = torch.nn.functional.pad(onehot[:hi - lo], (0, 0, lo, 0))  # keys before the span: 0
+        out, lse = attend(q, k[:, :, :hi], v.expand(B, Hkv, hi, W), and_masks(spec, key_range(lo, hi)))
+        outs.append(out)
+        lses.append(lse)
+    acc = torch.promote_types(q.dtype, torch.float32)
+    lse = torch.stack(lses).to(acc)  # [spans, B, H, T]; a span a row does not see: -inf
+    m = lse.amax(0).detach()
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp(lse - m)
+    w = w / w.sum(0).clamp_min(torch.finfo(acc).tiny)
+    out = torch.cat([o.to(acc) * w[i].unsqueeze(-1) for i, o in enumerate(outs)], -1)
+    return out.float().view(B, Hkv, H // Hkv, T, -1).mean(2)[..., :ns]
+
+
 def selected_target(q: Tensor, k_sel: Tensor, cfg, causal_spec: MaskSpec) -> Tensor:
     """The target (module docstring): the mass q [B, H, T, d_qk] and the selected branch's keys
     k_sel [B, Hkv, T, d_qk] put on each selection block under dense causal attention (causal_spec,
     documents included), the mean over each GQA group's heads -> [B, Hkv, T, Ns] fp32, no gradient."""
-    T = q.shape[2]
-    ns = -(-T // cfg.l_sel)
     with torch.no_grad():
-        onehot = block_onehot(T, cfg.l_sel, value_width(ns), q.device, q.dtype)
-        return block_mass(q.detach(), k_sel.detach(), onehot, causal_spec, cfg.backend)[..., :ns]
+        return token_block_mass(q.detach(), k_sel.detach(), causal_spec, cfg.l_sel, cfg.backend)
 
 
 def block_kl(target: Tensor, pred: Tensor, cfg, starts: Tensor | None) -> Tensor:

@@ -19,8 +19,8 @@ masses take p_slc's place in the top-n rule (Eq. 11: forced blocks first, then b
 `select_topn`), and the distillation trains it toward the selected branch's dense block mass (its
 only gradient: `sel_distill` > 0 is required).
 
-Cost: one causal attention over the sequence (`indexer_heads` heads a KV group, head dim
-`indexer_dim`, values the one-hot selection blocks: width Ns, one call per 128 of them), as the
+Cost: about one causal attention over the sequence (`indexer_heads` heads a KV group, head dim
+`indexer_dim`, values the one-hot selection blocks: `distill.token_block_mass`), as the
 distillation's target costs, and the [B, Hkv, T, Ns] fp32 scores; unlike the distillation it also
 runs in evaluation (decoding refuses it: nsa_flex.inference.decode.branch_modes).
 """
@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from masks import MaskSpec
 
-from .distill import block_mass, block_onehot, value_width
+from .distill import token_block_mass
 from .rope import apply_rope, rope_cos_sin
 
 
@@ -57,6 +57,4 @@ class BlockIndexer(nn.Module):
         k = self.wk(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         cos, sin = rope_cos_sin(torch.arange(T, device=x.device), self.head_dim, cfg.rope_theta)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        ns = -(-T // cfg.l_sel)
-        onehot = block_onehot(T, cfg.l_sel, value_width(ns), x.device, q.dtype)
-        return block_mass(q, k, onehot, causal_spec, cfg.backend)[..., :ns]
+        return token_block_mass(q, k, causal_spec, cfg.l_sel, cfg.backend)

@@ -8,7 +8,9 @@
   setting is 0, in eval mode and under no_grad (outputs bit-identical);
 * compiled (fullgraph, aot_eager) it gives the eager gradients; telemetry logs the KL; context
   parallelism is refused by name;
-* the config's errors name the field; the flex path on the GPU equals the reference path.
+* the config's errors name the field; the flex path on the GPU equals the reference path;
+* block masses of token keys over many blocks: one call per span of blocks over its own keys,
+  merged through the log-sum-exps, equal to the dense softmax's.
 """
 
 import math
@@ -80,8 +82,13 @@ def naive_kl(q, k_cmp, k_sel, cfg, doc_ids):
     return total / max(rows, 1)
 
 
+@pytest.mark.parametrize("span_blocks", [128, 4])
 @pytest.mark.parametrize("cuts", [(), (45, 110)])
-def test_loss_equals_naive(cuts):
+def test_loss_equals_naive(cuts, span_blocks, monkeypatch):
+    """span_blocks 4: the target's block masses in spans of 4 blocks (three calls), the path past
+    128 blocks; the prediction's over 10 blocks in column slices of 4 (block_mass)."""
+    import nsa_flex.distill as distill
+    monkeypatch.setattr(distill, "MAX_VALUE_WIDTH", span_blocks)
     cfg = NSAConfig(**DBG, sel_distill=1.0)
     B, H, Hkv, T, D = 2, 4, 2, 160, 16
     g = torch.Generator().manual_seed(1)
@@ -141,7 +148,11 @@ def test_following_the_gradient_lowers_the_loss():
     assert last < 0.7 * first, (first, last)
 
 
-def test_compiled_gradients_equal_eager():
+@pytest.mark.parametrize("span_blocks", [128, 2])
+def test_compiled_gradients_equal_eager(span_blocks, monkeypatch):
+    """span_blocks 2: the target's block masses in spans (nsa_flex.distill.token_block_mass)."""
+    import nsa_flex.distill as distill
+    monkeypatch.setattr(distill, "MAX_VALUE_WIDTH", span_blocks)
     x = torch.randn(2, 80, 64)
     eager, comp = _layer(seed=5, sel_distill=1.0), _layer(seed=5, sel_distill=1.0)
     (eager(x) ** 2).sum().backward()
@@ -240,6 +251,80 @@ def test_block_mass_passes_at_most_128_value_columns_to_one_call(monkeypatch, wi
     s = (q.view(B, Hkv, H // Hkv, T, D) @ k.unsqueeze(2).transpose(-1, -2)) / math.sqrt(D)
     p = s.masked_fill(~vis.unsqueeze(1), float("-inf")).softmax(-1)
     torch.testing.assert_close(got, (p @ values).mean(2), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("T,cuts", [(40, []), (40, [13]), (37, [5, 30]), (8, [])])
+def test_token_block_mass_spans_read_their_own_keys_and_equal_the_dense_softmax(monkeypatch, T, cuts):
+    """token_block_mass over more blocks than one call's values take: one call per span of
+    MAX_VALUE_WIDTH blocks, each reading only its span's keys (none after it: K/V cut there; none
+    before it: masked), and the spans' masses rescaled by their log-sum-exps are the dense
+    softmax's masses, with documents (a row that sees no key of a span) too; the gradients to q and
+    k are the column-slice path's. (MAX_VALUE_WIDTH is 4 here so that 40 tokens in blocks of 2 make
+    five spans.)"""
+    import nsa_flex.distill as distill
+    from nsa_flex.attention import attend_reference
+
+    calls = []
+
+    def spy(q, k, v, spec):
+        vis = spec.dense(q.shape[0], q.shape[2], k.shape[2], device="cpu")  # [B|1, 1, T, S]
+        keys = vis.any(0).any(0).any(0).nonzero().flatten()
+        calls.append((v.shape[-1], k.shape[2], int(keys.min()) if len(keys) else None))
+        return attend_reference(q, k, v, spec)
+
+    monkeypatch.setattr(distill, "attend_reference", spy)
+    monkeypatch.setattr(distill, "MAX_VALUE_WIDTH", 4)
+    cfg = NSAConfig(**DBG)
+    B, H, Hkv, D, l_sel = 2, 4, 2, 16, 2
+    g = torch.Generator().manual_seed(T + len(cuts))
+    q = torch.randn(B, H, T, D, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(B, Hkv, T, D, generator=g, dtype=torch.float64, requires_grad=True)
+    docs = _docs(B, T, cuts)
+    spec = builder_info("causal").fn(MaskContext(cfg, B, T, "cpu", doc_ids=docs))
+    got = distill.token_block_mass(q, k, spec, l_sel, "reference")
+    ns, span = -(-T // l_sel), 4 * l_sel
+    if ns > 4:
+        assert [c[0] for c in calls] == [4] * len(calls) and len(calls) == -(-T // span)
+        assert [c[1] for c in calls] == [min(lo + span, T) for lo in range(0, T, span)]
+        assert all(c[2] is None or c[2] >= lo for c, lo in zip(calls, range(0, T, span)))
+    vis = (torch.arange(T).view(T, 1) >= torch.arange(T)) & (docs.view(B, 1, T, 1) == docs.view(B, 1, 1, T))
+    s = (q.view(B, Hkv, H // Hkv, T, D) @ k.unsqueeze(2).transpose(-1, -2)) / math.sqrt(D)
+    p = s.masked_fill(~vis.unsqueeze(1), float("-inf")).softmax(-1)
+    onehot = torch.nn.functional.one_hot(torch.arange(T) // l_sel, ns).double()
+    want = (p @ onehot).mean(2)
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+    w = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    gq, gk = torch.autograd.grad((got * w).sum(), (q, k))
+    monkeypatch.setattr(distill, "MAX_VALUE_WIDTH", 128)  # one call, the whole softmax
+    cq, ck = torch.autograd.grad((distill.token_block_mass(q, k, spec, l_sel, "reference") * w).sum(), (q, k))
+    torch.testing.assert_close(gq, cq, rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(gk, ck, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.gpu
+def test_token_block_mass_spans_on_flex_equal_reference_on_gpu(monkeypatch):
+    """The spans' flex calls (each with its log-sum-exp, compiled by attend_flex) and their merge
+    against the reference backend, fp32, with documents: masses and the gradients to q and k.
+    (Spans of 4 blocks: 1024 tokens in 64-token blocks make four.)"""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import nsa_flex.distill as distill
+
+    monkeypatch.setattr(distill, "MAX_VALUE_WIDTH", 4)
+    cfg = NSAConfig(**{**DBG, "l_sel": 64})
+    B, H, Hkv, T, D = 2, 4, 2, 1024, 64
+    g = torch.Generator().manual_seed(0)
+    q0, k0 = torch.randn(B, H, T, D, generator=g), torch.randn(B, Hkv, T, D, generator=g)
+    docs = _docs(B, T, [300, 700])
+    w = torch.randn(B, Hkv, T, T // 64, generator=g).cuda()
+    res = {}
+    for backend in ("reference", "flex"):
+        q, k = q0.cuda().requires_grad_(), k0.cuda().requires_grad_()
+        spec = builder_info("causal").fn(MaskContext(cfg, B, T, "cuda", doc_ids=docs.cuda()))
+        got = distill.token_block_mass(q, k, spec, 64, backend)
+        res[backend] = (got.detach(), *torch.autograd.grad((got * w).sum(), (q, k)))
+    for a, b in zip(res["flex"], res["reference"]):
+        torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-4)
 
 
 def test_block_mass_slices_fit_flex_forward_tiles_on_h100():

@@ -95,8 +95,13 @@ def _picks(m, x, doc_ids):
     return y, got["idx"]
 
 
+@pytest.mark.parametrize("span_blocks", [128, 2])
 @pytest.mark.parametrize("cuts", [(), (40,)])
-def test_scores_and_picks_equal_naive(cuts):
+def test_scores_and_picks_equal_naive(cuts, span_blocks, monkeypatch):
+    """span_blocks 2: distill.token_block_mass in spans of 2 blocks (three calls, merged through
+    their log-sum-exps), the path the indexer takes past 128 blocks (8192 tokens)."""
+    import nsa_flex.distill as distill
+    monkeypatch.setattr(distill, "MAX_VALUE_WIDTH", span_blocks)
     m = _layer()
     x = torch.randn(2, T, 64)
     doc_ids = _docs(2, cuts) if cuts else None
@@ -116,9 +121,18 @@ def test_scores_and_picks_equal_naive(cuts):
 
 
 @settings(max_examples=12, deadline=None)
-@given(cut=st.integers(1, T - 1), doc=st.integers(0, T - 1), seed=st.integers(0, 2**16))
-def test_strictly_causal(cut, doc, seed):
-    """Positions < cut see nothing of positions >= cut: outputs, scores and picks unchanged."""
+@given(cut=st.integers(1, T - 1), doc=st.integers(0, T - 1), seed=st.integers(0, 2**16),
+       span_blocks=st.sampled_from([128, 2]))
+def test_strictly_causal(cut, doc, seed, span_blocks):
+    """Positions < cut see nothing of positions >= cut: outputs, scores and picks unchanged (the
+    block masses in one call, or in spans of 2 blocks as past 8192 tokens)."""
+    import nsa_flex.distill as distill
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(distill, "MAX_VALUE_WIDTH", span_blocks)
+        _strictly_causal(cut, doc, seed)
+
+
+def _strictly_causal(cut, doc, seed):
     m = _layer()
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(1, T, 64, generator=g)
@@ -155,7 +169,10 @@ def test_following_the_gradient_lowers_the_kl():
     assert first > 0.05 and last < 0.5 * first, (first, last)
 
 
-def test_eval_has_no_distillation_and_compiled_equals_eager():
+@pytest.mark.parametrize("span_blocks", [128, 2])
+def test_eval_has_no_distillation_and_compiled_equals_eager(span_blocks, monkeypatch):
+    import nsa_flex.distill as distill
+    monkeypatch.setattr(distill, "MAX_VALUE_WIDTH", span_blocks)
     x = torch.randn(2, T, 64)
     m = _layer(seed=5)
     c = torch.compile(m, backend="aot_eager", fullgraph=True)
@@ -215,8 +232,8 @@ def test_indexer_and_distillation_compile_and_train_at_16k():
     """The 125M layer with quality_curriculum.toml's [nsa] selection (indexer, distillation, the
     learned compression, RoPE base 1e6) compiled by inductor at 16k tokens, forward and backward in
     bf16: 256 selection blocks, so the indexer's and the target's one-hot values are 256 wide,
-    more than one flex call holds in an H100's shared memory: block_mass's 128-column slices
-    compile. The KL and the indexer's gradient come out finite."""
+    more than one flex call holds in an H100's shared memory: token_block_mass's two spans of 128
+    blocks compile, their log-sum-exps with them. The KL and the indexer's gradient come out finite."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     torch._dynamo.reset()
