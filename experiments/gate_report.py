@@ -17,7 +17,9 @@ and prints the first step where each variant reached 50% and 95% exact. Where th
 ran (OUT/<variant>/needle/needle.csv; else the newest of a run's evaluations while it trained,
 needle_step-N/, named in the column "evaluated"), also DIR/gate_depth.csv: per variant and needle depth the
 prompts answered right and the mean selection recall of the needle's block at the question (NSA:
-whether the answers come from the selection or only from the window). Where NSA's telemetry was
+whether the answers come from the selection or only from the window); where the final checkpoint
+was evaluated beyond its training length too (OUT/<variant>/needle_long, retrieval_gate.sh's
+LONG_LENGTHS), DIR/gate_lengths.csv: the same per variant and length. Where NSA's telemetry was
 logged (`[nsa] telemetry_every`), also DIR/gate_layers.csv: per variant, step and layer the gates'
 shares of the three branches, the mean selection distance (blocks back) and the distillation's KL
 (the indexer's; '' without), so runs whose copy formed and runs whose did not compare layer by layer.
@@ -121,6 +123,25 @@ def depth_rows(folder: str, name: str) -> list[dict]:
     return out
 
 
+def length_rows(folder: str, name: str) -> list[dict]:
+    """Per length of the variant's evaluation beyond its training length (OUT/<variant>/needle_long,
+    retrieval_gate.sh's LONG_LENGTHS): prompts, correct, mean sel_recall ('' without); [] without."""
+    path = os.path.join(folder, "needle_long", "needle.csv")
+    if not os.path.isfile(path):
+        return []
+    by: dict[int, list[dict]] = {}
+    for r in csv.DictReader(open(path)):
+        by.setdefault(int(r["length"]), []).append(r)
+    out = []
+    for length in sorted(by):
+        rs = by[length]
+        rec = [float(r["sel_recall"]) for r in rs if r.get("sel_recall") not in (None, "")]
+        out.append({"variant": name, "length": length, "prompts": len(rs),
+                    "correct": sum(r["correct"] in ("1", "True", "true") for r in rs),
+                    "sel_recall": f"{sum(rec) / len(rec):.3f}" if rec else ""})
+    return out
+
+
 LAYER_KEYS = {"share_cmp": "gate_share/cmp", "share_sel": "gate_share/sel", "share_win": "gate_share/win",
               "sel_dist_mean": "sel_dist_mean", "sel_distill_kl": "sel_distill_kl"}
 
@@ -174,6 +195,12 @@ def main(argv=None) -> int:
         write_rows(os.path.join(out, "gate_depth.csv"), depths)
         for r in depths:
             print(f"{r['variant']:24s} ({r['evaluated']}) depth {r['depth']:>4s}%: {r['correct']}/{r['prompts']} right"
+                  + (f", selection recall {r['sel_recall']}" if r["sel_recall"] else ""))
+    lengths = [r for n in names for r in length_rows(os.path.join(a.run, n), n)]
+    if lengths:
+        write_rows(os.path.join(out, "gate_lengths.csv"), lengths)
+        for r in lengths:
+            print(f"{r['variant']:24s} (final) length {r['length']:>6d}: {r['correct']}/{r['prompts']} right"
                   + (f", selection recall {r['sel_recall']}" if r["sel_recall"] else ""))
     layers = [r for n in names for r in layer_rows(os.path.join(a.run, n), n)]
     if layers:

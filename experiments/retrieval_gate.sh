@@ -34,7 +34,10 @@
 # while a run trains, every POLL_S (30) seconds its metrics.jsonl is copied into OUT/NAME and each
 # newly completed checkpoint (its .metadata written) gets the passkey evaluation in
 # OUT/NAME/needle_step-N, on the run's first GPU beside the training: what a machine lost before the
-# end still leaves in OUT; 0, the default: off).
+# end still leaves in OUT; 0, the default: off), LONG_LENGTHS (e.g. 4096,8192,16384: after the
+# final evaluation, the same passkey evaluation of the final checkpoint at these lengths, beyond
+# the one it trained at, into OUT/NAME/needle_long: how far the short phase's copy reaches
+# before any long training; default empty: off).
 set -uo pipefail
 OUT=${1:?usage: retrieval_gate.sh OUT DATA}
 DATA=${2:?usage: retrieval_gate.sh OUT DATA}
@@ -104,7 +107,7 @@ variant() {  # GPUS MASKS NAME [EXTRA_TRAIN_ARGS...]; GPUS "0", or "0,1" for dat
   local n=$(( $(tr -cd , <<< "$gpu" | wc -c) + 1 ))
   # a fresh record of this run: an earlier run's copies in OUT would pass for this one's if this
   # one is cut before its own copy (its training resumes from RUNS/NAME where that holds a run)
-  rm -rf "$d/metrics.jsonl" "$d"/needle "$d"/needle.log "$d"/needle_step-*
+  rm -rf "$d/metrics.jsonl" "$d"/needle "$d"/needle.log "$d"/needle_step-* "$d"/needle_long*
   mkdir -p "$d"
   if [ "$n" -gt 1 ] || [ -n "$steps${VAL_FREQ:-}${CKPT_EVERY:-}" ] || [ ${#items[@]} -gt 0 ]; then
     toml=$RUNS/$name.toml
@@ -130,7 +133,7 @@ variant() {  # GPUS MASKS NAME [EXTRA_TRAIN_ARGS...]; GPUS "0", or "0,1" for dat
     ck=$(latest_ckpt "$dump")
     if [ -n "$ck" ] && [ "$ck" != "$seen" ] && kill -0 "$tpid" 2>/dev/null; then
       seen=$ck
-      evaluate "$gpu" "$ck" "$d/needle_$(basename "$ck")" "$masks" "$@"
+      evaluate "$gpu" "$ck" "$d/needle_$(basename "$ck")" "$masks" "$SEQ" "$@"
     fi
   done
   wait "$tpid"
@@ -140,7 +143,8 @@ variant() {  # GPUS MASKS NAME [EXTRA_TRAIN_ARGS...]; GPUS "0", or "0,1" for dat
   ck=$(latest_ckpt "$dump")
   progress "$name: training rc=$rc (0 done, 4 halted at the time limit with its checkpoint, 137 killed), checkpoint ${ck:+$(basename "$ck")}"
   if [ -z "$ck" ]; then grep -E "Error|error:" "$d/train.log" | tail -3; return; fi
-  evaluate "$gpu" "$ck" "$d/needle" "$masks" "$@"
+  evaluate "$gpu" "$ck" "$d/needle" "$masks" "$SEQ" "$@"
+  [ -z "${LONG_LENGTHS:-}" ] || evaluate "$gpu" "$ck" "$d/needle_long" "$masks" "$LONG_LENGTHS" "$@"
 }
 
 latest_ckpt() {  # DUMP -> the newest completed short-phase checkpoint (DCP writes .metadata last)
@@ -150,17 +154,18 @@ latest_ckpt() {  # DUMP -> the newest completed short-phase checkpoint (DCP writ
   done
 }
 
-evaluate() {  # GPUS CHECKPOINT DIR MASKS [EXTRA_TRAIN_ARGS...]: the passkey evaluation at SEQ into DIR
-  local gpu=$1 ck=$2 dir=$3 masks=$4 name; shift 4
+evaluate() {  # GPUS CHECKPOINT DIR MASKS LENGTHS [EXTRA_TRAIN_ARGS...]: the passkey evaluation at
+  # LENGTHS (comma-separated) into DIR
+  local gpu=$1 ck=$2 dir=$3 masks=$4 lengths=$5 name; shift 5
   name=$(basename "$(dirname "$dir")")
   # the model's own [nsa] flags (e.g. --nsa.phi=mlp) build the evaluated model too
   local ov=(--override="--nsa.masks=$masks") f
   for f in "$@"; do [[ $f == --nsa.* ]] && ov+=(--override="$f"); done
   CUDA_VISIBLE_DEVICES=${gpu%%,*} $PY -m nsa_flex.eval --config "$TOML" "${ov[@]}" \
-    --checkpoint "$ck" --lengths "$SEQ" --depths "$DEPTHS" --trials "$TRIALS" --kinds passkey \
+    --checkpoint "$ck" --lengths "$lengths" --depths "$DEPTHS" --trials "$TRIALS" --kinds passkey \
     --filler "$FILLER" --dtype bfloat16 --tag "$name" --out "$dir" > "$dir.log" 2>&1
   local rc=$?
-  progress "$name: $(basename "$dir") of $(basename "$ck") rc=$rc $(grep -E "length +[0-9]+:" "$dir.log" | tail -1)"
+  progress "$name: $(basename "$dir") of $(basename "$ck") rc=$rc $(grep -E "length +[0-9]+:" "$dir.log" | tail -n "$(tr -cd , <<< "$lengths," | wc -c)" | paste -sd ';')"
 }
 
 IFS=';' read -ra plan <<< "$PLAN"

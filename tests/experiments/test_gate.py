@@ -159,6 +159,27 @@ def test_report_tables_the_final_evaluation_by_depth(tmp_path, capsys):
         ("nsa", "final", "0", "2", "0", "1.000"), ("nsa", "final", "100", "2", "1", "0.750")]
 
 
+def test_report_tables_the_evaluation_beyond_the_training_length(tmp_path, capsys):
+    """OUT/<variant>/needle_long/needle.csv (LONG_LENGTHS) -> gate_lengths.csv: right answers and
+    the mean selection recall per length; a variant without one is left out."""
+    for name, rows in (("nsa", [(4096, 1, 1.0), (4096, 0, 0.5), (16384, 0, 0.0)]),
+                       ("full", [(4096, 1, ""), (16384, 1, "")]), ("short_only", None)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "train.log").write_text("validate step: 100  retrieval: passkey loss 1.0 exact 50%\n")
+        if rows:
+            d = tmp_path / name / "needle_long"
+            d.mkdir()
+            lines = ["kind,length,depth,trial,correct,answer,expected,sel_recall,needle_forced"]
+            lines += [f"passkey,{n},50,{i},{c}, 1.,1,{rec},0" for i, (n, c, rec) in enumerate(rows)]
+            (d / "needle.csv").write_text("\n".join(lines) + "\n")
+    assert gr.main([str(tmp_path)]) == 0
+    assert "nsa                      (final) length   4096: 1/2 right, selection recall 0.750" in capsys.readouterr().out
+    rows = list(csv.DictReader(open(tmp_path / "gate_lengths.csv")))
+    assert [(r["variant"], r["length"], r["prompts"], r["correct"], r["sel_recall"]) for r in rows] == [
+        ("full", "4096", "1", "1", ""), ("full", "16384", "1", "1", ""),
+        ("nsa", "4096", "2", "1", "0.750"), ("nsa", "16384", "1", "0", "0.000")]
+
+
 def test_report_reads_reach_and_recall_from_logs_and_plots_a_reference(tmp_path, capsys):
     log = tmp_path / "run" / "nsa" / "train.log"
     log.parent.mkdir(parents=True)
@@ -200,7 +221,8 @@ if [[ $args == *" -m nsa_flex.titan.cli "* ]]; then
   exit 4
 elif [[ $args == *" -m nsa_flex.eval "* ]]; then
   out=$(sed -E 's/.*--out ([^ ]+).*/\\1/' <<< "$args"); ck=$(sed -E 's/.*--checkpoint ([^ ]+).*/\\1/' <<< "$args")
-  mkdir -p $out && echo "length 2048: 7/10 right, from $(basename $ck)"
+  lengths=$(sed -E 's/.*--lengths ([^ ]+).*/\\1/' <<< "$args")
+  mkdir -p $out && for L in ${lengths//,/ }; do echo "length $L: 7/10 right, from $(basename $ck)"; done
 else
   exec REAL "$@"
 fi
@@ -236,6 +258,23 @@ def test_gate_evaluates_each_completed_checkpoint_while_training(tmp_path):
         assert "needle of step-200" in progress
     r = _gate(tmp_path, "0", TRAIN_S="600", EVAL_EACH_CKPT="yes", PYTHON=fake)
     assert r.returncode == 2 and "EVAL_EACH_CKPT=yes: allowed 0 or 1" in r.stderr
+
+
+def test_gate_long_lengths_evaluate_the_final_checkpoint_beyond_its_length(tmp_path):
+    """LONG_LENGTHS: after the final evaluation at the training length, the final checkpoint's
+    passkey evaluation at those lengths into OUT/NAME/needle_long, each length's line in the
+    progress; unset, none."""
+    fake = _stand_in_python(tmp_path, FAKE_PYTHON)
+    r = _gate(tmp_path, "0", TRAIN_S="600", LONG_LENGTHS="4096,8192", PYTHON=fake)
+    assert r.returncode == 0, r.stderr
+    progress = (tmp_path / "o" / "progress.txt").read_text()
+    assert "nsa_dp: needle of step-200 rc=0 length 2048: 7/10 right, from step-200" in progress, progress
+    assert ("nsa_dp: needle_long of step-200 rc=0 length 4096: 7/10 right, from step-200;"
+            "length 8192: 7/10 right, from step-200") in progress, progress
+    assert (tmp_path / "o" / "nsa_dp" / "needle_long").is_dir()
+    r = _gate(tmp_path, "0", TRAIN_S="600", PYTHON=fake)
+    assert "needle_long" not in (tmp_path / "o" / "progress.txt").read_text().split("training (masks")[-1]
+    assert not (tmp_path / "o" / "nsa_dp" / "needle_long").exists()
 
 
 HALT_FILE_PYTHON = """#!/usr/bin/env bash
