@@ -34,6 +34,7 @@ from masks import MaskSpec, and_masks, key_range
 
 from .attention import attend_flex, attend_reference
 from .config import resolve_backend
+from .ops.utils import lse_weights
 from .rules import forced_and_valid, map_to_selection_blocks
 
 EPS = 1e-6  # floor of pred's renormalized probabilities inside the log (bf16 underflow)
@@ -101,13 +102,8 @@ def token_block_mass(q: Tensor, k: Tensor, spec: MaskSpec, l_sel: int, backend: 
         out, lse = attend(q, k[:, :, :hi], v.expand(B, Hkv, hi, W), and_masks(spec, key_range(lo, hi)))
         outs.append(out)
         lses.append(lse)
-    acc = torch.promote_types(q.dtype, torch.float32)
-    lse = torch.stack(lses).to(acc)  # [spans, B, H, T]; a span a row does not see: -inf
-    m = lse.amax(0).detach()
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    w = torch.exp(lse - m)
-    w = w / w.sum(0).clamp_min(torch.finfo(acc).tiny)
-    out = torch.cat([o.to(acc) * w[i].unsqueeze(-1) for i, o in enumerate(outs)], -1)
+    w, _ = lse_weights(lses, torch.promote_types(q.dtype, torch.float32))  # a span unseen: 0
+    out = torch.cat([o.to(w.dtype) * w[i].unsqueeze(-1) for i, o in enumerate(outs)], -1)
     return out.float().view(B, Hkv, H // Hkv, T, -1).mean(2)[..., :ns]
 
 
