@@ -103,6 +103,13 @@ def newest_evaluation(folder: str) -> tuple[str, str] | None:
     return os.path.join(folder, d, "needle.csv"), f"step-{step}"
 
 
+def tally(rows: list[dict]) -> dict:
+    """Prompts, right answers and the mean sel_recall ('' without) of rows of a needle.csv."""
+    rec = [float(r["sel_recall"]) for r in rows if r.get("sel_recall") not in (None, "")]
+    return {"prompts": len(rows), "correct": sum(r["correct"] in ("1", "True", "true") for r in rows),
+            "sel_recall": f"{sum(rec) / len(rec):.3f}" if rec else ""}
+
+
 def depth_rows(folder: str, name: str) -> list[dict]:
     """Per depth of the variant's newest evaluation (`newest_evaluation`): prompts, correct, mean
     sel_recall ('' without), and which checkpoint it read ("final" or "step-N")."""
@@ -113,14 +120,8 @@ def depth_rows(folder: str, name: str) -> list[dict]:
     by: dict[float, list[dict]] = {}
     for r in csv.DictReader(open(path)):
         by.setdefault(float(r["depth"]), []).append(r)
-    out = []
-    for depth in sorted(by):
-        rs = by[depth]
-        rec = [float(r["sel_recall"]) for r in rs if r.get("sel_recall") not in (None, "")]
-        out.append({"variant": name, "evaluated": source, "depth": f"{depth:g}", "prompts": len(rs),
-                    "correct": sum(r["correct"] in ("1", "True", "true") for r in rs),
-                    "sel_recall": f"{sum(rec) / len(rec):.3f}" if rec else ""})
-    return out
+    return [{"variant": name, "evaluated": source, "depth": f"{depth:g}", **tally(by[depth])}
+            for depth in sorted(by)]
 
 
 def length_rows(folder: str, name: str) -> list[dict]:
@@ -132,14 +133,7 @@ def length_rows(folder: str, name: str) -> list[dict]:
     by: dict[int, list[dict]] = {}
     for r in csv.DictReader(open(path)):
         by.setdefault(int(r["length"]), []).append(r)
-    out = []
-    for length in sorted(by):
-        rs = by[length]
-        rec = [float(r["sel_recall"]) for r in rs if r.get("sel_recall") not in (None, "")]
-        out.append({"variant": name, "length": length, "prompts": len(rs),
-                    "correct": sum(r["correct"] in ("1", "True", "true") for r in rs),
-                    "sel_recall": f"{sum(rec) / len(rec):.3f}" if rec else ""})
-    return out
+    return [{"variant": name, "length": length, **tally(by[length])} for length in sorted(by)]
 
 
 LAYER_KEYS = {"share_cmp": "gate_share/cmp", "share_sel": "gate_share/sel", "share_win": "gate_share/win",
@@ -190,18 +184,14 @@ def main(argv=None) -> int:
             for r in rows:
                 w.writerow([n, r["step"], r["step"] * a.tokens_per_step, f"{r['answer_loss']:.4f}", f"{r['exact']:.4f}"]
                            + [f"{r[k]:.4f}" if k in r else "" for k in OPTIONAL])
-    depths = [r for n in names for r in depth_rows(os.path.join(a.run, n), n)]
-    if depths:
-        write_rows(os.path.join(out, "gate_depth.csv"), depths)
-        for r in depths:
-            print(f"{r['variant']:24s} ({r['evaluated']}) depth {r['depth']:>4s}%: {r['correct']}/{r['prompts']} right"
-                  + (f", selection recall {r['sel_recall']}" if r["sel_recall"] else ""))
-    lengths = [r for n in names for r in length_rows(os.path.join(a.run, n), n)]
-    if lengths:
-        write_rows(os.path.join(out, "gate_lengths.csv"), lengths)
-        for r in lengths:
-            print(f"{r['variant']:24s} (final) length {r['length']:>6d}: {r['correct']}/{r['prompts']} right"
-                  + (f", selection recall {r['sel_recall']}" if r["sel_recall"] else ""))
+    for rows_of, csv_name, cell in ((depth_rows, "gate_depth.csv", lambda r: f"({r['evaluated']}) depth {r['depth']:>4s}%"),
+                                    (length_rows, "gate_lengths.csv", lambda r: f"(final) length {r['length']:>6d}")):
+        rows = [r for n in names for r in rows_of(os.path.join(a.run, n), n)]
+        if rows:
+            write_rows(os.path.join(out, csv_name), rows)
+            for r in rows:
+                print(f"{r['variant']:24s} {cell(r)}: {r['correct']}/{r['prompts']} right"
+                      + (f", selection recall {r['sel_recall']}" if r["sel_recall"] else ""))
     layers = [r for n in names for r in layer_rows(os.path.join(a.run, n), n)]
     if layers:
         write_rows(os.path.join(out, "gate_layers.csv"), layers)
