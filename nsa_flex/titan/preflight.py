@@ -37,6 +37,8 @@ import torch
 
 from nsa_flex import telemetry as tm
 from nsa_flex.config import NSAConfig, NSAConfigError
+from nsa_flex.data.errors import DatasetError
+from nsa_flex.data.passkey import check_keys, check_min_gap, check_min_gap_share, check_questions
 
 from . import console
 from . import estimate as est
@@ -152,14 +154,13 @@ def config_problems(jc) -> list[str]:
         probs.append(f"training.passkey_mix={t.passkey_mix!r}: must be in [0, 1]")
     elif mix > 0 and t.dataset.lower() == "passkey":
         probs.append("training.passkey_mix > 0 needs a text dataset (fineweb_edu, local), not 'passkey'")
-    if not 1 <= t.passkey_questions <= 16:
-        probs.append(f"training.passkey_questions={t.passkey_questions!r}: must be in [1, 16]")
-    if not 1 <= getattr(t, "passkey_keys", 1) <= 16:
-        probs.append(f"training.passkey_keys={t.passkey_keys!r}: must be in [1, 16]")
-    if getattr(t, "passkey_min_gap", 0) < 0:
-        probs.append(f"training.passkey_min_gap={t.passkey_min_gap!r}: must be >= 0")
-    if not 0.0 <= getattr(t, "passkey_min_gap_share", 1.0) <= 1.0:
-        probs.append(f"training.passkey_min_gap_share={t.passkey_min_gap_share!r}: must be in [0, 1]")
+    for check, field, default in ((check_questions, "passkey_questions", 1), (check_keys, "passkey_keys", 1),
+                                  (check_min_gap, "passkey_min_gap", 0),
+                                  (check_min_gap_share, "passkey_min_gap_share", 1.0)):
+        try:  # the data's own rules (nsa_flex.data.passkey), the errors the run would stop with
+            check(getattr(t, field, default))
+        except DatasetError as e:
+            probs.append(str(e))
     for name, v in (("training.mixed_precision_param", t.mixed_precision_param),
                     ("training.mixed_precision_reduce", t.mixed_precision_reduce), ("training.dtype", t.dtype)):
         if v not in DTYPES:

@@ -215,3 +215,22 @@ def test_passkey_min_gap_reaches_the_training_documents_not_the_validation():
     # a share of the documents gapped, the others anywhere (the byte tokenizer: 400 characters)
     mixed = gaps(batch("--training.passkey_min_gap", "400", "--training.passkey_min_gap_share", "0.5"))
     assert min(mixed) < 400 <= max(mixed)
+
+
+def test_preflight_names_each_bad_passkey_field_with_the_data_rule():
+    """nsa-train --preflight's config check lists each out-of-range passkey field with the error the
+    run's data loader would stop with (nsa_flex.data.passkey's checks), all at once."""
+    from nsa_flex.titan.preflight import config_problems
+    from nsa_flex.titan.train import merged_job_config
+
+    jc = merged_job_config()()
+    t = jc.training
+    t.passkey_questions, t.passkey_keys, t.passkey_min_gap, t.passkey_min_gap_share = 0, 17, -1, 1.5
+    probs = config_problems(jc)
+    for want in ("training.passkey_questions=0: must be an integer in [1, ",
+                 "training.passkey_keys=17: must be an integer in [1, ",
+                 "training.passkey_min_gap=-1: must be an integer >= 0",
+                 "training.passkey_min_gap_share=1.5: must be a number in [0, 1]"):
+        assert any(p.startswith(want) for p in probs), (want, probs)
+    t.passkey_questions, t.passkey_keys, t.passkey_min_gap, t.passkey_min_gap_share = 3, 8, 512, 0.5
+    assert not any("passkey" in p for p in config_problems(jc))
